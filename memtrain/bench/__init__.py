@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure ratios against a baseline in the same run."""

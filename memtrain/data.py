@@ -1,0 +1,392 @@
+"""Dataset builders: each returns a `Data` whose splits hand out ready-made batches on a device.
+
+Every in-memory dataset (synthetic, the MNIST family, CIFAR) is held as one uint8 tensor that can
+live on the GPU whole; batching, resizing, augmentation and normalisation then run on the device,
+so input never bottlenecks a throughput figure. ImageNet-style folders stream through a DataLoader.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from memtrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # x: [B, C, H, W] float, y: [B] int64
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+class Split:
+    """A train or test split: a length and a batch iterator on a device."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def batches(
+        self, batch_size: int, device: torch.device, shuffle: bool = False,
+        generator: torch.Generator | None = None, drop_last: bool = False,
+    ) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> Split:
+        return self
+
+
+def _batch_indices(n: int, batch_size: int, shuffle: bool, generator, drop_last: bool):
+    order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    stop = n - n % batch_size if drop_last else n
+    for i in range(0, stop, batch_size):
+        yield order[i:i + batch_size]
+
+
+def _augment(x: torch.Tensor, generator: torch.Generator | None, pad: int, flip: bool):
+    """Random crop with zero padding and horizontal flip, batched, on x's device."""
+    b, _, h, w = x.shape
+    if pad > 0:
+        xp = F.pad(x, (pad, pad, pad, pad))
+        dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
+        dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(x.device)
+        rows = (dy[:, None] + torch.arange(h, device=x.device)[None])  # [B, H]
+        cols = (dx[:, None] + torch.arange(w, device=x.device)[None])  # [B, W]
+        x = xp[torch.arange(b, device=x.device)[:, None, None, None],
+               torch.arange(x.shape[1], device=x.device)[None, :, None, None],
+               rows[:, None, :, None], cols[:, None, None, :]]
+    if flip:
+        mask = (torch.rand(b, generator=generator) < 0.5).to(x.device)
+        x = torch.where(mask[:, None, None, None], x.flip(-1), x)
+    return x
+
+
+@dataclass
+class TensorSplit(Split):
+    """Images held as one uint8 tensor [N, C, H, W] with int64 labels; batches come normalised."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    image_size: int | None = None
+    augment: bool = False
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def to(self, device: torch.device) -> TensorSplit:
+        return TensorSplit(self.images.to(device), self.labels.to(device), self.mean, self.std,
+                           self.image_size, self.augment)
+
+    def transform(self, x: torch.Tensor, generator: torch.Generator | None = None):
+        """uint8 [B, C, h, w] -> normalised float [B, C, S, S] on x's device."""
+        x = x.float().div_(255)
+        if self.image_size and x.shape[-1] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
+                              align_corners=False, antialias=self.image_size < x.shape[-1])
+        if self.augment:
+            x = _augment(x, generator, pad=max(1, x.shape[-1] // 8), flip=True)
+        mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1)
+        return (x - mean) / std
+
+    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
+        for idx in _batch_indices(len(self), batch_size, shuffle, generator, drop_last):
+            idx = idx.to(self.images.device)
+            x = self.images[idx].to(device, non_blocking=True)
+            y = self.labels[idx].to(device, non_blocking=True)
+            yield self.transform(x, generator if self.augment else None), y
+
+    def __getitem__(self, i: int) -> Batch:
+        x, y = self.images[i:i + 1], self.labels[i]
+        return self.transform(x)[0], y
+
+
+@dataclass
+class Data:
+    """What every model and method needs to know about a dataset."""
+
+    train: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, int, int]  # (C, H, W) as the model sees it
+    name: str = ""
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def _hash_uniform(seed: int, index: torch.Tensor, numel: int) -> torch.Tensor:
+    """Counter-based uniform noise in [0, 1): value k of sample i depends only on (seed, i, k).
+
+    A vectorised integer hash (splitmix-style rounds on int64, wrapping) so that sample i is the
+    same tensor on any device, in any batch and any order.
+    """
+    k = torch.arange(numel, device=index.device, dtype=torch.int64)
+    z = index.to(torch.int64)[:, None] * 0x9E3779B1 + k[None, :] * 0x85EBCA77 + seed * 0xC2B2AE3D
+    for mul in (0x7FEB352D, 0x846CA68B):
+        z = z ^ (z >> 16)
+        z = (z * mul) & 0xFFFFFFFF
+    z = z ^ (z >> 15)
+    return (z & 0xFFFFFF).float() / float(1 << 24)
+
+
+class SyntheticSplit(Split):
+    """Learnable synthetic images: a fixed smooth random template per class, shifted by a few
+    pixels, plus per-sample uniform noise. Deterministic from the seed; nothing stored per sample,
+    so any size (224 px included) costs no memory until a batch is made.
+    """
+
+    def __init__(self, templates: torch.Tensor, n: int, seed: int, offset: int,
+                 noise: float, max_shift: int):
+        self.templates = templates  # [K, C, H, W] float in [0, 1]
+        self.n, self.seed, self.offset = n, seed, offset
+        self.noise, self.max_shift = noise, max_shift
+
+    def __len__(self) -> int:
+        return self.n
+
+    def labels_of(self, index: torch.Tensor) -> torch.Tensor:
+        k = self.templates.shape[0]
+        u = _hash_uniform(self.seed + 1, index + self.offset, 1)[:, 0]
+        return (u * k).long().clamp_(max=k - 1)
+
+    def make(self, index: torch.Tensor, device: torch.device) -> Batch:
+        index = index.to(device)
+        templates = self.templates.to(device)
+        y = self.labels_of(index)
+        x = templates[y]  # [B, C, H, W]
+        b, c, h, w = x.shape
+        if self.max_shift > 0:
+            s = _hash_uniform(self.seed + 2, index + self.offset, 2)
+            shifts = ((s * (2 * self.max_shift + 1)).long() - self.max_shift)  # [B, 2]
+            rows = (torch.arange(h, device=device)[None] - shifts[:, :1]) % h  # [B, H]
+            cols = (torch.arange(w, device=device)[None] - shifts[:, 1:]) % w  # [B, W]
+            x = x[torch.arange(b, device=device)[:, None, None, None],
+                  torch.arange(c, device=device)[None, :, None, None],
+                  rows[:, None, :, None], cols[:, None, None, :]]
+        u = _hash_uniform(self.seed + 3, index + self.offset, c * h * w).view(b, c, h, w)
+        x = x + self.noise * (2 * u - 1)
+        return (x - 0.5) / 0.5, y
+
+    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
+        for idx in _batch_indices(self.n, batch_size, shuffle, generator, drop_last):
+            yield self.make(idx, device)
+
+    def __getitem__(self, i: int) -> Batch:
+        x, y = self.make(torch.tensor([i]), torch.device("cpu"))
+        return x[0], y[0]
+
+
+def synthetic(
+    seed: int = 0, num_classes: int = 10, channels: int = 3, image_size: int = 32,
+    train_size: int = 10000, test_size: int = 2000, noise: float = 1.2, max_shift: int = 3,
+    data_dir: str | None = None, download: bool = False,
+) -> Data:
+    """The embedded default: learnable, deterministic, no files.
+
+    Templates are low-frequency random images (a 4x4 random grid upsampled bicubically), so
+    convolutions and MLPs can both learn them and the task does not get easier with resolution.
+    """
+    if num_classes < 2:
+        raise ConfigError(f"dataset.num_classes must be >= 2, got {num_classes}")
+    if image_size < 4:
+        raise ConfigError(f"dataset.image_size must be >= 4 for synthetic, got {image_size}")
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.rand(num_classes, channels, 4, 4, generator=g)
+    templates = F.interpolate(coarse, size=(image_size, image_size), mode="bicubic",
+                              align_corners=False).clamp_(0, 1)
+    train = SyntheticSplit(templates, train_size, seed, 0, noise, max_shift)
+    test = SyntheticSplit(templates, test_size, seed, train_size, noise, max_shift)
+    return Data(train, test, num_classes, (channels, image_size, image_size), "synthetic")
+
+
+# ---------------------------------------------------------------- MNIST family and CIFAR
+
+
+def _missing(name: str, tried: list[Path], extra: str = "") -> ConfigError:
+    where = ", ".join(str(p) for p in tried)
+    return ConfigError(
+        f"dataset {name} not found (looked in {where}); set dataset.data_dir=PATH to a folder "
+        f"that holds it, or dataset.download=true to fetch it{extra}")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """Read an IDX file (the MNIST format), gzipped or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
+
+
+def _find_idx(root: Path, stem: str) -> Path | None:
+    for folder in (root, root / "raw"):
+        for cand in (folder / stem, folder / f"{stem}.gz"):
+            if cand.exists():
+                return cand
+    return None
+
+
+def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_size, seed,
+                augment=False, **tv_kwargs) -> Data:
+    from torchvision import datasets
+
+    root = Path(data_dir).expanduser() if data_dir else Path("~/.cache/memtrain").expanduser()
+    tried = [root / tv_name, root]
+    if name == "fashion_mnist" and not data_dir:
+        tried.insert(0, DEBIAN_FASHION_MNIST)
+    # Plain IDX files (Debian's dataset-fashion-mnist, or a hand-made folder) need no torchvision.
+    for folder in tried:
+        files = [_find_idx(folder, f"{p}-{k}-idx{3 if k == 'images' else 1}-ubyte")
+                 for p in ("train", "t10k") for k in ("images", "labels")]
+        if all(files):
+            xtr, ytr, xte, yte = (_read_idx(f) for f in files)
+            return _tensor_data(name, xtr[:, None], ytr, xte[:, None], yte, mean, std,
+                                image_size, augment)
+    try:
+        cls = getattr(datasets, tv_name)
+        tr = cls(str(root), train=True, download=download, **tv_kwargs)
+        te = cls(str(root), train=False, download=download, **tv_kwargs)
+    except RuntimeError as e:
+        if download:
+            raise
+        raise _missing(name, tried) from e
+    return _tensor_data(name, tr.data.numpy()[:, None], tr.targets.numpy(),
+                        te.data.numpy()[:, None], te.targets.numpy(), mean, std, image_size,
+                        augment)
+
+
+def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment) -> Data:
+    xtr = torch.as_tensor(np.ascontiguousarray(xtr))
+    xte = torch.as_tensor(np.ascontiguousarray(xte))
+    ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
+    yte = torch.as_tensor(np.asarray(yte), dtype=torch.int64)
+    size = image_size or xtr.shape[-1]
+    num_classes = int(max(ytr.max(), yte.max())) + 1
+    train = TensorSplit(xtr, ytr, mean, std, size, augment)
+    test = TensorSplit(xte, yte, mean, std, size, False)
+    return Data(train, test, num_classes, (xtr.shape[1], size, size), name)
+
+
+def fashion_mnist(data_dir: str | None = None, download: bool = False,
+                  image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
+    return _mnist_like("fashion_mnist", "FashionMNIST", (0.2860,), (0.3530,), data_dir,
+                       download, image_size, seed, augment)
+
+
+def mnist(data_dir: str | None = None, download: bool = False,
+          image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
+    return _mnist_like("mnist", "MNIST", (0.1307,), (0.3081,), data_dir, download, image_size,
+                       seed, augment)
+
+
+EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
+
+
+def emnist(split: str = "balanced", data_dir: str | None = None, download: bool = False,
+           image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
+    if split not in EMNIST_SPLITS:
+        raise ConfigError(f"dataset.split must be one of {', '.join(EMNIST_SPLITS)}, got {split!r}")
+    data = _mnist_like("emnist", "EMNIST", (0.1751,), (0.3332,), data_dir, download, image_size,
+                       seed, augment, split=split)
+    if split == "letters":  # labels 1..26: shift to 0..25 so num_classes is right
+        for s in (data.train, data.test):
+            s.labels = s.labels - 1
+        data.num_classes = 26
+    return data
+
+
+def _cifar(name, tv_name, mean, std, data_dir, download, image_size, augment) -> Data:
+    from torchvision import datasets
+
+    root = Path(data_dir).expanduser() if data_dir else Path("~/.cache/memtrain").expanduser()
+    try:
+        cls = getattr(datasets, tv_name)
+        tr = cls(str(root), train=True, download=download)
+        te = cls(str(root), train=False, download=download)
+    except RuntimeError as e:
+        if download:
+            raise
+        raise _missing(name, [root]) from e
+    to_nchw = lambda a: np.ascontiguousarray(a.transpose(0, 3, 1, 2))
+    return _tensor_data(name, to_nchw(tr.data), tr.targets, to_nchw(te.data), te.targets,
+                        mean, std, image_size, augment)
+
+
+def cifar10(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
+            seed: int = 0, augment: bool = True) -> Data:
+    return _cifar("cifar10", "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+                  data_dir, download, image_size, augment)
+
+
+def cifar100(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
+             seed: int = 0, augment: bool = True) -> Data:
+    return _cifar("cifar100", "CIFAR100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
+                  data_dir, download, image_size, augment)
+
+
+# ---------------------------------------------------------------- ImageNet-style folders
+
+
+class LoaderSplit(Split):
+    """A torchvision ImageFolder streamed through a DataLoader with worker processes."""
+
+    def __init__(self, dataset, workers: int):
+        self.dataset, self.workers = dataset, workers
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
+            drop_last=drop_last, num_workers=self.workers, pin_memory=device.type == "cuda",
+            persistent_workers=False)
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | None = None,
+             download: bool = False, seed: int = 0) -> Data:
+    """An ImageFolder root with train/ and val/ subfolders (one folder per class)."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    if not data_dir:
+        raise ConfigError("dataset imagenet needs dataset.data_dir=PATH (a folder with train/ "
+                          "and val/ subfolders, one folder per class)")
+    root = Path(data_dir).expanduser()
+    if download:
+        raise ConfigError("dataset imagenet cannot be downloaded; point dataset.data_dir at it")
+    tried = [root / "train", root / "val"]
+    if not all(p.is_dir() for p in tried):
+        raise _missing("imagenet", tried, " (ImageFolder layout: train/CLASS/*.jpg, val/CLASS/*)")
+    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(),
+                          norm])
+    test_tf = T.Compose([T.Resize(math.ceil(image_size / 0.875)), T.CenterCrop(image_size),
+                         T.ToTensor(), norm])
+    tr = datasets.ImageFolder(str(root / "train"), transform=train_tf)
+    te = datasets.ImageFolder(str(root / "val"), transform=test_tf)
+    workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+    return Data(LoaderSplit(tr, workers), LoaderSplit(te, workers), len(tr.classes),
+                (3, image_size, image_size), "imagenet")
+
+
+def place(data: Data, device: torch.device, max_bytes: int) -> Data:
+    """Move in-memory splits onto the device whole when they fit under max_bytes."""
+    for attr in ("train", "test"):
+        split = getattr(data, attr)
+        if isinstance(split, TensorSplit) and split.images.numel() <= max_bytes:
+            setattr(data, attr, split.to(device))
+    return data

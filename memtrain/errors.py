@@ -1,0 +1,21 @@
+"""The one exception type that means "the user asked for something invalid"."""
+
+
+class ConfigError(ValueError):
+    """Bad input: the message names the problem and the valid choices or range, on one line."""
+
+
+def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False) -> None:
+    """Raise ConfigError unless lo <= value <= hi (with open ends where asked)."""
+    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
+        hi is not None and (value > hi or (hi_open and value == hi)))
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        raise ConfigError(f"{name} must be in {rng}, got {value}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")

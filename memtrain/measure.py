@@ -1,0 +1,247 @@
+"""Memory and time accounting: the measurement protocol of docs/ARCHITECTURE.md.
+
+Three independent instruments, each usable alone:
+- `SavedBytes`: bytes packed for backward by `saved_tensors_hooks` in one step, counted once per
+  storage, parameters excluded. Works on any device.
+- `PeakTracker`: live-tensor tracking through one step (torch's MemTracker), giving the peak,
+  its breakdown at that moment and the peak of activation memory (recomputation included). This
+  is the CPU's peak (`mem_peak_source=tracker`) and the breakdown on CUDA.
+- `StepTimer` + CUDA allocator statistics: step times and the real CUDA peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr())
+
+
+class SavedBytes:
+    """Counts bytes saved for backward, once per storage, parameters (and their views) excluded.
+
+    Use as a context manager around the forward pass; `bytes` holds the count afterwards.
+    Tensors a method keeps for backward must go through `ctx.save_for_backward` (or any
+    autograd-saved path) to be seen here: that is the contract every method follows.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {_storage_key(t) for t in exclude}
+        self._seen: dict[tuple[str, int], int] = {}
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta" and not isinstance(t, nn.Parameter):
+            key = _storage_key(t)
+            if key not in self._exclude and key[1] != 0:
+                self._seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    @property
+    def count(self) -> int:
+        return len(self._seen)
+
+    def __enter__(self) -> SavedBytes:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor, loss_fn=None) -> int:
+    """Saved-for-backward bytes of one forward pass of `model` (no backward is run)."""
+    counter = SavedBytes(exclude=list(model.parameters()) + list(model.buffers()))
+    with counter:
+        out = model(*inputs)
+        if loss_fn is not None:
+            out = loss_fn(out)
+    del out
+    return counter.bytes
+
+
+class PeakTracker:
+    """Tracks live tensors through one training step with torch's MemTracker.
+
+    After the `with` block: `peak_bytes` (total live bytes at the peak), `at_peak` (breakdown at
+    that moment: params, buffers, grads, optim, act (activations and backward temporaries),
+    other) and `act_peak_bytes`: the highest activation memory at any moment of the step, where
+    activations are the tensors made by module forwards, including forwards that a checkpointed
+    segment re-runs during backward (MemTracker files those as activations too), so whatever
+    recomputation brings back is counted. Backward temporaries (activation gradients) are not.
+    """
+
+    def __init__(self, *external):
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+        self._types = _MemRefType
+        self._mt = MemTracker()
+        self._mt.track_external(*external)
+        self.act_peak_bytes = 0
+        orig = self._mt._update_peak_stats
+
+        # MemTracker keeps a breakdown at the total peak only; the peak of the activation part
+        # alone needs a look at every update, so wrap its update hook.
+        def update(state):
+            orig(state)
+            for snap in self._mt._curr_mem_snap.values():
+                self.act_peak_bytes = max(self.act_peak_bytes, snap.get(_MemRefType.ACT, 0))
+
+        self._mt._update_peak_stats = update
+
+    def __enter__(self) -> PeakTracker:
+        self._mt.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mt.__exit__(*exc)
+        T = self._types
+        snap = {}
+        for dev_snap in self._mt.get_tracker_snapshot("peak").values():
+            for k, v in dev_snap.items():
+                snap[k] = snap.get(k, 0) + v
+        self.peak_bytes = snap.get("Total", 0)
+        self.at_peak = {
+            "params": snap.get(T.PARAM, 0),
+            "buffers": snap.get(T.BUFFER, 0),
+            "grads": snap.get(T.GRAD, 0),
+            "optim": snap.get(T.OPT, 0),
+            "act": snap.get(T.ACT, 0) + snap.get(T.TEMP, 0),
+            "other": snap.get(T.OTH, 0),
+        }
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is not None and t.device.type != "meta":
+            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in opt.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Wall time per step, synchronised on CUDA so host clocks see finished work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        sync(self.device)
+        dt = time.perf_counter() - self._t0
+        self.times.append(dt)
+        return dt
+
+    def summary(self, batch_size: int) -> dict[str, float]:
+        if not self.times:
+            nan = float("nan")
+            return {"step_time_s_median": nan, "step_time_s_p90": nan, "throughput_samples_s": nan}
+        t = torch.tensor(self.times, dtype=torch.float64)
+        median = float(t.median())
+        return {
+            "step_time_s_median": median,
+            "step_time_s_p90": float(torch.quantile(t, 0.9)),
+            "throughput_samples_s": batch_size / median,
+        }
+
+
+def cuda_peak(device: torch.device) -> dict[str, int]:
+    return {
+        "mem_peak_alloc_bytes": torch.cuda.max_memory_allocated(device),
+        "mem_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def provenance(device: torch.device) -> dict[str, str | int]:
+    """Who measured what, where: the columns every row carries."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        gpu_mem = torch.cuda.get_device_properties(device).total_memory
+    else:
+        name, cap, gpu_mem = platform.processor() or platform.machine(), "", 0
+    return {
+        "device": str(device),
+        "device_name": name,
+        "device_capability": cap,
+        "device_total_memory_bytes": gpu_mem,
+        "cpu_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "",
+        "cudnn_version": str(torch.backends.cudnn.version() or "") if device.type == "cuda" else "",
+        "triton_version": triton_version,
+        "python_version": platform.python_version(),
+        "git_commit": _git_commit(),
+        "hostname": socket.gethostname(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+    }
+
+
+@contextlib.contextmanager
+def maybe(cm, enabled: bool):
+    if enabled:
+        with cm as v:
+            yield v
+    else:
+        yield None

@@ -1,0 +1,15 @@
+"""The baseline: plain training, every activation kept as PyTorch keeps it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class NoneMethod:
+    name = "none"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def params(self) -> dict:
+        return {}

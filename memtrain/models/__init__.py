@@ -1,0 +1,9 @@
+"""Model builders. Each takes the data-derived `num_classes` and `input_shape` plus keyword
+arguments that are exactly the keys of its conf/model/*.yaml."""
+
+from memtrain.models.cnn import efficientnet_b0, resnet18, resnet34, resnet50
+from memtrain.models.mlp import MLP, mlp6
+from memtrain.models.resmlp import resmlp12, resmlp24
+
+__all__ = ["MLP", "efficientnet_b0", "mlp6", "resmlp12", "resmlp24", "resnet18", "resnet34",
+           "resnet50"]

@@ -1,0 +1,58 @@
+"""Convolutional models from torchvision, adapted to the data's channels, size and classes."""
+
+from __future__ import annotations
+
+from torch import nn
+from torchvision import models as tvm
+
+from memtrain.errors import ConfigError
+
+SMALL_INPUT_MAX = 32  # images of 32 px and below get the CIFAR-style stem
+
+
+def _resnet(factory, num_classes: int, input_shape: tuple[int, int, int],
+            small_input: bool | None, zero_init_residual: bool) -> nn.Module:
+    c, h, w = input_shape
+    small = min(h, w) <= SMALL_INPUT_MAX if small_input is None else small_input
+    if not small and min(h, w) < 32:
+        raise ConfigError(f"model resnet with the ImageNet stem needs images of >= 32 px, got "
+                          f"{h}x{w}; use model.small_input=true or a larger dataset.image_size")
+    model = factory(num_classes=num_classes, zero_init_residual=zero_init_residual)
+    if small:
+        # 3x3 stride-1 stem, no max-pool: 32 px images keep 32x32 maps in the first stage.
+        model.conv1 = nn.Conv2d(c, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif c != 3:
+        model.conv1 = nn.Conv2d(c, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    return model
+
+
+def resnet18(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
+             zero_init_residual: bool = False) -> nn.Module:
+    """ResNet-18 (torchvision); `small_input` None picks the small stem for <= 32 px images."""
+    return _resnet(tvm.resnet18, num_classes, input_shape, small_input, zero_init_residual)
+
+
+def resnet34(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
+             zero_init_residual: bool = False) -> nn.Module:
+    return _resnet(tvm.resnet34, num_classes, input_shape, small_input, zero_init_residual)
+
+
+def resnet50(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
+             zero_init_residual: bool = False) -> nn.Module:
+    return _resnet(tvm.resnet50, num_classes, input_shape, small_input, zero_init_residual)
+
+
+def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout: float = 0.2,
+                    stochastic_depth_prob: float = 0.2) -> nn.Module:
+    """EfficientNet-B0 (torchvision); the stem takes the data's channel count."""
+    c, h, w = input_shape
+    if min(h, w) < 8:
+        raise ConfigError(f"model efficientnet_b0 needs images of >= 8 px, got {h}x{w}")
+    model = tvm.efficientnet_b0(num_classes=num_classes, dropout=dropout,
+                                stochastic_depth_prob=stochastic_depth_prob)
+    if c != 3:
+        old = model.features[0][0]
+        model.features[0][0] = nn.Conv2d(c, old.out_channels, old.kernel_size, old.stride,
+                                         old.padding, bias=False)
+    return model

@@ -1,0 +1,69 @@
+"""Run records: summary.json (one flat record) and metrics.csv (long form), written atomically.
+
+A reader never sees a half-written file: each file is written to a temporary name in the same
+folder, flushed to disk, then renamed over the final name (rename is atomic on POSIX).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SUMMARY = "summary.json"
+METRICS = "metrics.csv"
+METRIC_FIELDS = ("step", "epoch", "split", "name", "value")
+STATUSES = ("ok", "oom", "diverged", "error", "interrupted")
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; readers turn null back into NaN
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if hasattr(v, "item") and callable(v.item):  # numpy / torch scalars
+        return _jsonable(v.item())
+    return v
+
+
+def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    path = Path(run_dir) / SUMMARY
+    flat = {k: _jsonable(v) for k, v in summary.items()}
+    atomic_write(path, json.dumps(flat, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def write_metrics(run_dir: str | os.PathLike, rows: list[dict[str, Any]]) -> Path:
+    path = Path(run_dir) / METRICS
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue())
+    return path
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(run_dir) / SUMMARY, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,1 @@
+"""Run folders -> one tidy DataFrame -> tables and figures. Never imports torch."""

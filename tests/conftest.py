@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny runs, the memtrain command, conf discovery."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+# Small, fast and deterministic on 2 cores.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def conf_options(group: str) -> list[str]:
+    """Every option of a config group: the folder is the registry."""
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the `memtrain` console entry point in a subprocess, as a user would."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "memtrain", *args], cwd=cwd, text=True,
+                          capture_output=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run inside a temporary folder so runs/ lands there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def fashion_mnist_available() -> bool:
+    return Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()

@@ -1,0 +1,91 @@
+"""Memory accounting against hand-computed values."""
+
+import torch
+from torch import nn
+
+from memtrain import measure
+
+F32 = 4
+
+
+class Tiny(nn.Module):
+    """Linear(8->16) -> ReLU -> Linear(16->4): saves x, relu_out (used by ReLU's backward and the
+    second Linear's), nothing else."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_saved_bytes_equal_hand_count():
+    torch.manual_seed(0)
+    model, x = Tiny(), torch.randn(5, 8, requires_grad=False)
+    counter = measure.SavedBytes(exclude=model.parameters())
+    with counter:
+        model(x).sum().backward()
+    # fc1 saves x [5, 8]; relu saves its output [5, 16]; fc2 saves its input, the same storage.
+    assert counter.bytes == (5 * 8 + 5 * 16) * F32
+    assert counter.count == 2
+
+
+def test_tensor_saved_twice_counts_once_and_views_count_their_storage():
+    a = torch.randn(10, 10, requires_grad=True)
+    w = torch.randn(10, 10)
+    counter = measure.SavedBytes()
+    with counter:
+        b = a * 2  # saves nothing of a (scalar mul), b: new storage
+        c = b @ w  # saves b and w
+        d = b.sin()  # saves b again: same storage
+        e = b[:5].exp()  # exp saves its output, a new [5, 10] storage
+    del c, d, e
+    assert counter.bytes == (100 + 100 + 50) * F32  # b, w, exp's output
+
+
+def test_parameters_and_their_views_are_excluded():
+    lin = nn.Linear(6, 6)
+    x = torch.randn(3, 6)
+    counter = measure.SavedBytes(exclude=lin.parameters())
+    with counter:
+        lin(x).sum()
+    assert counter.bytes == 3 * 6 * F32  # only x; the weight (saved as a view) is excluded
+
+
+def test_tracker_activation_peak_close_to_saved_bytes_for_plain_model():
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+
+    def step(saved=None, tracker=None):
+        with measure.maybe(tracker, tracker is not None):
+            with measure.maybe(saved, saved is not None):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    step()  # optimizer state exists from here on
+    saved = measure.SavedBytes(exclude=list(model.parameters()) + list(model.buffers()))
+    tracker = measure.PeakTracker(model, opt, x, y)
+    step(saved, tracker)
+    assert saved.bytes > 0
+    rel = tracker.act_peak_bytes / saved.bytes
+    assert 0.9 <= rel <= 1.1, (tracker.act_peak_bytes, saved.bytes)
+    # the breakdown at the peak adds up to the peak
+    assert sum(tracker.at_peak.values()) == tracker.peak_bytes
+    assert tracker.at_peak["params"] == measure.tensor_bytes(model.parameters())
+    assert tracker.at_peak["optim"] == measure.optimizer_bytes(opt)
+
+
+def test_step_timer_summary():
+    t = measure.StepTimer(torch.device("cpu"))
+    t.times = [0.1, 0.2, 0.3, 0.4, 1.0]
+    s = t.summary(batch_size=10)
+    assert s["step_time_s_median"] == 0.3
+    assert abs(s["throughput_samples_s"] - 10 / 0.3) < 1e-9
+    assert 0.4 < s["step_time_s_p90"] <= 1.0

@@ -1,0 +1,44 @@
+"""Every model x dataset shape builds, runs forward and backward, and trains every parameter."""
+
+import pytest
+import torch
+from conftest import conf_options
+
+from memtrain import api
+
+SHAPES = {  # dataset override -> expected input shape
+    "synthetic": ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=64"],
+    "grey28": ["dataset=synthetic", "dataset.channels=1", "dataset.image_size=28",
+               "dataset.num_classes=47", "dataset.train_size=64"],
+    "rgb64": ["dataset=synthetic", "dataset.image_size=64", "dataset.num_classes=100",
+              "dataset.train_size=64"],
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("model", conf_options("model"))
+def test_model_forward_backward_every_param_gets_grad(model, shape):
+    data, net, _ = api.build([f"model={model}", *SHAPES[shape]])
+    x, y = next(data.train.batches(2, torch.device("cpu")))
+    assert x.shape[1:] == data.input_shape
+    out = net(x)
+    assert out.shape == (2, data.num_classes)
+    torch.nn.functional.cross_entropy(out, y).backward()
+    missing = [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+
+
+def test_resnet_small_stem_only_for_small_images():
+    _, small, _ = api.build(["model=resnet18", "dataset.image_size=32"])
+    _, big, _ = api.build(["model=resnet18", "dataset.image_size=64"])
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
+    assert big.conv1.kernel_size == (7, 7)
+
+
+def test_resmlp_matches_timm_s24_at_224():
+    import timm
+
+    _, net, _ = api.build(["model=resmlp24", "dataset.image_size=224", "dataset.train_size=8",
+                           "dataset.num_classes=1000"])
+    ref = timm.create_model("resmlp_24_224", num_classes=1000)
+    assert sum(p.numel() for p in net.parameters()) == sum(p.numel() for p in ref.parameters())
