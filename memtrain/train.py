@@ -1,9 +1,9 @@
 """The training loop: one flat loop that reads top to bottom (nanoGPT's train.py is the model).
 
 Step 0 .. warmup_steps-1 warm up (excluded from every figure). The next step is the accounting
-step: saved-activation bytes and the live-tensor peak are taken on it (it trains like any other
-step). Every later step is timed, and the CUDA peak is the maximum over those steps (evaluation
-excluded).
+step (unless account_memory is off): saved-activation bytes and the live-tensor peak are taken on
+it (it trains like any other step). Every later step is timed, and the CUDA peak is the maximum
+over those steps (evaluation excluded).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class RunFailed(Exception):
 class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)  # long rows: step, epoch, split...
+    step_times: list[float] = field(default_factory=list)  # seconds, timed steps only
 
 
 @torch.no_grad()
@@ -126,7 +127,9 @@ def train(
                           f"({len(data.train)} samples); lower it or use a larger dataset")
     total_steps = max_steps if max_steps is not None else epochs * steps_per_epoch
     epochs = math.ceil(total_steps / steps_per_epoch)
-    account_step = min(warmup_steps, total_steps - 1)
+    # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
+    warmup_steps = min(warmup_steps, max(0, total_steps - 2))
+    account_step = warmup_steps
     dtype = PRECISIONS[precision]
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else \
         contextlib.nullcontext
@@ -163,7 +166,8 @@ def train(
                 saved = measure.SavedBytes(exclude=list(model.parameters())
                                            + list(model.buffers())) if accounting else None
                 tracker = measure.PeakTracker(model, optimizer, x, y) if accounting else None
-                if step > account_step:
+                timed = step >= warmup_steps and not accounting
+                if timed:
                     timer.start()
                 # ---- one training step: forward, backward, update
                 with measure.maybe(tracker, accounting):
@@ -182,7 +186,7 @@ def train(
                     optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None:
                     scheduler.step()
-                if step > account_step:
+                if timed:
                     timer.stop()
                 del out
                 loss_val = float(loss.detach())
@@ -230,6 +234,7 @@ def train(
     summary.update({
         "train_loss": loss_val,
         "steps": step,
+        "warmup_steps_used": warmup_steps,
         "epochs_done": epochs,
         "train_time_s": time.perf_counter() - t_start,
         "mem_peak_rss_bytes": measure.peak_rss_bytes(),
@@ -246,7 +251,7 @@ def train(
         summary["mem_peak_alloc_bytes"] = summary["mem_tracker_peak_bytes"]
         summary["mem_peak_reserved_bytes"] = float("nan")
         summary["mem_peak_source"] = "tracker"
-    return TrainResult(summary, metrics)
+    return TrainResult(summary, metrics, timer.times)
 
 
 def _accounting(saved: measure.SavedBytes, tracker: measure.PeakTracker, model: nn.Module,

@@ -39,3 +39,13 @@ def in_tmp(tmp_path, monkeypatch):
 
 def fashion_mnist_available() -> bool:
     return Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu need CUDA; on a machine without it they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

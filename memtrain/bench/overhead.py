@@ -1,0 +1,129 @@
+"""The runner's own overhead: memtrain's training loop against a plain hand-written PyTorch loop.
+
+Both loops train the same model (same initial weights) on the same batches (made once, up
+front, on the device) with the same optimizer settings; each step is timed the same way
+(synchronise, host clock, synchronise). The two loops alternate for several rounds so that drift
+of the machine hits both alike; the figure is the ratio of median step times (goal <= 1.03).
+
+    python -m memtrain.bench.overhead --model resnet18 --batch-size 64 --image-size 32
+    python -m memtrain.bench.overhead --out docs/results/overhead_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from memtrain import api, measure
+from memtrain.data import Data, Split
+from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.train import train
+
+
+class FixedBatches(Split):
+    """Pre-made batches, handed out in order: both loops see identical inputs."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return sum(y.shape[0] for _, y in self._batches)
+
+    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
+        yield from self._batches
+
+
+def plain_loop(model, batches, device, lr: float) -> list[float]:
+    """What a researcher writes by hand: forward, loss, backward, step; timed per step."""
+    opt = build_optimizer(model, lr=lr)
+    sched = build_scheduler(opt, len(batches))
+    model.train()
+    times = []
+    for x, y in batches:
+        measure.sync(device)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        measure.sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def memtrain_loop(model, batches, device, lr: float, batch_size: int) -> list[float]:
+    data = Data(FixedBatches(batches), FixedBatches(batches[:1]), 0, tuple(batches[0][0].shape[1:]))
+    opt = build_optimizer(model, lr=lr)
+    sched = build_scheduler(opt, len(batches))
+    # no accounting step and warmup 0: every step is timed, as in the plain loop
+    res = train(model, data, opt, sched, device=device, batch_size=batch_size, epochs=1,
+                max_steps=len(batches), warmup_steps=0, account_memory=False, progress=False,
+                eval_max_batches=0, log_every=10)
+    return res.step_times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="resnet18")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per loop and round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps before each loop")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", help="append a markdown table row set to this file")
+    args = ap.parse_args(argv)
+
+    from memtrain.cli import resolve_device
+
+    device = resolve_device(args.device)
+    data, model, _ = api.build([f"model={args.model}", f"dataset.image_size={args.image_size}",
+                                f"trainer.batch_size={args.batch_size}"])
+    model.to(device)
+    init = copy.deepcopy(model.state_dict())
+    n = args.warmup + args.steps
+    batches = list(data.train.batches(args.batch_size, device, drop_last=True))
+    while len(batches) < n:
+        batches += batches
+    batches = batches[:n]
+    lr = 0.01
+    medians = {"plain": [], "memtrain": []}
+    for _ in range(args.rounds):
+        for name in ("plain", "memtrain"):
+            model.load_state_dict(init)
+            if name == "plain":
+                t = plain_loop(model, batches, device, lr)
+            else:
+                t = memtrain_loop(model, batches, device, lr, args.batch_size)
+            medians[name].append(statistics.median(t[args.warmup:]))
+    plain = statistics.median(medians["plain"])
+    mt = statistics.median(medians["memtrain"])
+    result = {
+        "device": measure.provenance(device)["device_name"], "model": args.model,
+        "image_size": args.image_size, "batch_size": args.batch_size,
+        "plain_step_s": plain, "memtrain_step_s": mt, "ratio": mt / plain,
+        "rounds": args.rounds, "steps": args.steps, "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    print(f"device {result['device']} model {args.model} {args.image_size}px "
+          f"batch {args.batch_size}: plain {plain * 1e3:.2f} ms/step, memtrain {mt * 1e3:.2f} "
+          f"ms/step, ratio {mt / plain:.3f} (goal <= 1.03)")
+    print("per round medians (ms):", {k: [round(v * 1e3, 2) for v in vs]
+                                       for k, vs in medians.items()})
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(f"| {dt.date.today()} | {result['device']} | {args.model} | "
+                    f"{args.image_size} | {args.batch_size} | {plain * 1e3:.2f} | "
+                    f"{mt * 1e3:.2f} | {mt / plain:.3f} | {torch.__version__} |\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
