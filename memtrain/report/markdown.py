@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain.report.style import Memory, order_settings
+from memtrain.report.tables import constant_params
 
 
 def pm(mean, std, fmt: str = "{:.3g}", scale: float = 1.0) -> str:
@@ -78,6 +79,12 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
     if peak_src != "CUDA" and mem.col != "mem_peak_alloc_bytes":
         parts.append("- On the CPU there is no CUDA peak: the peak is the live-tensor tracker's, "
                      "so figures plot activation bytes instead.")
+    const = constant_params(agg)
+    if const:
+        shared = "; ".join(f"{m}: " + " ".join(f"{k.removeprefix('method.')}={v}"
+                                                for k, v in kv.items())
+                           for m, kv in const.items())
+        parts.append(f"- Shared by every setting of a method (left out of the labels): {shared}.")
     parts.append("")
     for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True):
         parts += [f"## {model} / {dataset}", "", table(g, mem, short, peak_src), ""]

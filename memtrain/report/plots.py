@@ -302,7 +302,7 @@ def failures(agg: pd.DataFrame) -> Plot | None:
         ax.add_patch(plt.Rectangle((x - 0.48, y - 0.45), 0.96, 0.9, color=color, linewidth=0))
         text = f"ok {r['n_runs']}/{r['n_runs']}" if r["status"] == "ok" else r["status"]
         ax.text(x, y, text.replace(", ", "\n"), ha="center", va="center", fontsize=5)
-        drawn.append({"panel": c, "label": r["label"], "status": r["status"],
+        drawn.append({"panel": c, "label": r["label"], "status": r["status"], "text": text,
                       "worst_status": r["worst_status"], "x": x, "y": y})
     ax.set(xlim=(-0.5, len(cols) - 0.5), ylim=(len(labels) - 0.5, -0.5),
            xticks=range(len(cols)), yticks=range(len(labels)), title="run status per setting")

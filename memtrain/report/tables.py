@@ -170,7 +170,8 @@ def add_labels(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
         g = df.loc[idx]
         for c in _varying(g, extra_pool):
             short = c.rsplit(".", 1)[-1]
-            df.loc[idx, "label"] += " " + short + "=" + g[c].map(fmt_value)
+            has = g[c].notna()
+            df.loc[g.index[has], "label"] += " " + short + "=" + g.loc[has, c].map(fmt_value)
     return df
 
 
@@ -210,6 +211,10 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     df = df.copy()
     warnings: list[str] = []
     where = parse_baseline(baseline)
+    for k in [*where, *match]:
+        if k not in df:
+            warnings.append(f"column {k!r} (in --baseline/--match) is in no run; it matches "
+                            f"as missing everywhere")
     df["is_baseline"] = _is(df, where)
     ok = df["is_baseline"] & (df.get("status", "ok") == "ok")
     base = df[ok]
