@@ -69,7 +69,8 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
     peak_src = "CUDA" if src == {"cuda"} else "CPU tracker" if src == {"tracker"} else "mixed"
     parts = [
         "# memtrain report", "",
-        f"{n_runs} runs in {len(agg)} settings from {', '.join(map(str, sources))}.", "",
+        f"{n_runs} run{'s' * (n_runs != 1)} in {len(agg)} setting{'s' * (len(agg) != 1)} "
+        f"from {', '.join(map(str, sources))}.", "",
         f"- Baseline of a run: the `{baseline}` run (status ok) with the same "
         f"{', '.join(f'`{k}`' for k in match)}; a baseline run is its own. Ratios and Δ are "
         f"per run, then averaged over seeds (mean ± std).",
