@@ -75,7 +75,7 @@ def _points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str,
 
 
 def _finish(fig, axes, styles, labels) -> None:
-    fig.tight_layout(pad=0.3)
+    fig.tight_layout(pad=0.3, h_pad=1.2)
     style.shared_legend(fig, styles, labels)
 
 
@@ -167,7 +167,7 @@ def breakdown(agg: pd.DataFrame) -> Plot | None:
         where = "CPU live-tensor tracker" if set(src) == {"tracker"} else "CUDA" \
             if set(src) == {"cuda"} else "measured"
         ax.set(title=title, xlabel=f"memory at the peak, {unit} ({where})")
-    fig.tight_layout(pad=0.3)
+    fig.tight_layout(pad=0.3, h_pad=1.2)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5,
                frameon=False, handlelength=1.0, columnspacing=0.8)
@@ -312,7 +312,7 @@ def failures(agg: pd.DataFrame) -> Plot | None:
     ax.tick_params(length=0)
     for s in ax.spines.values():
         s.set_visible(False)
-    fig.tight_layout(pad=0.3)
+    fig.tight_layout(pad=0.3, h_pad=1.2)
     return Plot("failures", fig, pd.DataFrame(drawn))
 
 
