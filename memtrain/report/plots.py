@@ -52,7 +52,9 @@ def _note(ax, lines: list[str], handles: tuple = (), labels: tuple = ()) -> None
 
 
 def _failed_lines(g: pd.DataFrame) -> list[str]:
-    return [f"failed: {r.label} ({r.status})" for r in g.itertuples() if r.n_ok == 0]
+    """Settings with a failed run: not drawn (no run ok) or drawn from the runs that were."""
+    return [f"{'failed' if r.n_ok == 0 else 'mean of ok runs'}: {r.label} ({r.status})"
+            for r in g.itertuples() if r.worst_status != "ok"]
 
 
 def _points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str,
