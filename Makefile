@@ -37,7 +37,7 @@ lint: $(STAMP) ## ruff over the code and tests
 sweep: $(STAMP) ## run an experiment preset as a multirun: make sweep EXP=pool_study ARGS=trainer=smoke
 	$(BIN)/memtrain -m experiment=$(EXP) $(ARGS)
 
-report: $(STAMP) ## table of every run below DIR (default runs/): make report DIR=runs/multirun
+report: $(STAMP) ## report.md, summary.csv/.parquet and figures of every run below DIR: make report DIR=runs/multirun
 	$(BIN)/memtrain-report $(DIR) $(ARGS)
 
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop

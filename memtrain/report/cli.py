@@ -1,41 +1,60 @@
-"""`memtrain-report DIR [DIR...]`: every run below the folders -> summary.csv + a table."""
+"""`memtrain-report DIR [DIR...]`: every run below the folders -> summary.csv, summary.parquet,
+settings.csv, report.md and figures/ (PNG and PDF), plus a table on the terminal."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pandas as pd
 
-from memtrain.report.tables import compact, load_runs
+from memtrain.report import tables
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="memtrain-report", description=__doc__)
+    ap.add_argument("dirs", nargs="+", help="run folders, multirun folders or any parent")
+    ap.add_argument("--out", help="where the report goes (default: the first DIR)")
+    ap.add_argument("--baseline", default=tables.DEFAULT_BASELINE,
+                    help="which runs are baselines, as column=value[,column=value] "
+                         "(default: %(default)s)")
+    ap.add_argument("--match", default=",".join(tables.DEFAULT_MATCH),
+                    help="columns a run and its baseline share (default: %(default)s)")
+    ap.add_argument("--format", default="png,pdf",
+                    help="figure formats, comma-separated (default: %(default)s)")
+    ap.add_argument("--memory", default="auto", choices=("auto", "peak", "act", "saved"),
+                    help="memory the figures plot: auto = the CUDA peak where every run has "
+                         "one, else activation memory (CPU); peak, act (saved + recomputed "
+                         "activations), saved (saved for backward)")
+    ap.add_argument("--no-figures", action="store_true", help="tables and report.md only")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="memtrain-report", description=__doc__)
-    ap.add_argument("dirs", nargs="+", help="run folders, multirun folders or any parent")
-    ap.add_argument("--out", help="where summary.csv goes (default: the first DIR)")
-    args = ap.parse_args(argv)
+    from memtrain.report.build import make_report
+
+    args = parser().parse_args(argv)
     try:
-        df, skipped = load_runs(args.dirs)
+        rep = make_report(args.dirs, args.out, baseline=args.baseline,
+                          match=[k.strip() for k in args.match.split(",") if k.strip()],
+                          formats=[f.strip() for f in args.format.split(",") if f.strip()],
+                          memory=args.memory, figures=not args.no_figures)
     except FileNotFoundError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 2
-    for d, why in skipped:
-        print(f"memtrain-report: skipped {d}: {why}", file=sys.stderr)
-    if df.empty:
-        print(f"memtrain-report: error: no run folders (with summary.json) below "
-              f"{', '.join(args.dirs)}", file=sys.stderr)
+    except ValueError as e:
+        print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 1
-    out = Path(args.out or args.dirs[0])
-    out.mkdir(parents=True, exist_ok=True)
-    from memtrain.record import atomic_write
-
-    atomic_write(out / "summary.csv", df.to_csv(index=False))
+    for d, why in rep.skipped:
+        print(f"memtrain-report: skipped {d}: {why}", file=sys.stderr)
+    for w in rep.warnings:
+        print(f"memtrain-report: warning: {w}", file=sys.stderr)
     with pd.option_context("display.max_rows", 200, "display.width", 200,
                            "display.max_columns", 20, "display.float_format", "{:.4g}".format):
-        print(compact(df).to_string(index=False))
-    print(f"\n{len(df)} runs -> {out / 'summary.csv'}")
+        print(tables.compact(rep.runs).to_string(index=False))
+    figs = ", ".join(rep.figures) or "none"
+    print(f"\n{len(rep.runs)} runs, {len(rep.settings)} settings -> {rep.out / 'report.md'}, "
+          f"summary.csv, summary.parquet; figures: {figs}")
     return 0
 
 

@@ -1,11 +1,15 @@
-"""Load run folders into one tidy DataFrame (one row per run)."""
+"""Run folders -> one tidy DataFrame (one row per run), baselines and seed aggregates.
+
+Never imports torch: the report runs on a laptop with nothing but pandas and matplotlib.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +18,26 @@ log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
+
+# The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI.
+CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
+CHOICES = ("method", "model", "dataset", "optim", "trainer", "experiment")
+SEED = "trainer.seed"
+# A run's baseline: the `none` run that differs from it only in the method (the documented rule).
+DEFAULT_BASELINE = "method=none"
+DEFAULT_MATCH = ("model", "dataset", "trainer.batch_size", "trainer.precision", SEED)
+# Columns made relative to the baseline (ratio) or differenced (delta), per run.
+RATIOS = {
+    "mem_peak_alloc_bytes": "mem_peak_rel",
+    "mem_peak_act_bytes": "mem_act_rel",
+    "mem_act_saved_bytes": "mem_saved_rel",
+    "throughput_samples_s": "throughput_rel",
+    "step_time_s_median": "step_time_rel",
+}
+DELTAS = {"test_acc": "test_acc_delta"}
+
+
+# ---------------------------------------------------------------- loading
 
 
 def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -29,8 +53,20 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return sorted(found)
 
 
+def find_unfinished(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Hydra job folders (they hold .hydra/) below `paths` that never wrote a summary.json."""
+    out = []
+    for p in map(Path, paths):
+        for h in p.rglob(".hydra"):
+            if h.is_dir() and not (h.parent / SUMMARY).exists():
+                out.append(h.parent.resolve())
+    return sorted(set(out))
+
+
 def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
-    """(runs, skipped): one row per readable summary.json, and (folder, reason) for the rest."""
+    """(runs, skipped): one row per readable summary.json, and (folder, reason) for the rest:
+    a corrupt summary.json or a job folder without one."""
+    paths = list(paths)
     rows, skipped = [], []
     for d in find_run_dirs(paths):
         try:
@@ -44,6 +80,9 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tu
             continue
         row["run_dir"] = str(d)
         rows.append(row)
+    for d in find_unfinished(paths):
+        skipped.append((d, "no summary.json (job never finished)"))
+        log.warning("skipped %s: no summary.json", d)
     return pd.DataFrame(rows), skipped
 
 
@@ -64,8 +103,208 @@ def load_metrics(run_dirs: Iterable[str | os.PathLike]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
 
 
+# ---------------------------------------------------------------- labels
+
+
+def _isna(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def fmt_value(v) -> str:
+    """0.5 -> '0.5', 2.0 -> '2', 'max' -> 'max': compact values for labels."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def method_label(row: pd.Series, skip: Iterable[str] = ()) -> str:
+    """'pool kernel_size=2 mode=upsample': the method and its parameters (but `skip`)."""
+    parts = [str(row.get("method", ""))]
+    for k, v in row.items():
+        if isinstance(k, str) and k.startswith("method.") and k not in skip and not _isna(v):
+            parts.append(f"{k[len('method.'):]}={fmt_value(v)}")
+    return " ".join(parts)
+
+
+def constant_params(df: pd.DataFrame) -> dict[str, dict[str, str]]:
+    """method -> {column: value} of the method parameters that never change in `df` for a
+    method run in several settings: legends leave them out, report.md states them once."""
+    out: dict[str, dict[str, str]] = {}
+    params = [c for c in df.columns if c.startswith("method.")]
+    for m, g in df.groupby("method"):
+        cols = [c for c in params if g[c].notna().any()]
+        if g[cols].astype(str).drop_duplicates().shape[0] < 2:
+            continue  # a single setting: its label keeps every parameter
+        const = {c: fmt_value(g[c].iloc[0]) for c in cols
+                 if g[c].notna().all() and g[c].map(fmt_value).nunique() == 1}
+        if const:
+            out[str(m)] = const
+    return out
+
+
+def config_columns(df: pd.DataFrame) -> list[str]:
+    """The columns that say what ran: the Hydra choices and every flattened option."""
+    return [c for c in df.columns if c in CHOICES or c.startswith(CONFIG_PREFIXES)]
+
+
+def setting_columns(df: pd.DataFrame, seed: str = SEED) -> list[str]:
+    """The config columns that tell one setting from another (all of them but the seed)."""
+    return [c for c in config_columns(df) if c != seed]
+
+
+def _varying(df: pd.DataFrame, cols: Sequence[str]) -> list[str]:
+    return [c for c in cols if df[c].astype(str).nunique(dropna=False) > 1]
+
+
+def add_labels(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
+    """Add `label`: the method and the parameters that vary between its settings (see
+    constant_params), plus any other option that varies within the same model and dataset
+    (e.g. `lr=0.02`), so two settings never share a label."""
+    df = df.copy()
+    const = constant_params(df) if len(df) else {}
+    df["label"] = df.apply(lambda r: method_label(r, const.get(str(r.get("method")), {})),
+                           axis=1) if len(df) else pd.Series(dtype=str)
+    extra_pool = [c for c in setting_columns(df, seed)
+                  if not c.startswith("method") and c not in ("model", "dataset")]
+    for _, idx in df.groupby(["model", "dataset"], dropna=False).groups.items():
+        g = df.loc[idx]
+        for c in _varying(g, extra_pool):
+            short = c.rsplit(".", 1)[-1]
+            has = g[c].notna()
+            df.loc[g.index[has], "label"] += " " + short + "=" + g.loc[has, c].map(fmt_value)
+    return df
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def parse_baseline(spec: str) -> dict[str, str]:
+    """'method=none' or 'method=none,trainer.precision=fp32' -> {column: value}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--baseline must look like method=none, got {spec!r}")
+        out[key] = value
+    return out
+
+
+def _is(df: pd.DataFrame, where: dict[str, str]) -> pd.Series:
+    mask = pd.Series(True, index=df.index)
+    for k, v in where.items():
+        mask &= df[k].map(fmt_value) == v if k in df else False
+    return mask
+
+
+def _key(row: pd.Series, match: Sequence[str]) -> tuple:
+    return tuple(fmt_value(row.get(k)) for k in match)
+
+
+def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
+                  match: Sequence[str] = DEFAULT_MATCH) -> tuple[pd.DataFrame, list[str]]:
+    """Add `is_baseline`, `baseline_run_dir` and the relative columns (RATIOS, DELTAS).
+
+    A run's baseline is the finished (status ok) `baseline` run with equal `match` columns; a
+    baseline run is its own. Several candidates are averaged (with a warning: add a key to
+    `match`); none gives NaN and a warning. Returns (df, warnings).
+    """
+    df = df.copy()
+    warnings: list[str] = []
+    where = parse_baseline(baseline)
+    for k in [*where, *match]:
+        if k not in df:
+            warnings.append(f"column {k!r} (in --baseline/--match) is in no run; it matches "
+                            f"as missing everywhere")
+    df["is_baseline"] = _is(df, where)
+    ok = df["is_baseline"] & (df.get("status", "ok") == "ok")
+    base = df[ok]
+    groups = {k: g for k, g in base.groupby(base.apply(_key, axis=1, match=match))} \
+        if len(base) else {}
+    for col in (*RATIOS.values(), *DELTAS.values()):
+        df[col] = math.nan
+    df["baseline_run_dir"] = None
+    for i, row in df.iterrows():
+        cand = base.loc[[i]] if ok[i] else groups.get(_key(row, match))
+        if cand is None:
+            if not row["is_baseline"]:
+                warnings.append(f"no {baseline} baseline for {method_label(row)} "
+                                f"({', '.join(f'{k}={fmt_value(row.get(k))}' for k in match)}): "
+                                f"relative columns are NaN")
+            continue
+        if len(cand) > 1:
+            warnings.append(f"{len(cand)} {baseline} runs match {method_label(row)} "
+                            f"({_key(row, match)}); using their mean. Add a key to --match.")
+        df.at[i, "baseline_run_dir"] = ";".join(cand["run_dir"].astype(str))
+        for col, rel in RATIOS.items():
+            if col in df:
+                df.at[i, rel] = _num(row.get(col)) / _num(cand[col]).mean()
+        for col, delta in DELTAS.items():
+            if col in df:
+                df.at[i, delta] = _num(row.get(col)) - _num(cand[col]).mean()
+    for w in warnings:
+        log.warning(w)
+    return df, warnings
+
+
+def _num(v):
+    return pd.to_numeric(v, errors="coerce")
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def status_summary(statuses: pd.Series) -> str:
+    """'ok' when every run is ok, else e.g. 'ok 2/3, oom 1/3'."""
+    counts = statuses.fillna("missing").value_counts()
+    if list(counts.index) == ["ok"]:
+        return "ok"
+    n = len(statuses)
+    return ", ".join(f"{s} {c}/{n}" for s, c in counts.items())
+
+
+def aggregate_seeds(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
+    """One row per setting (every config column but the seed): `n_runs`, `n_ok`, `status`
+    (see status_summary), `worst_status`, and for each numeric column its mean (same name) and
+    standard deviation (`<name>_std`, ddof=1, NaN for one seed) over the runs that ended ok."""
+    if df.empty:
+        return df
+    keys = setting_columns(df, seed)
+    numeric = [c for c in df.columns if c not in keys and c != seed
+               and pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
+    rows = []
+    for _, g in df.groupby(keys, dropna=False, sort=False):
+        row = g.iloc[0][keys].to_dict()
+        ok = g[g["status"] == "ok"] if "status" in g else g
+        row.update(n_runs=len(g), n_ok=len(ok),
+                   status=status_summary(g["status"]) if "status" in g else "ok",
+                   worst_status=_worst(g["status"]) if "status" in g else "ok",
+                   seeds=",".join(sorted(g[seed].map(fmt_value))) if seed in g else "",
+                   mem_peak_source=",".join(sorted(set(g["mem_peak_source"].dropna().astype(
+                       str)))) if "mem_peak_source" in g else "",
+                   run_dirs=";".join(g["run_dir"].astype(str)) if "run_dir" in g else "")
+        for c in numeric:
+            vals = ok[c].astype(float)
+            row[c] = vals.mean()
+            row[f"{c}_std"] = vals.std(ddof=1) if vals.notna().sum() > 1 else math.nan
+        # a failed setting still shows how far it got (e.g. the memory of the step that oomed)
+        if not len(ok):
+            for c in numeric:
+                row[c] = g[c].astype(float).mean()
+        rows.append(row)
+    return add_labels(pd.DataFrame(rows), seed)
+
+
+STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "running", "missing", "ok")
+
+
+def _worst(statuses: pd.Series) -> str:
+    present = set(statuses.fillna("missing"))
+    return next((s for s in STATUS_ORDER if s in present), sorted(present)[0])
+
+
+# ---------------------------------------------------------------- terminal table
+
 COMPACT = {
-    "method": "method",
     "model": "model",
     "dataset": "dataset",
     "trainer.batch_size": "batch",
@@ -73,19 +312,10 @@ COMPACT = {
     "mem_peak_alloc_bytes": "peak_MiB",
     "mem_peak_source": "source",
     "mem_act_saved_bytes": "act_saved_MiB",
+    "mem_peak_rel": "peak_rel",
     "throughput_samples_s": "samples_s",
     "test_acc": "test_acc",
 }
-
-
-def method_label(row: pd.Series) -> str:
-    """'pool k=2 mode=upsample': the method and its parameters, for tables and legends."""
-    parts = [str(row.get("method", ""))]
-    for k, v in row.items():
-        if isinstance(k, str) and k.startswith("method.") and v is not None and not (
-                isinstance(v, float) and pd.isna(v)):
-            parts.append(f"{k[len('method.'):]}={v}")
-    return " ".join(parts)
 
 
 def compact(df: pd.DataFrame) -> pd.DataFrame:
@@ -93,9 +323,9 @@ def compact(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     out = pd.DataFrame(index=df.index)
-    out["method"] = df.apply(method_label, axis=1)
+    out["method"] = df["label"] if "label" in df else df.apply(method_label, axis=1)
     for col, name in COMPACT.items():
-        if col == "method" or col not in df:
+        if col not in df:
             continue
         v = df[col]
         out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if name.endswith("MiB") else v

@@ -1,0 +1,98 @@
+"""The whole report of a set of run folders: tables, report.md and figures, in one call.
+
+Used by `memtrain-report` and by the Hydra callback at the end of a multirun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from memtrain.report import markdown, tables
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Report:
+    runs: pd.DataFrame  # one row per run, relative columns and label added
+    settings: pd.DataFrame  # one row per setting, mean and <col>_std over seeds
+    out: Path
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    figures: dict[str, list[Path]] = field(default_factory=dict)
+    not_drawn: dict[str, str] = field(default_factory=dict)
+
+
+def to_parquet(df: pd.DataFrame, path: Path) -> None:
+    """Parquet wants one type per column: mixed object columns (e.g. 2 and 'max') become text."""
+    df = df.copy()
+    for c in df.columns:
+        if df[c].dtype == object:
+            kinds = {type(v) for v in df[c] if v is not None and not (isinstance(v, float)
+                                                                       and pd.isna(v))}
+            if len(kinds) > 1:
+                df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and
+                                                                  pd.isna(v)) else str(v))
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def analyse(runs: pd.DataFrame, baseline: str = tables.DEFAULT_BASELINE,
+            match: Sequence[str] = tables.DEFAULT_MATCH) -> tuple[pd.DataFrame, pd.DataFrame,
+                                                                   list[str]]:
+    """(runs with baseline columns and labels, settings aggregated over seeds, warnings)."""
+    runs, warnings = tables.add_baselines(runs, baseline, match)
+    runs = tables.add_labels(runs)
+    return runs, tables.aggregate_seeds(runs), warnings
+
+
+def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None = None, *,
+                baseline: str = tables.DEFAULT_BASELINE,
+                match: Sequence[str] = tables.DEFAULT_MATCH,
+                formats: Sequence[str] = ("png", "pdf"), memory: str = "auto",
+                figures: bool = True) -> Report:
+    """Load every run below `dirs` and write summary.csv, summary.parquet, settings.csv,
+    report.md and figures/ into `out` (default: the first folder).
+
+    Raises:
+        FileNotFoundError: a folder does not exist.
+        ValueError: no run below the folders, or a bad option.
+    """
+    from memtrain.record import atomic_write
+    from memtrain.report import plots, style
+
+    dirs = [Path(d) for d in dirs]
+    mem_choice = memory
+    tables.parse_baseline(baseline)
+    if mem_choice not in style.MEMORY_CHOICES:
+        raise ValueError(f"--memory must be one of {', '.join(style.MEMORY_CHOICES)}, "
+                         f"got {mem_choice!r}")
+    raw, skipped = tables.load_runs(dirs)
+    if raw.empty:
+        raise ValueError(f"no run folders (with summary.json) below {', '.join(map(str, dirs))}")
+    out = Path(out or dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
+    runs, settings, warnings = analyse(raw, baseline, match)
+    rep = Report(runs, settings, out, skipped, warnings)
+    atomic_write(out / "summary.csv", runs.to_csv(index=False))
+    to_parquet(runs, out / "summary.parquet")
+    atomic_write(out / "settings.csv", settings.to_csv(index=False))
+    mem = style.memory_metric(runs, mem_choice)
+    if figures:
+        metrics = tables.load_metrics(runs["run_dir"])
+        base_name = tables.parse_baseline(baseline).get("method", baseline)
+        made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name)
+        for p in made:
+            rep.figures[p.name] = plots.save(p, out / "figures", formats)
+    text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=dirs,
+                           n_runs=len(runs), skipped=skipped, warnings=warnings,
+                           figures=rep.figures, not_drawn=rep.not_drawn, out=out)
+    atomic_write(out / "report.md", text)
+    return rep

@@ -1,0 +1,280 @@
+"""memtrain-report on run folders fabricated with known numbers (tests/report_fixtures.py),
+plus one real 2x2 multirun whose Hydra callback writes the report into the sweep folder."""
+
+import json
+import logging
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import run_memtrain
+from report_fixtures import MiB, fabricate_study, write_run
+
+from memtrain.report import plots, style, tables
+from memtrain.report.build import analyse, make_report
+from memtrain.report.cli import main as report_main
+
+FIGURES = ("tradeoff", "breakdown", "throughput", "curves", "budget", "failures")
+
+
+@pytest.fixture
+def small(tmp_path):
+    """Two seeds of none and pool (fp32), a bf16 pair, and a pool run with no baseline."""
+    r = tmp_path / "runs"
+    write_run(r / "a", seed=0, peak=100 * MiB, act=50 * MiB, throughput=1000, test_acc=0.90)
+    write_run(r / "b", seed=1, peak=100 * MiB, act=50 * MiB, throughput=1100, test_acc=0.92)
+    pool = {"kernel_size": 2}
+    write_run(r / "c", method="pool", params=pool, seed=0, peak=60 * MiB, act=20 * MiB,
+              throughput=800, test_acc=0.88)
+    write_run(r / "d", method="pool", params=pool, seed=1, peak=50 * MiB, act=25 * MiB,
+              throughput=990, test_acc=0.89)
+    write_run(r / "e", precision="bf16", peak=70 * MiB, act=30 * MiB, throughput=2000)
+    write_run(r / "f", method="pool", params=pool, precision="bf16", peak=35 * MiB,
+              act=10 * MiB, throughput=1500, test_acc=0.85)
+    write_run(r / "g", method="pool", params=pool, batch_size=256, peak=90 * MiB)
+    return r
+
+
+def _runs(folder, **kw):
+    raw, skipped = tables.load_runs([folder])
+    runs, settings, warnings = analyse(raw, **kw)
+    return runs.set_index(runs["run_dir"].str.rsplit("/", n=1).str[-1]), settings, warnings
+
+
+def test_relative_columns_and_baseline_matching(small, caplog):
+    with caplog.at_level(logging.WARNING):
+        runs, _, warnings = _runs(small)
+    c, d, f = runs.loc["c"], runs.loc["d"], runs.loc["f"]
+    assert c["mem_peak_rel"] == pytest.approx(0.6) and d["mem_peak_rel"] == pytest.approx(0.5)
+    assert c["mem_act_rel"] == pytest.approx(0.4) and d["mem_act_rel"] == pytest.approx(0.5)
+    assert c["throughput_rel"] == pytest.approx(0.8) and d["throughput_rel"] == pytest.approx(0.9)
+    assert c["step_time_rel"] == pytest.approx(1.25)
+    assert c["test_acc_delta"] == pytest.approx(-0.02)
+    assert d["test_acc_delta"] == pytest.approx(-0.03)
+    assert c["baseline_run_dir"].endswith("/a") and d["baseline_run_dir"].endswith("/b")
+    # the bf16 run is compared with the bf16 baseline, not the fp32 one of the same seed
+    assert f["baseline_run_dir"].endswith("/e") and f["mem_peak_rel"] == pytest.approx(0.5)
+    assert runs.loc["a", "mem_peak_rel"] == 1.0 and runs.loc["a", "test_acc_delta"] == 0.0
+    # batch 256 has no baseline: NaN and a warning, no crash
+    g = runs.loc["g"]
+    assert math.isnan(g["mem_peak_rel"]) and math.isnan(g["test_acc_delta"])
+    assert len(warnings) == 1 and "no method=none baseline" in warnings[0] and "256" in warnings[0]
+    assert "no method=none baseline" in caplog.text
+
+
+def test_match_and_baseline_are_configurable(small):
+    # without the seed in the match keys, both fp32 baselines match: their mean is used
+    runs, _, warnings = _runs(small, match=["model", "dataset", "trainer.precision",
+                                            "trainer.batch_size"])
+    assert runs.loc["c", "throughput_rel"] == pytest.approx(800 / 1050)
+    assert any("2 method=none runs match" in w for w in warnings)
+    # pool as the baseline: the bf16 pool run is its own; none runs have no pool of equal seed...
+    runs, _, _ = _runs(small, baseline="method=pool")
+    assert runs.loc["a", "mem_peak_rel"] == pytest.approx(100 / 60)
+    assert runs.loc["c", "mem_peak_rel"] == 1.0
+
+
+def test_seeds_aggregate_to_mean_and_std(small):
+    _, settings, _ = _runs(small)
+    s = settings.set_index(["method", "trainer.precision", "trainer.batch_size"])
+    pool = s.loc[("pool", "fp32", 128)]
+    assert pool["n_runs"] == 2 and pool["seeds"] == "0,1" and pool["status"] == "ok"
+    assert pool["mem_peak_rel"] == pytest.approx(0.55)
+    assert pool["mem_peak_rel_std"] == pytest.approx(np.std([0.6, 0.5], ddof=1))
+    assert pool["test_acc"] == pytest.approx(0.885)
+    assert pool["test_acc_std"] == pytest.approx(np.std([0.88, 0.89], ddof=1))
+    one = s.loc[("pool", "fp32", 256)]
+    assert one["n_runs"] == 1 and math.isnan(one["mem_peak_alloc_bytes_std"])
+
+
+def test_failed_runs_are_counted_not_averaged(tmp_path):
+    r = tmp_path / "r"
+    write_run(r / "a", seed=0, test_acc=0.9)
+    write_run(r / "b", seed=1, test_acc=0.8)
+    write_run(r / "c", seed=2, test_acc=None, status="diverged")
+    _, settings, _ = _runs(r)
+    (row,) = settings.to_dict("records")
+    assert row["n_runs"] == 3 and row["n_ok"] == 2
+    assert row["status"] == "ok 2/3, diverged 1/3" and row["worst_status"] == "diverged"
+    assert row["test_acc"] == pytest.approx(0.85)
+
+
+def test_labels_name_what_varies(tmp_path):
+    r = tmp_path / "r"
+    for k in (2, 4):
+        write_run(r / f"p{k}", method="pool", params={"kernel_size": k, "mode": "upsample"})
+    write_run(r / "n1", extra={"optim.lr": 0.1})
+    write_run(r / "n2", extra={"optim.lr": 0.2})
+    _, settings, _ = _runs(r)
+    assert set(settings["label"]) == {"pool kernel_size=2", "pool kernel_size=4",
+                                      "none lr=0.1", "none lr=0.2"}
+    assert tables.constant_params(settings) == {"pool": {"method.mode": "upsample"}}
+
+
+def test_pareto_front():
+    x = pd.Series([1.0, 0.5, 0.3, 0.6, 0.2])
+    y = pd.Series([90, 89, 85, 88, 80])
+    assert plots.pareto_front(x, y) == [4, 2, 1, 0]
+
+
+def _series(ax, label):
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    return line.get_xdata()[0], line.get_ydata()[0]
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = fabricate_study(tmp_path_factory.mktemp("study") / "s", seeds=(0, 1), epochs=3,
+                           source="tracker")
+    raw, _ = tables.load_runs([root])
+    runs, settings, _ = analyse(raw)
+    return root, runs, settings
+
+
+def test_figures_plot_the_table(study):
+    root, runs, settings = study
+    mem = style.memory_metric(runs)
+    assert mem.col == "mem_peak_act_bytes" and "CPU, no CUDA peak" in mem.axis("none")
+    by = settings.set_index(["model", "label"])
+    p = plots.tradeoff(settings, mem)
+    for ax in p.fig.axes:
+        for ln in ax.get_lines():
+            if ln.get_label().startswith("_") or ln.get_label() == "Pareto front":
+                continue
+            row = by.loc[(ax.get_title(), ln.get_label())]
+            x, y = _series(ax, ln.get_label())
+            assert x == pytest.approx(row["mem_act_rel"])
+            assert y == pytest.approx(row["test_acc"] * 100)
+    # the diverged setting is not a point: it is listed in the panel
+    resmlp = next(ax for ax in p.fig.axes if ax.get_title() == "resmlp12")
+    assert "prune sparsity=0.9" not in [ln.get_label() for ln in resmlp.get_lines()]
+    assert any("diverged" in t.get_text() for t in resmlp.get_legend().get_texts())
+    assert len(p.data) == (settings["n_ok"] > 0).sum()
+
+    t = plots.throughput(settings, mem)
+    ax = next(a for a in t.fig.axes if a.get_title() == "resnet18")
+    x, y = _series(ax, "pool kernel_size=2")
+    row = by.loc[("resnet18", "pool kernel_size=2")]
+    assert y == pytest.approx(row["throughput_samples_s"])
+    assert x == pytest.approx(row[mem.col] / MiB)
+
+    b = plots.breakdown(settings)
+    ax = next(a for a in b.fig.axes if a.get_title() == "resnet18")
+    widths = sum(patch.get_width() for patch in ax.patches)
+    peaks = settings.loc[settings["model"] == "resnet18", "mem_peak_alloc_bytes"].sum() / MiB
+    assert widths == pytest.approx(peaks)  # the stacked parts add up to each peak
+
+    bud = plots.budget(settings, mem)
+    ax = next(a for a in bud.fig.axes if a.get_title() == "resnet18")
+    (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "_budget"]
+    ck = by.loc["resnet18"].loc[lambda d: d["method"] == "checkpoint"].sort_values(
+        "method.budget_fraction")
+    np.testing.assert_allclose(curve.get_xdata(), (ck["step_time_rel"] - 1) * 100)
+    np.testing.assert_allclose(curve.get_ydata(), ck["mem_act_rel"])
+    for made in (p, t, b, bud):
+        plots.plt.close(made.fig)
+
+
+def test_learning_curves_average_seeds(study):
+    root, runs, settings = study
+    c = plots.curves(settings, tables.load_metrics(runs["run_dir"]))
+    ax = next(a for a in c.fig.axes if a.get_title() == "resnet18")
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == "none"]
+    none = runs[(runs["model"] == "resnet18") & (runs["method"] == "none")]
+    m = tables.load_metrics(none["run_dir"]).query("split == 'test' and name == 'acc'")
+    expect = m.groupby("epoch")["value"].mean() * 100
+    np.testing.assert_allclose(line.get_xdata(), expect.index + 1)
+    np.testing.assert_allclose(line.get_ydata(), expect.to_numpy())
+    plots.plt.close(c.fig)
+
+
+def test_report_writes_every_figure_and_marks_failures(study, tmp_path):
+    root, _, settings = study
+    rep = make_report([root], tmp_path / "out")
+    assert set(rep.figures) == set(FIGURES) and not rep.not_drawn
+    for name in FIGURES:
+        for ext in ("png", "pdf"):
+            assert (tmp_path / "out" / "figures" / f"{name}.{ext}").stat().st_size > 1000
+        drawn = pd.read_csv(tmp_path / "out" / "figures" / f"{name}.csv")
+        assert len(drawn) > 0
+    fail = pd.read_csv(tmp_path / "out" / "figures" / "failures.csv").set_index(["panel", "label"])
+    assert fail.loc[("resmlp12", "prune sparsity=0.9"), "status"] == "diverged 2/2"
+    assert fail.loc[("resnet18", "pool kernel_size=4"), "text"] == "ok 2/2"
+    assert len(fail) == len(settings)  # every setting is on the map, failed or not
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## resnet18 / cifar10" in md and "diverged 2/2" in md
+    assert "pool: mode=upsample" in md and "checkpoint: strategy=budget" in md
+    csv = pd.read_csv(tmp_path / "out" / "summary.csv")
+    pq = pd.read_parquet(tmp_path / "out" / "summary.parquet")
+    assert len(csv) == len(pq) == 2 * 8 * 2 and "mem_peak_rel" in pq
+
+
+def test_corrupt_and_missing_summaries_are_skipped(small, capsys):
+    (small / "bad").mkdir()
+    (small / "bad" / "summary.json").write_text("{not json")
+    (small / "unfinished" / ".hydra").mkdir(parents=True)
+    assert report_main([str(small), "--format", "png"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and "bad" in err and "unfinished" in err
+    md = (small / "report.md").read_text()
+    assert "## Skipped folders" in md and "no summary.json" in md
+    assert len(pd.read_csv(small / "summary.csv")) == 7
+    assert not list((small / "figures").glob("*.pdf"))  # --format png only
+
+
+def test_cli_errors_and_mixed_types(tmp_path, capsys):
+    assert report_main([str(tmp_path / "nope")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert report_main([str(tmp_path / "empty")]) == 1
+    r = tmp_path / "r"
+    write_run(r / "a", method="checkpoint", params={"segments": 2})
+    write_run(r / "b", method="checkpoint", params={"segments": "auto"})
+    assert report_main([str(r), "--baseline", "bogus"]) == 1
+    assert "--baseline must look like" in capsys.readouterr().err
+    assert report_main([str(r), "--no-figures"]) == 0  # no none run at all: NaN, not a crash
+    assert set(pd.read_parquet(r / "summary.parquet")["method.segments"]) == {"2", "auto"}
+    assert not (r / "figures").exists()
+
+
+def test_report_never_imports_torch():
+    code = ("import sys, memtrain.report.tables, memtrain.report.plots, memtrain.report.cli, "
+            "memtrain.report.build, memtrain.report.markdown, memtrain.report.style, "
+            "memtrain.report.callback; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_callback_logs_instead_of_raising(tmp_path, caplog):
+    from omegaconf import OmegaConf
+
+    from memtrain.report.callback import ReportCallback
+
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "missing")}}})
+    with caplog.at_level(logging.WARNING):
+        ReportCallback().on_multirun_end(cfg)
+    assert "report of the sweep failed" in caplog.text
+
+
+@pytest.mark.slow
+def test_multirun_leaves_report_in_sweep_folder(in_tmp):
+    p = run_memtrain("-m", "trainer=smoke", "model=mlp6", "dataset.image_size=8",
+                     "trainer.seed=0,1", "optim.lr=0.01,0.02", cwd=in_tmp, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (sweep,) = [d for d in in_tmp.glob("runs/multirun/*/*") if d.is_dir()]
+    summary = pd.read_csv(sweep / "summary.csv")
+    assert len(summary) == 4 and set(summary["status"]) == {"ok"}
+    assert (summary["mem_peak_rel"] == 1.0).all()  # every run is a none run: its own baseline
+    settings = pd.read_csv(sweep / "settings.csv")
+    assert sorted(settings["label"]) == ["none lr=0.01", "none lr=0.02"]
+    assert (settings["n_runs"] == 2).all()
+    md = (sweep / "report.md").read_text()
+    assert "none lr=0.02" in md and "CPU" in md
+    for name in ("tradeoff", "breakdown", "throughput"):
+        assert (sweep / "figures" / f"{name}.png").stat().st_size > 1000
+        assert (sweep / "figures" / f"{name}.pdf").stat().st_size > 1000
+    drawn = pd.read_csv(sweep / "figures" / "tradeoff.csv")
+    assert sorted(drawn["y"]) == pytest.approx(sorted(settings["test_acc"] * 100))
+    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "ok"
