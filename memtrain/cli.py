@@ -44,18 +44,11 @@ def group_options(group: str) -> list[str]:
 
 
 def check_overrides(overrides: list[str]) -> None:
-    """Reject unknown group options before Hydra does, with a one-line message."""
-    for ov in overrides:
-        key, sep, value = ov.partition("=")
-        key = key.lstrip("+~")
-        if not sep or key not in GROUPS or not value or value == "null":
-            continue
-        if any(c in value for c in "()[]{}*"):  # sweep functions: leave to Hydra
-            continue
-        valid = group_options(key)
-        for choice in value.split(","):
-            if choice not in valid:
-                raise ConfigError(f"unknown {key} {choice!r}; choose one of: {', '.join(valid)}")
+    """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
+    and keys (did-you-mean), wrong types, bad syntax (memtrain/validate.py)."""
+    from memtrain import validate
+
+    validate.check(overrides, conf_dir(), group_options)
 
 
 def check_trainer(t: DictConfig) -> None:
@@ -72,6 +65,11 @@ def check_trainer(t: DictConfig) -> None:
     dev = str(t.device)
     if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
         raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")
+    for name in ("eval_max_batches", "threads"):
+        if t[name] is not None:
+            check_range(f"trainer.{name}", t[name], 1)
+    if t.grad_clip is not None:
+        check_range("trainer.grad_clip", t.grad_clip, 0, None, lo_open=True)
     check_range("trainer.save_every", t.save_every, 0)
     faults.Fault.from_options(t.fault, t.fault_step)
     if t.gpu_memory_gb is not None:
@@ -391,6 +389,8 @@ def main() -> None:
     try:
         check_overrides(args)
     except ConfigError as e:
+        if any(a.startswith("hydra.verbose=") and not a.endswith("=false") for a in args):
+            traceback.print_exc()
         print(f"memtrain: error: {e}", file=sys.stderr)
         sys.exit(2)
     task = hydra.main(version_base="1.3", config_path=str(conf_dir()),
