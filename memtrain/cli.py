@@ -26,6 +26,14 @@ log = logging.getLogger("memtrain")
 GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
 
 
+def _gpu_count(default: int = 0) -> int:
+    """`${memtrain_gpus:N}` in conf/hydra/launcher/*.yaml: the CUDA devices here, or N."""
+    return torch.cuda.device_count() or int(default)
+
+
+OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
+
+
 def conf_dir() -> Path:
     """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
     here = Path(__file__).resolve().parent.parent / "conf"

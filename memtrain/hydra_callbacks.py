@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ from omegaconf import DictConfig
 
 from memtrain.record import STATUSES, SUMMARY
 from memtrain.resume import SKIPPED
-
-log = logging.getLogger("memtrain")
 
 
 def count_statuses(sweep_dir: Path) -> tuple[Counter, int]:
@@ -57,6 +54,4 @@ class StatusCount(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         counts, skipped = count_statuses(sweep_dir)
-        line = format_counts(counts, skipped)
-        log.info(line)
-        print(line, flush=True)
+        print(format_counts(counts, skipped), flush=True)
