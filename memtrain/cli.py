@@ -375,11 +375,8 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
             f"test_acc={summary.get('test_acc') or float('nan'):.4f} -> {run_dir}")
     log.info(line)
     if status == "interrupted":  # the user or the cluster wants the whole process to stop
-        again = " ".join([*hc.overrides.task, "trainer.resume=true"] + (
-            [f"hydra.sweep.dir={hc.sweep.dir}", "trainer.skip_done=true"] if multirun
-            else [f"hydra.run.dir={run_dir}"]))
         print(f"memtrain: interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; "
-              f"continue with: memtrain {'-m ' if multirun else ''}{again}", file=sys.stderr)
+              f"continue with: {_resume_command(hc, multirun, run_dir)}", file=sys.stderr)
         sys.exit(128 + (2 if summary.get("signal") == "SIGINT" else 15))
     if not multirun and status != "ok":
         msg = summary.get("error") or (str(exc) if exc else status)
@@ -387,6 +384,21 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
               f"{run_dir / 'memtrain.log'})", file=sys.stderr)
         sys.exit(1)
     return summary
+
+
+def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
+    """The command that continues this run (or, for a multirun, the whole sweep)."""
+    task = list(hc.overrides.task)
+    if multirun:  # the sweep's own overrides, not this job's values
+        saved = Path(hc.sweep.dir) / "multirun.yaml"
+        if saved.is_file():
+            task = list(OmegaConf.load(saved).hydra.overrides.task)
+        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={hc.sweep.dir}"]
+    else:
+        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    keys = {e.split("=")[0] for e in extra}
+    task = [t for t in task if t.split("=")[0] not in keys]
+    return " ".join(["memtrain", *(["-m"] if multirun else []), *task, *extra])
 
 
 def main() -> None:

@@ -22,8 +22,7 @@ def count_statuses(sweep_dir: Path) -> tuple[Counter, int]:
     """
     counts: Counter = Counter()
     skipped = 0
-    jobs = {p.parent for p in sweep_dir.rglob(".hydra")} | {
-        p.parent for p in sweep_dir.rglob(SUMMARY)}
+    jobs = {p.parent for name in (".hydra", SUMMARY, SKIPPED) for p in sweep_dir.rglob(name)}
     for job in sorted(jobs):
         if (job / SKIPPED).is_file():
             skipped += 1
