@@ -138,9 +138,10 @@ class Checkpointer:
         return stop
 
     def clear(self) -> None:
-        """A finished run needs no checkpoint: remove them (they can be large)."""
-        for p in self.run_dir.glob("resume*.pt"):
-            p.unlink(missing_ok=True)
+        """A finished run needs no checkpoint: remove its own and the one it resumed from."""
+        for folder in {self.run_dir, self.resumed_from or self.run_dir}:
+            for p in folder.glob("resume*.pt"):
+                p.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- finished runs

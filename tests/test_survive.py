@@ -65,6 +65,15 @@ def test_sigterm_then_resume_equals_uninterrupted(in_tmp):
     assert again["mem_act_saved_bytes"] == full["mem_act_saved_bytes"]  # carried over
 
 
+def test_resume_finds_the_checkpoint_in_another_folder(in_tmp):
+    args = [*TINY, "trainer.max_steps=6", "trainer.fault=sigterm", "trainer.fault_step=2"]
+    assert api.run(args, out_dir=in_tmp / "runs" / "a")["status"] == "interrupted"
+    row = api.run([*args, "trainer.resume=true"], out_dir=in_tmp / "runs" / "b")
+    assert row["status"] == "ok" and row["resumed_at_step"] == 3
+    assert row["resumed_from"] == str(in_tmp / "runs" / "a")
+    assert not list((in_tmp / "runs").rglob("resume*.pt"))
+
+
 @pytest.mark.slow
 def test_real_sigterm_to_a_subprocess_then_resume(in_tmp):
     """A real signal at an arbitrary moment, across epochs (shuffle state), then resumed."""
