@@ -6,7 +6,9 @@ class ConfigError(ValueError):
 
 
 def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False) -> None:
-    """Raise ConfigError unless lo <= value <= hi (with open ends where asked)."""
+    """Raise ConfigError unless value is a number and lo <= value <= hi (open ends where asked)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
     bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
         hi is not None and (value > hi or (hi_open and value == hi)))
     if bad:

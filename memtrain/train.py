@@ -9,6 +9,8 @@ over those steps (evaluation excluded).
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import math
 import time
@@ -20,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memtrain import measure
+from memtrain import measure, resume
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
+from memtrain.faults import Fault
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +115,16 @@ def train(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     evaluate_fn: Callable[..., dict[str, float]] | None = None,
     metric_prefix: str = "",
+    fault: Fault | None = None,
+    checkpointer: resume.Checkpointer | None = None,
 ) -> TrainResult:
     """Train `model` on `data.train`, evaluating on `data.test`; returns summary and metrics.
 
     `loss_fn(output, y)` defaults to cross-entropy; methods that train on other targets (the
     synthetic-label partitions) pass their own and an `evaluate_fn` of the same signature as
-    `evaluate`. `metric_prefix` namespaces the metric names of such sub-runs.
+    `evaluate`. `metric_prefix` namespaces the metric names of such sub-runs. `fault` injects a
+    failure (a testing aid); `checkpointer` saves resumable state at step boundaries (on a stop
+    signal, every N steps) and, when resuming, hands back the state to continue from.
     """
     loss_fn = loss_fn or F.cross_entropy
     evaluate_fn = evaluate_fn or evaluate
@@ -149,15 +156,30 @@ def train(
     peak_cuda = {"mem_peak_alloc_bytes": 0, "mem_peak_reserved_bytes": 0}
     bar = _progress(total_steps, progress)
     step, t_start, loss_val = 0, time.perf_counter(), float("nan")
+    start_epoch, replay = 0, 0
+    state = checkpointer.load(metric_prefix) if checkpointer is not None else None
+    if state is not None:  # continue bit for bit: replay the epoch's batches up to the step
+        extra = resume.restore(state, model, optimizer, scheduler, scaler, shuffle_gen)
+        step, start_epoch = state["step"], state["epoch"]
+        replay = step - start_epoch * steps_per_epoch
+        summary.update(extra["summary"])
+        metrics.extend(extra["metrics"])
+        timer.times.extend(extra["times"])
+        peak_cuda.update(extra["peak_cuda"])
+        loss_val = extra["loss"]
+        summary["resumed_at_step"] = step
 
     def record(split: str, name: str, value: float, epoch: int) -> None:
         metrics.append({"step": step, "epoch": epoch, "split": split,
                         "name": metric_prefix + name, "value": value})
 
     try:
-        for epoch in range(epochs):
-            for x, y in data.train.batches(batch_size, device, shuffle=True,
-                                           generator=shuffle_gen, drop_last=True):
+        for epoch in range(start_epoch, epochs):
+            epoch_shuffle = shuffle_gen.get_state()
+            batches = data.train.batches(batch_size, device, shuffle=True,
+                                         generator=shuffle_gen, drop_last=True)
+            batches, replay = itertools.islice(batches, replay, None), 0
+            for x, y in batches:
                 if step >= total_steps:
                     break
                 if channels_last and x.ndim == 4:
@@ -174,6 +196,8 @@ def train(
                     with measure.maybe(saved, accounting), autocast():
                         out = fwd(x)  # [B, num_classes]
                         loss = loss_fn(out, y)
+                        if fault is not None:
+                            loss = fault.inject(step, loss)
                     scaler.scale(loss).backward()
                     if grad_clip:
                         scaler.unscale_(optimizer)
@@ -201,6 +225,17 @@ def train(
                     record("train", "loss", loss_val, epoch)
                     record("train", "lr", optimizer.param_groups[0]["lr"], epoch)
                 step += 1
+                if checkpointer is not None:
+                    snapshot = functools.partial(  # built only when a save is due
+                        resume.capture, model, optimizer, scheduler, scaler, step=step, epoch=epoch,
+                        epoch_shuffle=epoch_shuffle,
+                        extra={"summary": summary, "metrics": metrics, "times": timer.times,
+                               "peak_cuda": peak_cuda, "loss": loss_val})
+                    stop = checkpointer.step_done(step, snapshot, metric_prefix)
+                    if stop:
+                        raise RunFailed("interrupted", f"stopped by {stop} after {step} steps; "
+                                        "continue with trainer.resume=true", step, summary,
+                                        metrics)
                 if bar is not None:
                     sps = batch_size / timer.times[-1] if timer.times else float("nan")
                     bar.set_postfix_str(f"ep {epoch} loss {loss_val:.3f} {sps:.0f}/s "
@@ -223,8 +258,9 @@ def train(
             if step >= total_steps:
                 break
     except torch.cuda.OutOfMemoryError as e:
-        if device.type == "cuda":
+        if device.type == "cuda":  # the peak reached before the failing allocation
             summary.update(measure.cuda_peak(device))
+            summary["mem_peak_source"] = "cuda"
         raise RunFailed("oom", str(e).splitlines()[0], step, summary, metrics) from e
     finally:
         if bar is not None:

@@ -1,0 +1,125 @@
+"""Failures as data: injected faults (a testing aid), graceful stop on SIGTERM/Ctrl-C, and torch's
+CUDA memory snapshot.
+
+`trainer.fault=oom|nan|error|sigterm` with `trainer.fault_step=N` makes step N fail the way a real
+run would (a CUDA out-of-memory error, a NaN loss, an exception, a SIGTERM sent to this process),
+so every failure path of a sweep can be tested on a CPU. It is not meant for studies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from memtrain.errors import check_choice, check_range
+
+log = logging.getLogger(__name__)
+
+FAULTS = ("oom", "nan", "error", "sigterm")
+SNAPSHOT = "memory_snapshot.pickle"
+
+
+class Fault:
+    """Makes training step `step` fail with `kind`; call `inject(step, loss)` after the loss."""
+
+    def __init__(self, kind: str, step: int = 0):
+        check_choice("trainer.fault", kind, FAULTS)
+        check_range("trainer.fault_step", step, 0)
+        self.kind, self.step = kind, int(step)
+        self.fired = False
+
+    @classmethod
+    def from_options(cls, kind: str | None, step: int) -> Fault | None:
+        if kind is None or str(kind).lower() in ("", "null", "none"):
+            return None
+        return cls(str(kind).lower(), step)  # Hydra reads a bare `nan` as a float
+
+    def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`."""
+        if step != self.step or self.fired:
+            return loss
+        self.fired = True
+        log.warning("injecting fault %s at step %d (trainer.fault)", self.kind, step)
+        if self.kind == "oom":
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory (injected by trainer.fault=oom at step {step})")
+        if self.kind == "error":
+            raise RuntimeError(f"injected failure (trainer.fault=error at step {step})")
+        if self.kind == "sigterm":  # a real signal, through the real handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+        return loss * float("nan")
+
+
+class StopSignals:
+    """While active, SIGTERM and the first Ctrl-C only set `requested`; the training loop stops
+    at the end of the current step, saves a checkpoint and reports `status=interrupted`.
+
+    A second Ctrl-C raises KeyboardInterrupt at once. Only the main thread may install handlers;
+    elsewhere (a joblib worker thread) this is a no-op.
+    """
+
+    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = self.SIGNALS.get(signum, str(signum))
+        log.warning("%s received: stopping after this step (Ctrl-C again to abort now)",
+                    self.requested)
+
+    def __enter__(self) -> StopSignals:
+        try:
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread
+            self._old.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old.clear()
+
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + signal number."""
+        return 128 + (signal.SIGINT if self.requested == "SIGINT" else signal.SIGTERM)
+
+
+class MemorySnapshot:
+    """`trainer.memory_snapshot=true`: record CUDA allocator history through the run and dump it
+    (open it at https://pytorch.org/memory_viz) on OOM or at the end, when the history holds the
+    peak. CUDA only; on other devices it logs a note and does nothing."""
+
+    def __init__(self, enabled: bool, device: torch.device, run_dir: Path,
+                 max_entries: int = 100_000):
+        self.enabled = enabled and device.type == "cuda"
+        self.path = Path(run_dir) / SNAPSHOT
+        self.max_entries = max_entries
+        if enabled and not self.enabled:
+            log.info("trainer.memory_snapshot: CUDA only, no snapshot on device %s", device)
+
+    def __enter__(self) -> MemorySnapshot:
+        if self.enabled:
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        return self
+
+    def dump(self) -> str:
+        if not self.enabled:
+            return ""
+        torch.cuda.memory._dump_snapshot(str(self.path))
+        log.info("memory snapshot written to %s", self.path)
+        return str(self.path)
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.dump()
+            torch.cuda.memory._record_memory_history(enabled=None)

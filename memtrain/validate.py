@@ -1,0 +1,194 @@
+"""Command-line overrides checked before Hydra composes or anything trains: unknown groups,
+options and keys (with a did-you-mean), values of the wrong type, override syntax. Each problem
+is one ConfigError line.
+
+Types come from the defaults in conf/: an option whose default is an integer takes integers, a
+boolean takes true/false, a list takes a list; a default of null takes anything (the builders
+check those). Ranges and choices are checked by the builders, the methods and
+`cli.check_trainer` when a job starts, so inside a multirun a bad value is that job's
+`status=error` row while a wrong key or type stops the whole sweep at once (every job would fail).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from memtrain.errors import ConfigError
+
+GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
+
+
+def parse(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        raise ConfigError(f"cannot parse the override: {str(e).splitlines()[0]}") from None
+
+
+def _choices(o) -> list[str]:
+    """The option names a group override selects ([] for sweeps we do not expand)."""
+    if not o.is_sweep_override():
+        v = o.value()
+        return [] if v is None else [str(v)]
+    return list(o.sweep_string_iterator()) if hasattr(o.value(), "list") else []
+
+
+def check_groups(parsed: list, options: Callable[[str], list[str]]) -> None:
+    """Every group option named must exist: `model=resnet99` lists the real ones."""
+    for o in parsed:
+        if o.key_or_group not in GROUPS or o.is_delete():
+            continue
+        valid = options(o.key_or_group)
+        for choice in _choices(o):
+            if choice not in valid:
+                hint = difflib.get_close_matches(choice, valid, n=1)
+                raise ConfigError(f"unknown {o.key_or_group} {choice!r}; choose one of: "
+                                  f"{', '.join(valid)}"
+                                  + (f"; did you mean {hint[0]!r}?" if hint else ""))
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, DictConfig):
+        out = []
+        for k in node:
+            out += _leaf_paths(node._get_node(k), f"{prefix}{k}.") or [f"{prefix}{k}"]
+        return out
+    return []
+
+
+def _suggest(cfg: DictConfig, key: str, siblings: list[str]) -> str | None:
+    """The option meant: the same name in another group (trainer.lr -> optim.lr), else a close
+    name beside it (trainer.batchsize -> trainer.batch_size)."""
+    leaves = [p for p in _leaf_paths(cfg) if not p.endswith("_target_")]
+    name = key.rsplit(".", 1)[-1]
+    same = [p for p in leaves if p.rsplit(".", 1)[-1] == name]
+    if same:
+        return same[0]
+    by_name = {s.rsplit(".", 1)[-1]: s for s in siblings}
+    close = difflib.get_close_matches(name, list(by_name), n=1, cutoff=0.6)
+    return by_name[close[0]] if close else None
+
+
+def _missing(cfg: DictConfig, key: str) -> str | None:
+    """None when `key` exists in cfg, else the message for it."""
+    node: Any = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, DictConfig) and part in node.keys():  # noqa: SIM118 (`in node` is False for ??? values)
+            node = node._get_node(part)
+            continue
+        if isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
+            node = node._get_node(int(part))
+            continue
+        here = ".".join(parts[:i])
+        if not isinstance(node, DictConfig):
+            return f"unknown option {key}: {here} is a value, not a group of options"
+        siblings = [f"{here}.{k}" if here else str(k) for k in node if k != "_target_"]
+        hint = _suggest(cfg, key, siblings)
+        if hint:
+            return f"unknown option {key}; did you mean {hint}?"
+        return f"unknown option {key}; {here or 'the config'} has: {', '.join(siblings)}"
+    return None
+
+
+def _type_error(key: str, default: Any, value: Any) -> str | None:
+    """The message when `value` cannot stand where `default` does, else None."""
+    if value is None or default is None or isinstance(default, str):
+        return None
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, list):
+        ok, want = isinstance(value, list), "a list such as [1, 2]"
+    elif isinstance(default, dict):
+        ok, want = isinstance(value, dict), "a mapping such as {a: 1}"
+    else:
+        return None
+    return None if ok else f"{key} must be {want}, got {value!r}"
+
+
+def _values(o) -> list[Any]:
+    if not o.is_sweep_override():
+        return [o.value()]
+    v = o.value()
+    return [getattr(e, "text", e) for e in v.list] if hasattr(v, "list") else []
+
+
+def check_values(parsed: list, compose: Callable[[list[str]], DictConfig]) -> None:
+    """Every `key=value` override names an existing option and has its default's type.
+
+    The config is composed once per option of the key's group that the command selects (a
+    method sweep checks `method.kernel_size` against each method), with no value overrides.
+    """
+    groups = {o.key_or_group: _choices(o) for o in parsed
+              if o.key_or_group in GROUPS and not o.is_delete()}
+    cache: dict[tuple[str, ...], DictConfig] = {}
+
+    def config_for(group: str, choice: str | None) -> DictConfig:
+        sel = {g: c[0] for g, c in groups.items() if c}
+        if choice is not None:
+            sel[group] = choice
+        key = tuple(sorted(f"{g}={c}" for g, c in sel.items()))
+        if key not in cache:
+            cache[key] = compose(list(key))
+        return cache[key]
+
+    for o in parsed:
+        key = o.key_or_group
+        if (key in GROUPS or "/" in key or key.startswith("hydra") or o.is_add()
+                or o.is_force_add()):
+            continue
+        top = key.split(".")[0]
+        for choice in groups.get(top) or [None]:
+            cfg = config_for(top, choice)
+            where = f" (with {top}={choice})" if choice and len(groups.get(top, [])) > 1 else ""
+            msg = _missing(cfg, key)
+            if msg:
+                raise ConfigError(msg + where)
+            if o.is_delete():
+                continue
+            default = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+            if isinstance(default, (DictConfig, ListConfig)):
+                default = OmegaConf.to_container(default, resolve=False)
+            for value in _values(o):
+                msg = _type_error(key, default, value)
+                if msg:
+                    raise ConfigError(msg + where)
+
+
+def compose_fn(conf_dir: Path) -> Callable[[list[str]], DictConfig]:
+    """A compose(overrides) over conf_dir, for check_values (hydra node kept out)."""
+
+    def compose(overrides: list[str]) -> DictConfig:
+        from hydra import compose as hcompose
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+                return hcompose("config", overrides=overrides)
+        finally:
+            GlobalHydra.instance().clear()
+
+    return compose
+
+
+def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[str]]) -> None:
+    """All of the above over command-line overrides; raises ConfigError with one line."""
+    parsed = parse(overrides)
+    check_groups(parsed, options)
+    if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
+           for o in parsed):
+        check_values(parsed, compose_fn(conf_dir))

@@ -1,0 +1,45 @@
+"""Launcher presets: they compose, and a 2-job multirun through submitit's local launcher runs."""
+
+import json
+
+import pytest
+from conftest import run_memtrain
+
+from memtrain import api
+
+TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1"]
+
+
+@pytest.mark.parametrize("launcher,target,key,value", [
+    ("slurm", "SlurmLauncher", "partition", "gpu-test"),
+    ("local", "LocalLauncher", "timeout_min", 240),
+    ("parallel", "JoblibLauncher", "n_jobs", 2),
+])
+def test_launcher_presets_compose(monkeypatch, launcher, target, key, value):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memtrain import cli
+
+    monkeypatch.setenv("MEMTRAIN_SLURM_PARTITION", "gpu-test")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(cli.conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={launcher}"],
+                      return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert cfg.hydra.launcher[key] == value  # from the environment or the preset
+    assert "status_count" in cfg.hydra.callbacks
+    api.compose([f"hydra/launcher={launcher}"])  # memtrain's own checks accept it
+
+
+@pytest.mark.slow
+def test_two_jobs_through_submitit_local(in_tmp):
+    p = run_memtrain("-m", "hydra/launcher=local", *TINY, "trainer.seed=0,1",
+                     "hydra.sweep.dir=sw", cwd=in_tmp, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads((in_tmp / "sw" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert {r["trainer.seed"] for r in rows} == {0, 1}
+    assert (in_tmp / "sw" / ".submitit").is_dir()  # it really went through submitit
+    assert "memtrain: 2 jobs: ok 2" in p.stdout

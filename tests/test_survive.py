@@ -1,0 +1,140 @@
+"""Failures as rows, interrupted runs that resume bit for bit, sweeps that skip finished jobs."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import run_memtrain
+
+from memtrain import api
+from memtrain.hydra_callbacks import count_statuses, format_counts
+
+TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
+# small enough that thousands of steps take seconds
+# (one thread: on a busy 2-core machine two spin-waiting threads make tiny steps 10x slower)
+NARROW = [*TINY, "model.widths=[16,16,16,16,16]", "trainer.eval_max_batches=1",
+          "trainer.threads=1"]
+
+
+@pytest.mark.parametrize("fault,status,message", [
+    ("oom", "oom", "CUDA out of memory (injected"),
+    ("nan", "diverged", "loss became nan at step 2"),
+    ("error", "error", "RuntimeError: injected failure"),
+])
+def test_injected_fault_gives_its_row(in_tmp, fault, status, message):
+    row = api.run([*TINY, f"trainer.fault={fault}", "trainer.fault_step=2"], out_dir=in_tmp / "r")
+    s = json.loads((in_tmp / "r" / "summary.json").read_text())
+    assert row["status"] == s["status"] == status
+    assert message in s["error"]
+    if fault != "error":
+        assert s["failed_step"] == 2
+    if fault == "oom":  # the peak reached before the failure (here: the tracker's, step 1)
+        assert s["mem_tracker_peak_bytes"] > s["mem_params_bytes"] > 0
+
+
+def _weights(path):
+    return torch.load(path, weights_only=True)
+
+
+def _assert_same_weights(a, b):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_sigterm_then_resume_equals_uninterrupted(in_tmp):
+    args = [*TINY, "trainer.max_steps=8", "trainer.save_weights=true"]
+    full = api.run(args, out_dir=in_tmp / "full")
+    part = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=3"], out_dir=in_tmp / "p")
+    assert part["status"] == "interrupted" and part["signal"] == "SIGTERM"
+    assert part["failed_step"] == 4 and (in_tmp / "p" / "resume.pt").is_file()
+    # a checkpoint is plain tensors and containers: it loads with weights_only=True
+    assert _weights(in_tmp / "p" / "resume.pt")["step"] == 4
+    again = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=3",
+                     "trainer.resume=true"], out_dir=in_tmp / "p")
+    assert again["status"] == "ok" and again["resumed_at_step"] == 4
+    assert again["run_id"] == part["run_id"]  # resume does not change what the run is
+    assert not (in_tmp / "p" / "resume.pt").exists()  # a finished run keeps no checkpoint
+    _assert_same_weights(in_tmp / "full" / "weights.pt", in_tmp / "p" / "weights.pt")
+    assert again["train_loss"] == full["train_loss"]
+    assert again["mem_act_saved_bytes"] == full["mem_act_saved_bytes"]  # carried over
+
+
+def test_resume_finds_the_checkpoint_in_another_folder(in_tmp):
+    args = [*TINY, "trainer.max_steps=6", "trainer.fault=sigterm", "trainer.fault_step=2"]
+    assert api.run(args, out_dir=in_tmp / "runs" / "a")["status"] == "interrupted"
+    row = api.run([*args, "trainer.resume=true"], out_dir=in_tmp / "runs" / "b")
+    assert row["status"] == "ok" and row["resumed_at_step"] == 3
+    assert row["resumed_from"] == str(in_tmp / "runs" / "a")
+    assert not list((in_tmp / "runs").rglob("resume*.pt"))
+
+
+@pytest.mark.slow
+def test_real_sigterm_to_a_subprocess_then_resume(in_tmp):
+    """A real signal at an arbitrary moment, across epochs (shuffle state), then resumed."""
+    args = [*NARROW, "trainer.max_steps=1500", "trainer.save_weights=true",
+            "trainer.save_every=50", "dataset.train_size=800"]  # 100 steps per epoch
+    run = in_tmp / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", *args, f"hydra.run.dir={run}"],
+                            cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (run / "resume.pt").exists():  # training has started
+        assert proc.poll() is None and time.monotonic() - t0 < 300, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    assert "interrupted" in err and "trainer.resume=true" in err
+    s = json.loads((run / "summary.json").read_text())
+    assert s["status"] == "interrupted" and 50 <= s["failed_step"] < 1500, s.get("failed_step")
+    p = run_memtrain(*args, "trainer.resume=true", f"hydra.run.dir={run}", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_at_step"] == s["failed_step"]
+    threads = torch.get_num_threads()
+    try:
+        api.run([*args, "trainer.save_every=0"], out_dir=in_tmp / "full")
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_weights(in_tmp / "full" / "weights.pt", run / "weights.pt")
+
+
+def test_skip_done_in_process(in_tmp):
+    first = api.run(TINY, out_dir=in_tmp / "sweep" / "0")
+    again = api.run([*TINY, "trainer.skip_done=true"], out_dir=in_tmp / "sweep" / "1")
+    assert again["skipped"] and again["run_id"] == first["run_id"]
+    assert not (in_tmp / "sweep" / "1" / "summary.json").exists()  # no second row
+    marker = json.loads((in_tmp / "sweep" / "1" / "skipped.json").read_text())
+    assert marker["done_in"].endswith("0")
+    other = api.run([*TINY, "trainer.skip_done=true", "trainer.seed=1"],
+                    out_dir=in_tmp / "sweep" / "2")
+    assert other["status"] == "ok" and not other.get("skipped")
+    counts, skipped = count_statuses(in_tmp / "sweep")
+    assert counts == {"ok": 3} and skipped == 1
+    assert format_counts(counts, skipped) == "memtrain: 3 jobs: ok 3 (1 skipped: already done)"
+
+
+@pytest.mark.slow
+def test_sweep_continues_counts_and_relaunch_resumes(in_tmp):
+    """A sweep goes past oom/diverged/error rows and prints the count; a SIGTERM stops it; the
+    printed command re-launches it: finished jobs skipped, the interrupted one resumed."""
+    sweep = in_tmp / "sw"
+    p = run_memtrain("-m", *TINY, "trainer.threads=1", "trainer.fault=null,oom,nan,error,sigterm",
+                     "trainer.fault_step=1", f"hydra.sweep.dir={sweep}", cwd=in_tmp)
+    assert p.returncode == 143, p.stderr[-3000:]
+    rows = {int(f.parent.name): json.loads(f.read_text())
+            for f in sweep.glob("*/summary.json")}
+    assert [rows[i]["status"] for i in range(5)] == [
+        "ok", "oom", "diverged", "error", "interrupted"]
+    again = p.stderr.split("continue with: memtrain ")[-1].split()
+    assert "trainer.skip_done=true" in again and "trainer.resume=true" in again
+    p2 = run_memtrain(*again, cwd=in_tmp)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    assert "memtrain: 5 jobs: ok 2, oom 1, diverged 1, error 1 (1 skipped: already done)" \
+        in p2.stdout, p2.stdout[-2000:]
+    final = json.loads((sweep / "4" / "summary.json").read_text())
+    assert final["status"] == "ok" and final["resumed_at_step"] == 2
