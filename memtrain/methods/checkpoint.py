@@ -49,6 +49,9 @@ class CompiledBudget(nn.Module):
         super().__init__()
         self.model = model
         self.budget = budget
+        # Dynamo reuses a graph compiled for another model of the same structure (parameters are
+        # graph inputs) and the budget is no part of its guards: start from empty caches.
+        torch.compiler.reset()
         # Not registered as a submodule: the compiled wrapper shares model's parameters.
         object.__setattr__(self, "_compiled", torch.compile(model))
 
