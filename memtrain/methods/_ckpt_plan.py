@@ -138,7 +138,7 @@ def _program(p: Profile, max_group: int):
     np.fill_diagonal(cover[:, :n], 1)
     # recompute of group g: prefix(x) + R_g <= B + M_g (1 - z_g); prefix = const_a + pre_a @ x
     rows, consts, big = [], [], []
-    for g, (a, e) in enumerate(groups):
+    for a, e in groups:
         row = np.zeros(nv)
         row[:a] = inner[:a]
         for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
