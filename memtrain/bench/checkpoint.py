@@ -118,6 +118,17 @@ def table(rows: list[dict], device: torch.device) -> str:
     return "\n".join(out)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"label": label, **r})
         print(f"{label}: {r}", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        f"CPU {_cpu_name()}, {torch.get_num_threads()} threads"
     text = (f"# checkpoint benchmark: {args.model}, {args.size} px, batch {batch}\n\n"
             f"device: {name}; torch {torch.__version__}; date {datetime.date.today()}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, median.\n\n"

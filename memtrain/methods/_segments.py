@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import ConfigError
+from memtrain.methods._swap import swap_modules
 
 
 @dataclass(frozen=True)
@@ -160,15 +161,14 @@ def _both(a, b):
         yield
 
 
-def apply_groups(segments: list[Segment], groups: list[tuple[int, int]],
+def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
                  policy: Callable | None = None) -> None:
     """Checkpoint each group (first, last) of consecutive segment indices, in place."""
+    names = {id(m): n for n, m in model.named_modules()}
+    swaps: dict[str, nn.Module] = {}
     for first, last in groups:
         segs = segments[first:last + 1]
-        body = [m for s in segs for m in s.modules()]
-        head = segs[0]
-        setattr(head.parent, head.attrs[0], CheckpointGroup(body, policy))
-        for s in segs:
-            for a in s.attrs:
-                if (s is not head or a != head.attrs[0]):
-                    setattr(s.parent, a, nn.Identity())
+        slots = [f"{names[id(s.parent)]}.{a}".lstrip(".") for s in segs for a in s.attrs]
+        swaps[slots[0]] = CheckpointGroup([m for s in segs for m in s.modules()], policy)
+        swaps.update((slot, nn.Identity()) for slot in slots[1:])
+    swap_modules(model, lambda name, _m: name in swaps, lambda name, _m: swaps[name])

@@ -99,7 +99,7 @@ class CheckpointMethod:
             for m in model.modules():
                 if isinstance(getattr(m, "inplace", None), bool):
                     m.inplace = False
-            apply_groups(self.segments, [(i, i) for i in range(len(self.segments))],
+            apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
                          policy=_save_matmul_conv)
         return model
 
@@ -123,7 +123,7 @@ class CheckpointMethod:
             plan = self._plan_budget(prof)
         self.plan = plan
         if not self.dry_run:
-            apply_groups(self.segments, plan.groups)
+            apply_groups(model, self.segments, plan.groups)
         return self.summary_columns()
 
     def _budget(self, prof: planner.Profile) -> int:
