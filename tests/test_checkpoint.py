@@ -165,10 +165,13 @@ def test_budget_respected_and_peak_predicted(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,size,strategy", [
-    ("resnet50", 64, "sqrt"), ("efficientnet_b0", 32, "uniform"), ("resmlp12", 32, "budget")])
-def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy):
-    args = [f"model={model}", f"dataset.image_size={size}"]
+@pytest.mark.parametrize("model,size,strategy,extra", [
+    ("resnet50", 64, "sqrt", []), ("efficientnet_b0", 32, "uniform", []),
+    ("resmlp12", 32, "budget", []),
+    # autocast caches its bf16 weight copies until the forward ends, recomputed segment or not
+    ("resnet18", 16, "budget", ["trainer.precision=bf16", "method.budget_fraction=0.9"])])
+def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extra):
+    args = [f"model={model}", f"dataset.image_size={size}", *extra]
     none = _run(tmp_path, "none", *args)
     s = _run(tmp_path, strategy, *args, "method=checkpoint", f"method.strategy={strategy}")
     assert s["plan_peak_bytes"] == pytest.approx(s["mem_peak_act_bytes"], rel=0.10)

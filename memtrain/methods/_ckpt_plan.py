@@ -4,7 +4,8 @@ A plan is a list of checkpointed groups `(first, last)` of consecutive segments;
 segment is kept. The peak model, in bytes of activation memory (what the CPU tracker's
 `mem_peak_act_bytes` counts, recomputation included):
 
-- end of forward: tail + inner bytes of every kept segment + every live boundary, where a
+- end of forward: tail + inner bytes of every kept segment + the autocast weight casts of every
+  checkpointed one (autocast caches them until the forward ends) + every live boundary, where a
   boundary (a segment's output) is live unless it lies strictly inside a checkpointed group
   (the checkpoint keeps only the group's input; the next segment keeps the group's output);
 - recompute of group (a, e) during backward: everything live before segment a (later segments
@@ -47,6 +48,10 @@ class Profile:
     time: list[float]
     tail: int = 0
     step_time: float = float("nan")
+    cast: list[int] = field(default_factory=list)  # autocast copies of weights, within inner
+
+    def __post_init__(self):
+        self.cast = self.cast or [0] * len(self.names)
 
     @property
     def n(self) -> int:
@@ -99,7 +104,7 @@ def peak_bytes(p: Profile, groups: list[Group]) -> int:
     """Modelled activation peak of a plan (see the module docstring)."""
     kept, live = _live(p, groups)
     held = [p.inner[i] * kept[i] + p.out[i] * live[i] for i in range(p.n)]
-    peaks = [p.tail + sum(held)]
+    peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
     for a, e in groups:
         peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e))
     return max(peaks)
@@ -130,8 +135,9 @@ def _program(p: Profile, max_group: int):
     inner, out = np.array(p.inner) / mib, np.array(p.out) / mib
     cover = np.zeros((n, nv))
     fwd = np.zeros(nv)  # end-of-forward bytes = fwd_const + fwd @ x
-    fwd[:n] = inner
-    fwd_const = p.tail / mib + out.sum()
+    cast = np.array(p.cast) / mib
+    fwd[:n] = inner - cast  # a recomputed segment still holds its casts until the forward ends
+    fwd_const = p.tail / mib + out.sum() + cast.sum()
     for g, (a, e) in enumerate(groups):
         cover[a:e + 1, n + g] = 1
         fwd[n + g] = -out[a:e].sum()
@@ -249,6 +255,11 @@ class _Recorder:
         self.device = device
         self.exclude = {_key(t) for t in [*model.parameters(), *model.buffers(), x]}
         self.saved: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (bytes, segment or -1)
+        # Autocast's copy of a weight: same shape as one of the segment's parameters, another
+        # dtype (a heuristic; activations practically never share a weight's shape).
+        self.weight_shapes = [{(tuple(q.shape), q.dtype) for m in seg.modules()
+                               for q in m.parameters()} for seg in segments]
+        self.casts: set[tuple[str, int]] = set()
         self.outputs: list[torch.Tensor | None] = [None] * len(segments)
         self.times = [0.0] * len(segments)
         self.current = -1
@@ -277,6 +288,10 @@ class _Recorder:
             k = _key(t)
             if k not in self.exclude and k[1] != 0 and k not in self.saved:
                 self.saved[k] = (t.untyped_storage().nbytes(), self.current)
+                if self.current >= 0:  # (autocast reads as off inside autograd's hooks)
+                    shapes = self.weight_shapes[self.current]
+                    if any(sh == tuple(t.shape) and dt != t.dtype for sh, dt in shapes):
+                        self.casts.add(k)
         return t
 
     def close(self) -> None:
@@ -325,7 +340,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     result.step_time = statistics.median(steps[1:] or steps) * scale
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
-    for k in ("inner", "out"):
+    for k in ("inner", "out", "cast"):
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
     result.tail = int(result.tail * scale)
     return result
@@ -338,8 +353,10 @@ def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
             raise RuntimeError(f"segment {segments[i].name} did not return one tensor")
         out_keys[_key(o)] = i
     n = len(segments)
-    inner, out_saved, tail = [0] * n, [False] * n, 0
+    inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
     for k, (nbytes, seg) in rec.saved.items():
+        if k in rec.casts:
+            cast[seg] += nbytes
         if k in out_keys:
             out_saved[out_keys[k]] |= seg == out_keys[k]
         elif seg >= 0:
@@ -347,4 +364,5 @@ def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
         else:
             tail += nbytes
     out = [o.untyped_storage().nbytes() for o in rec.outputs]
-    return Profile([s.name for s in segments], inner, out, out_saved, [0.0] * n, tail)
+    return Profile([s.name for s in segments], inner, out, out_saved, [0.0] * n, tail,
+                   cast=cast)
