@@ -77,7 +77,8 @@ def _assert_same_step(ref, ref_loss, model, tensors, x, y, what):
         assert torch.equal(b, b_ref), f"{what}: buffer {name}"
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m == "resmlp24"
+                                   else m for m in sorted(MODELS)])
 def test_every_strategy_matches_none(model):
     size, batch = MODELS[model]
     _, base = _build(model, size)
