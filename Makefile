@@ -9,7 +9,7 @@ ARGS   ?=
 QUICK_DIR := runs/quick/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint sweep report bench-overhead bench-baseline clean
+.PHONY: help install run test test-fast lint sweep report clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -25,11 +25,13 @@ run: $(STAMP) ## run the default study (every method, synthetic data, CPU, ~3 mi
 	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
 
-test: $(STAMP) ## run the test suite (CPU; Triton kernels in interpreter mode)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q $(ARGS)
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode)
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) $(ARGS)
 
 test-fast: $(STAMP) ## the tests without those marked slow
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not slow" $(ARGS)
 
 lint: $(STAMP) ## ruff over the code and tests
 	$(BIN)/ruff check memtrain kernels tests
@@ -40,13 +42,19 @@ sweep: $(STAMP) ## run an experiment preset as a multirun: make sweep EXP=pool_s
 report: $(STAMP) ## report.md, summary.csv/.parquet and figures of every run below DIR: make report DIR=runs/multirun
 	$(BIN)/memtrain-report $(DIR) $(ARGS)
 
+.PHONY: bench-overhead
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop
 	$(BIN)/python -m memtrain.bench.overhead $(ARGS)
 
+.PHONY: bench-baseline
 bench-baseline: $(STAMP) ## GPU: resnet50 at 224 px, batch 64, none: peak and breakdown
 	$(BIN)/memtrain model=resnet50 dataset.image_size=224 trainer.batch_size=64 \
 	  trainer.max_steps=30 hydra.run.dir=runs/bench/baseline_resnet50_224_b64 $(ARGS)
 	$(BIN)/memtrain-report runs/bench/baseline_resnet50_224_b64
+
+.PHONY: bench-checkpoint
+bench-checkpoint: $(STAMP) ## checkpointing vs none: peak and step time per strategy (GPU: resnet50 224 px, largest batch)
+	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

@@ -13,8 +13,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
-# Small, fast and deterministic on 2 cores.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (make test runs one worker per core) each worker gets one thread: more
+# would oversubscribe the cores and small convolutions get many times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def conf_options(group: str) -> list[str]:

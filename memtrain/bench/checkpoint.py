@@ -1,0 +1,170 @@
+"""Checkpointing benchmark: memory and step time of every strategy against none, same process.
+
+    python -m memtrain.bench.checkpoint                      # GPU: resnet50 224 px, batch search
+    python -m memtrain.bench.checkpoint --device cpu --size 64 --batch 8 --out docs/results/x.md
+
+On CUDA the batch is the largest power-of-two-then-bisected batch the baseline fits (unless
+--batch), the peak is `max_memory_allocated` over the timed steps and times come from
+synchronised host clocks. On the CPU the peak is the live-tensor tracker's (activation peak,
+recomputation included) and torch.compile is left out (the tracker runs compiled code eagerly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from memtrain import api, measure
+from memtrain.errors import ConfigError
+
+BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+COMPILE_BUDGETS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def points(device: torch.device) -> list[tuple[str, list[str]]]:
+    """(label, method overrides) of every point of the sweep; none first."""
+    pts = [("none", ["method=none"])]
+    pts += [(f"budget {f}", ["method=checkpoint", f"method.budget_fraction={f}"])
+            for f in BUDGETS]
+    pts += [(s, ["method=checkpoint", f"method.strategy={s}"])
+            for s in ("uniform", "sqrt", "selective")]
+    if device.type == "cuda":
+        pts += [(f"compile {f}", ["method=checkpoint", "method.strategy=compile",
+                                  f"method.budget_fraction={f}"]) for f in COMPILE_BUDGETS]
+    return pts
+
+
+def run_point(model_name: str, size: int, batch: int, overrides: list[str],
+              device: torch.device, steps: int, warmup: int) -> dict:
+    """Peak and median step time of `steps` SGD steps after `warmup` (profiling included in
+    neither)."""
+    _, model, method = api.build([f"model={model_name}", f"dataset.image_size={size}",
+                                  *overrides])
+    model.to(device).train()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    row: dict = {}
+    if getattr(method, "strategy", None) in ("uniform", "sqrt", "budget"):
+        row.update(method.prepare(model, x, y))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cpu":
+        tracker = measure.PeakTracker(model, opt, x, y)
+        with tracker:
+            step()
+        row["act_peak"], row["peak"] = tracker.act_peak_bytes, tracker.peak_bytes
+    measure.reset_cuda_peak(device)
+    times = []
+    for _ in range(steps):
+        measure.sync(device)
+        t0 = time.perf_counter()
+        step()
+        measure.sync(device)
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        row["peak"] = torch.cuda.max_memory_allocated(device)
+    row["step_s"] = statistics.median(times)
+    return row
+
+
+def largest_batch(model_name: str, size: int, device: torch.device, start: int = 32) -> int:
+    """The largest batch whose baseline step fits on the GPU (doubling, then bisection)."""
+    def fits(b: int) -> bool:
+        try:
+            run_point(model_name, size, b, ["method=none"], device, steps=1, warmup=1)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    lo, hi = 0, start
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 32):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def table(rows: list[dict], device: torch.device) -> str:
+    base = rows[0]
+    peak_name = "peak alloc" if device.type == "cuda" else "act peak"
+    key = "peak" if device.type == "cuda" else "act_peak"
+    out = [f"| point | {peak_name} MiB | x none | step ms | x none | plan peak MiB | "
+           f"plan overhead |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['label']} | {r['error']} | | | | | |")
+            continue
+        plan = (f"{r['plan_peak_bytes'] / 2**20:.1f} | {100 * r['plan_overhead']:+.1f}%"
+                if "plan_peak_bytes" in r else "- | -")
+        out.append(f"| {r['label']} | {r[key] / 2**20:.1f} | {r[key] / base[key]:.3f} | "
+                   f"{1e3 * r['step_s']:.1f} | {r['step_s'] / base['step_s']:.3f} | {plan} |")
+    return "\n".join(out)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--batch", type=int, default=None, help="default: largest that fits (GPU)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batch = args.batch or (largest_batch(args.model, args.size, device)
+                           if device.type == "cuda" else 8)
+    rows = []
+    for label, ov in points(device):
+        try:
+            r = run_point(args.model, args.size, batch, ov, device, args.steps, args.warmup)
+        except ConfigError as e:  # a budget below the smallest feasible peak
+            least = str(e).split("; ")[0].split("peak, ")[-1]
+            r = {"error": f"infeasible; least peak {least}"}
+        rows.append({"label": label, **r})
+        print(f"{label}: {r}", flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU {_cpu_name()}, {torch.get_num_threads()} threads"
+    text = (f"# checkpoint benchmark: {args.model}, {args.size} px, batch {batch}\n\n"
+            f"device: {name}; torch {torch.__version__}; date {datetime.date.today()}; "
+            f"{args.steps} timed steps after {args.warmup} warm-up, median.\n\n"
+            f"{table(rows, device)}\n")
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

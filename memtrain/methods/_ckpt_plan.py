@@ -1,0 +1,368 @@
+"""Profiler, activation-peak model and budget planner of the checkpoint method (after MONeT).
+
+A plan is a list of checkpointed groups `(first, last)` of consecutive segments; every other
+segment is kept. The peak model, in bytes of activation memory (what the CPU tracker's
+`mem_peak_act_bytes` counts, recomputation included):
+
+- end of forward: tail + inner bytes of every kept segment + the autocast weight casts of every
+  checkpointed one (autocast caches them until the forward ends) + every live boundary, where a
+  boundary (a segment's output) is live unless it lies strictly inside a checkpointed group
+  (the checkpoint keeps only the group's input; the next segment keeps the group's output);
+- recompute of group (a, e) during backward: everything live before segment a (later segments
+  and the tail are freed by then) + the group's inner bytes + its internal boundaries + its
+  output when the group's last op saves it.
+
+The peak is the largest of these. The planner minimises the recomputed forward time subject to
+peak <= budget as a 0-1 program (scipy.optimize.milp, HiGHS): one variable per kept segment, one
+per candidate group, each segment covered once, the recompute constraints made linear with a
+big-M on the group's variable.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from memtrain import measure
+from memtrain.methods._segments import Segment
+
+Group = tuple[int, int]
+
+
+@dataclass
+class Profile:
+    """Per segment: `inner` saved bytes (boundaries excluded), `out` output bytes, whether the
+    segment's own ops save its output (`out_saved`), forward `time` in seconds; `tail` saved
+    bytes outside every segment (the head); `step_time` of one baseline forward + backward."""
+
+    names: list[str]
+    inner: list[int]
+    out: list[int]
+    out_saved: list[bool]
+    time: list[float]
+    tail: int = 0
+    step_time: float = float("nan")
+    cast: list[int] = field(default_factory=list)  # autocast copies of weights, within inner
+
+    def __post_init__(self):
+        self.cast = self.cast or [0] * len(self.names)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @property
+    def baseline_peak(self) -> int:
+        return peak_bytes(self, [])
+
+
+@dataclass
+class Plan:
+    groups: list[Group]
+    peak: int
+    recompute_s: float
+    step_time: float = float("nan")
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float:
+        """Predicted extra step time: recomputed forward time / baseline step time."""
+        return self.recompute_s / self.step_time
+
+
+class Infeasible(Exception):
+    def __init__(self, min_peak: int):
+        super().__init__(f"smallest feasible peak {min_peak}")
+        self.min_peak = min_peak
+
+
+# ---------------------------------------------------------------- the peak model
+
+
+def _live(p: Profile, groups: list[Group]) -> tuple[list[bool], list[bool]]:
+    kept = [True] * p.n
+    live = [True] * p.n  # boundary j = output of segment j
+    for a, e in groups:
+        for i in range(a, e + 1):
+            kept[i] = False
+        for j in range(a, e):
+            live[j] = False
+    return kept, live
+
+
+def _recompute_bytes(p: Profile, a: int, e: int) -> int:
+    return sum(p.inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
+
+
+def peak_bytes(p: Profile, groups: list[Group]) -> int:
+    """Modelled activation peak of a plan (see the module docstring)."""
+    kept, live = _live(p, groups)
+    held = [p.inner[i] * kept[i] + p.out[i] * live[i] for i in range(p.n)]
+    peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
+    for a, e in groups:
+        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e))
+    return max(peaks)
+
+
+def recompute_time(p: Profile, groups: list[Group]) -> float:
+    return sum(sum(p.time[a:e + 1]) for a, e in groups)
+
+
+def make_plan(p: Profile, groups: list[Group]) -> Plan:
+    return Plan(list(groups), peak_bytes(p, groups), recompute_time(p, groups), p.step_time)
+
+
+def uniform_groups(n: int, every: int) -> list[Group]:
+    """Consecutive groups of `every` segments, all checkpointed (the last may be shorter)."""
+    return [(a, min(a + every, n) - 1) for a in range(0, n, every)]
+
+
+# ---------------------------------------------------------------- the 0-1 program
+
+
+def _program(p: Profile, max_group: int):
+    """Matrices of the program: variables [kept_0..kept_{n-1}, z_g for g in groups]."""
+    n = p.n
+    groups = [(a, e) for a in range(n) for e in range(a, min(n, a + max_group))]
+    nv = n + len(groups)
+    mib = float(2**20)  # bytes in MiB keep the coefficients well scaled for HiGHS
+    inner, out = np.array(p.inner) / mib, np.array(p.out) / mib
+    cover = np.zeros((n, nv))
+    fwd = np.zeros(nv)  # end-of-forward bytes = fwd_const + fwd @ x
+    cast = np.array(p.cast) / mib
+    fwd[:n] = inner - cast  # a recomputed segment still holds its casts until the forward ends
+    fwd_const = p.tail / mib + out.sum() + cast.sum()
+    for g, (a, e) in enumerate(groups):
+        cover[a:e + 1, n + g] = 1
+        fwd[n + g] = -out[a:e].sum()
+    np.fill_diagonal(cover[:, :n], 1)
+    # recompute of group g: prefix(x) + R_g <= B + M_g (1 - z_g); prefix = const_a + pre_a @ x
+    rows, consts, big = [], [], []
+    for a, e in groups:
+        row = np.zeros(nv)
+        row[:a] = inner[:a]
+        for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
+            lo, hi = a2, min(e2, a)
+            if hi > lo:
+                row[n + h] -= out[lo:hi].sum()
+        r_g = _recompute_bytes(p, a, e) / mib
+        const = out[:a].sum() + r_g
+        rows.append(row)
+        consts.append(const)
+        big.append(inner[:a].sum() + const)
+    cost = np.zeros(nv)
+    cost[n:] = [sum(p.time[a:e + 1]) for a, e in groups]
+    return groups, cover, fwd, fwd_const, np.array(rows), np.array(consts), np.array(big), cost, mib
+
+
+def _solve(p: Profile, budget: float | None, max_group: int) -> list[Group] | None:
+    """budget None: minimise the peak (an extra continuous variable B); else minimise time.
+    None when the program has no solution."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    groups, cover, fwd, fwd_c, rows, consts, big, cost, mib = _program(p, max_group)
+    n, nv = p.n, len(cost)
+    free_b = budget is None
+    width = nv + free_b
+    pad = (lambda m: np.hstack([m, np.zeros((m.shape[0], 1))])) if free_b else (lambda m: m)
+    rec = rows.copy()
+    rec[np.arange(len(groups)), n + np.arange(len(groups))] += big
+    a_fwd, a_rec = pad(fwd[None, :]), pad(rec)
+    if free_b:  # ... - B <= rhs
+        a_fwd[:, -1] = -1
+        a_rec[:, -1] = -1
+        ub_fwd, ub_rec = -fwd_c, big - consts
+    else:
+        b = budget / mib
+        ub_fwd, ub_rec = b - fwd_c, b + big - consts
+    c = np.append(np.zeros(nv), 1.0) if free_b else cost
+    cons = [LinearConstraint(pad(cover), 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
+            LinearConstraint(a_rec, -np.inf, ub_rec)]
+    integrality = np.append(np.ones(nv), 0) if free_b else np.ones(nv)
+    lo = np.zeros(width)
+    hi = np.append(np.ones(nv), np.inf) if free_b else np.ones(width)
+    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lo, hi))
+    if res.x is None:
+        return None
+    return sorted(groups[g] for g in range(len(groups)) if res.x[n + g] > 0.5)
+
+
+def plan_budget(p: Profile, budget: float, max_group: int | None = None) -> Plan:
+    """The plan of least recompute time whose modelled peak is <= budget (bytes).
+
+    Raises `Infeasible` with the smallest achievable peak when no plan fits.
+    """
+    max_group = max_group or p.n
+    t0 = time.perf_counter()
+    target = float(budget)
+    for _ in range(3):
+        groups = _solve(p, target, max_group)
+        if groups is None:
+            break
+        plan = make_plan(p, groups)
+        if plan.peak <= budget:
+            plan.extra["solve_s"] = time.perf_counter() - t0
+            return plan
+        # within the solver's tolerance but over by bytes: tighten by the excess and re-solve
+        target -= plan.peak - budget + 1
+    raise Infeasible(min_peak(p, max_group))
+
+
+def min_peak(p: Profile, max_group: int | None = None) -> int:
+    """The smallest modelled peak any plan reaches."""
+    return peak_bytes(p, _solve(p, None, max_group or p.n))
+
+
+def brute_force(p: Profile, budget: float, max_group: int | None = None) -> Plan | None:
+    """Exhaustive search over every plan (tests: small n only)."""
+    max_group = max_group or p.n
+    best: Plan | None = None
+    for groups in _all_plans(p.n, 0, max_group):
+        plan = make_plan(p, groups)
+        if plan.peak <= budget and (best is None or plan.recompute_s < best.recompute_s):
+            best = plan
+    return best
+
+
+def _all_plans(n: int, i: int, max_group: int) -> Iterator[list[Group]]:
+    if i == n:
+        yield []
+        return
+    for rest in _all_plans(n, i + 1, max_group):  # segment i kept
+        yield rest
+    for e in range(i, min(n, i + max_group)):  # segment i starts a checkpointed group
+        for rest in _all_plans(n, e + 1, max_group):
+            yield [(i, e), *rest]
+
+
+# ---------------------------------------------------------------- the profiler
+
+
+def _key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+class _Recorder:
+    """Hooks that attribute each saved storage to the segment whose forward packed it."""
+
+    def __init__(self, model: nn.Module, segments: list[Segment], x: torch.Tensor, device):
+        self.device = device
+        self.exclude = {_key(t) for t in [*model.parameters(), *model.buffers(), x]}
+        self.saved: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (bytes, segment or -1)
+        # Autocast's copy of a weight: same shape as one of the segment's parameters, another
+        # dtype (a heuristic; activations practically never share a weight's shape).
+        self.weight_shapes = [{(tuple(q.shape), q.dtype) for m in seg.modules()
+                               for q in m.parameters()} for seg in segments]
+        self.casts: set[tuple[str, int]] = set()
+        self.outputs: list[torch.Tensor | None] = [None] * len(segments)
+        self.times = [0.0] * len(segments)
+        self.current = -1
+        self._t0 = 0.0
+        self.handles = []
+        for i, seg in enumerate(segments):
+            mods = seg.modules()
+            self.handles.append(mods[0].register_forward_pre_hook(self._enter(i)))
+            self.handles.append(mods[-1].register_forward_hook(self._leave(i)))
+
+    def _enter(self, i: int):
+        def hook(_mod, _args):
+            measure.sync(self.device)
+            self.current, self._t0 = i, time.perf_counter()
+        return hook
+
+    def _leave(self, i: int):
+        def hook(_mod, _args, out):
+            measure.sync(self.device)
+            self.times[i] = time.perf_counter() - self._t0
+            self.outputs[i], self.current = out, -1
+        return hook
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta" and not isinstance(t, nn.Parameter):
+            k = _key(t)
+            if k not in self.exclude and k[1] != 0 and k not in self.saved:
+                self.saved[k] = (t.untyped_storage().nbytes(), self.current)
+                if self.current >= 0:  # (autocast reads as off inside autograd's hooks)
+                    shapes = self.weight_shapes[self.current]
+                    if any(sh == tuple(t.shape) and dt != t.dtype for sh, dt in shapes):
+                        self.casts.add(k)
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
+            loss_fn: Callable[[torch.Tensor], torch.Tensor], autocast=None,
+            repeats: int = 3, scale: float = 1.0) -> Profile:
+    """Measure every segment on `x` (the run's device and precision) without changing the model:
+    buffers (BatchNorm statistics), gradients and the RNG state are restored afterwards.
+
+    `scale` multiplies bytes and times (profiling on a slice of the batch)."""
+    import contextlib
+
+    autocast = autocast or contextlib.nullcontext
+    device = x.device
+    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    devices = [device] if device.type == "cuda" else []
+    steps, per_seg = [], []
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(repeats):  # baseline step time: forward + backward
+            measure.sync(device)
+            t0 = time.perf_counter()
+            with autocast():
+                loss = loss_fn(model(x))
+            loss.backward()
+            measure.sync(device)
+            steps.append(time.perf_counter() - t0)
+        for _ in range(repeats):  # per-segment forward times and saved storages
+            rec = _Recorder(model, segments, x, device)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), autocast():
+                    out = model(x)
+            finally:
+                rec.close()
+            per_seg.append(rec.times)
+        result = _attribute(rec, segments)
+        del out
+    with torch.no_grad():
+        for b in model.buffers():
+            b.copy_(buffers[id(b)])
+    for prm in model.parameters():
+        prm.grad = None
+    result.step_time = statistics.median(steps[1:] or steps) * scale
+    result.time = [statistics.median(ts[1:] or ts) * scale
+                   for ts in zip(*per_seg)]  # first forward warms caches up
+    for k in ("inner", "out", "cast"):
+        setattr(result, k, [int(v * scale) for v in getattr(result, k)])
+    result.tail = int(result.tail * scale)
+    return result
+
+
+def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
+    out_keys = {}
+    for i, o in enumerate(rec.outputs):
+        if not isinstance(o, torch.Tensor):
+            raise RuntimeError(f"segment {segments[i].name} did not return one tensor")
+        out_keys[_key(o)] = i
+    n = len(segments)
+    inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
+    for k, (nbytes, seg) in rec.saved.items():
+        if k in rec.casts:
+            cast[seg] += nbytes
+        if k in out_keys:
+            out_saved[out_keys[k]] |= seg == out_keys[k]
+        elif seg >= 0:
+            inner[seg] += nbytes
+        else:
+            tail += nbytes
+    out = [o.untyped_storage().nbytes() for o in rec.outputs]
+    return Profile([s.name for s in segments], inner, out, out_saved, [0.0] * n, tail,
+                   cast=cast)

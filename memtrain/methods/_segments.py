@@ -1,0 +1,174 @@
+"""Checkpoint segments: where a model can be cut, and the wrapper that recomputes a group.
+
+A segment is a run of sibling modules (`parent.<attr>` for each attr) that the model's forward
+calls one after the other; the discovered segments of a model form a pure chain: segment i's
+output is segment i+1's input and nothing else happens in between. That invariant lets a group
+of consecutive segments run inside one checkpoint: the first segment's slot gets a
+`CheckpointGroup` running every module of the group, the other slots get `nn.Identity`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memtrain.errors import ConfigError
+from memtrain.methods._swap import swap_modules
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`parent.<attrs[0]>`, ..., `parent.<attrs[-1]>` called in sequence by the model."""
+
+    name: str
+    parent: nn.Module
+    attrs: tuple[str, ...]
+
+    def modules(self) -> list[nn.Module]:
+        return [getattr(self.parent, a) for a in self.attrs]
+
+
+def _children(name: str, seq: nn.Module) -> list[Segment]:
+    return [Segment(f"{name}.{k}", seq, (k,)) for k, _ in seq.named_children()]
+
+
+def _resnet(model: nn.Module) -> list[Segment]:
+    # The stem (conv1, bn1, relu, maxpool) is one segment; avgpool + fc (the head) stay kept.
+    segs = [Segment("stem", model, ("conv1", "bn1", "relu", "maxpool"))]
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        segs += _children(stage, getattr(model, stage))
+    return segs
+
+
+def _mixer(model: nn.Module) -> list[Segment]:
+    # timm MlpMixer / ResMLP: stem (patch embedding), then the residual blocks; norm + head kept.
+    return [Segment("stem", model, ("stem",))] + _children("blocks", model.blocks)
+
+
+def _efficientnet(model: nn.Module) -> list[Segment]:
+    # features[0] is the stem, features[1..-2] stages of MBConv blocks, features[-1] the 1x1 head
+    # convolution; avgpool + classifier stay kept.
+    f = model.features
+    n = len(f)
+    segs = [Segment("features.0", f, ("0",))]
+    for i in range(1, n - 1):
+        segs += _children(f"features.{i}", f[i])
+    return segs + [Segment(f"features.{n - 1}", f, (str(n - 1),))]
+
+
+def _mlp(model: nn.Module) -> list[Segment]:
+    # memtrain's MLP: Flatten, Linear-ReLU blocks, classifier; each block is a segment.
+    return [Segment(str(k), model, (k,)) for k, m in model.named_children()
+            if isinstance(m, nn.Sequential)]
+
+
+def discover(model: nn.Module) -> list[Segment]:
+    """The model's checkpointable segments, in forward order; ConfigError for unknown models."""
+    from torchvision.models import EfficientNet, ResNet
+
+    from memtrain.models.mlp import MLP
+
+    rules: list[tuple[Callable[[nn.Module], bool], Callable]] = [
+        (lambda m: isinstance(m, ResNet), _resnet),
+        (lambda m: type(m).__name__ == "MlpMixer", _mixer),
+        (lambda m: isinstance(m, EfficientNet), _efficientnet),
+        (lambda m: isinstance(m, MLP), _mlp),
+    ]
+    for match, rule in rules:
+        if match(model):
+            segs = rule(model)
+            if not segs:
+                break
+            return segs
+    raise ConfigError(f"method checkpoint has no segment rule for model type "
+                      f"{type(model).__name__}; supported: ResNet, MlpMixer (ResMLP), "
+                      f"EfficientNet, MLP")
+
+
+# ---------------------------------------------------------------- BatchNorm during recompute
+
+
+@contextlib.contextmanager
+def shield_batchnorm(bns: list[nn.modules.batchnorm._BatchNorm]):
+    """Point the BatchNorm running statistics at throwaway copies while a segment is recomputed.
+
+    A training-mode BatchNorm updates its running statistics in every forward, so a recomputed
+    forward would update them a second time (pytorch issue 96136). The copies take that second
+    update; the real buffers are never written (no in-place change, so no version bump either),
+    and the batch statistics the recomputation uses are the same as the first forward's.
+    """
+    names = ("running_mean", "running_var", "num_batches_tracked")
+    saved = [(bn, [getattr(bn, k) for k in names]) for bn in bns if bn.track_running_stats]
+    for bn, bufs in saved:
+        for k, b in zip(names, bufs):
+            if b is not None:
+                setattr(bn, k, b.clone())
+    try:
+        yield
+    finally:
+        for bn, bufs in saved:
+            for k, b in zip(names, bufs):
+                setattr(bn, k, b)
+
+
+# ---------------------------------------------------------------- the wrapper
+
+
+def batchnorms(modules: list[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for top in modules for m in top.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+class CheckpointGroup(nn.Module):
+    """Runs `body` (one or more consecutive segments) under non-reentrant checkpointing.
+
+    Only the input is kept; the body's activations are recomputed in backward with the RNG state
+    of the first forward (dropout and stochastic depth match) and BatchNorm shielded.
+    `policy` switches to selective checkpointing: a `torch.utils.checkpoint` policy function
+    deciding per op what to save and what to recompute.
+    """
+
+    def __init__(self, body: list[nn.Module], policy: Callable | None = None):
+        super().__init__()
+        self.body = nn.Sequential(*body)
+        self._policy = policy
+        self._bns = batchnorms(body)
+
+    def _contexts(self):
+        shield = shield_batchnorm(self._bns)
+        if self._policy is None:
+            return contextlib.nullcontext(), shield
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        fwd, recompute = create_selective_checkpoint_contexts(self._policy)
+        return fwd, _both(shield, recompute)  # the shield's copies are no recomputed ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+            return self.body(x)
+        return checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._contexts)
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
+                 policy: Callable | None = None) -> None:
+    """Checkpoint each group (first, last) of consecutive segment indices, in place."""
+    names = {id(m): n for n, m in model.named_modules()}
+    swaps: dict[str, nn.Module] = {}
+    for first, last in groups:
+        segs = segments[first:last + 1]
+        slots = [f"{names[id(s.parent)]}.{a}".lstrip(".") for s in segs for a in s.attrs]
+        swaps[slots[0]] = CheckpointGroup([m for s in segs for m in s.modules()], policy)
+        swaps.update((slot, nn.Identity()) for slot in slots[1:])
+    swap_modules(model, lambda name, _m: name in swaps, lambda name, _m: swaps[name])

@@ -1,0 +1,207 @@
+"""Activation checkpointing: recompute segments in backward instead of keeping their activations.
+
+Strategies (`method.strategy`):
+- `uniform`: groups of `every` consecutive segments, each group checkpointed as one unit;
+- `sqrt`: groups of round(sqrt(n)) segments (Chen et al. 2016);
+- `budget`: profile every segment on the run's device, then solve a 0-1 program (MONeT-style,
+  scipy's HiGHS) for the least recompute time whose modelled activation peak fits the budget;
+- `selective`: every segment checkpointed with torch's selective activation checkpointing:
+  matmul and convolution outputs saved, the cheap ops recomputed;
+- `compile`: torch.compile with `torch._functorch.config.activation_memory_budget`, PyTorch's own
+  budgeted rematerialisation (the peer baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.errors import ConfigError, check_choice, check_range
+from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods._segments import Segment, apply_groups, discover
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("uniform", "sqrt", "budget", "selective", "compile")
+PLANNED = ("uniform", "sqrt", "budget")
+
+
+def _save_matmul_conv(ctx, op, *args, **kwargs):
+    """Selective checkpointing policy: keep what is expensive to recompute (matmul, convolution),
+    recompute the rest (normalisation, activations, pointwise ops)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    expensive = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                 aten.convolution.default, aten._convolution.default}
+    return CheckpointPolicy.MUST_SAVE if op in expensive else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CompiledBudget(nn.Module):
+    """torch.compile of `model`, compiled under `activation_memory_budget` = `budget`."""
+
+    def __init__(self, model: nn.Module, budget: float):
+        super().__init__()
+        self.model = model
+        self.budget = budget
+        # Dynamo reuses a graph compiled for another model of the same structure (parameters are
+        # graph inputs) and the budget is no part of its guards: start from empty caches.
+        torch.compiler.reset()
+        # Not registered as a submodule: the compiled wrapper shares model's parameters.
+        object.__setattr__(self, "_compiled", torch.compile(model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch._functorch.config as fconfig
+
+        with fconfig.patch(activation_memory_budget=self.budget):
+            return self._compiled(x)
+
+
+class CheckpointMethod:
+    name = "checkpoint"
+
+    def __init__(self, strategy: str = "budget", every: int = 1, budget_fraction: float = 0.5,
+                 budget_bytes: int | None = None, max_group: int | None = None,
+                 profile_batch: int | None = None, profile_repeats: int = 2,
+                 dry_run: bool = False):
+        check_choice("method.strategy", strategy, STRATEGIES)
+        check_range("method.every", every, 1)
+        check_range("method.budget_fraction", budget_fraction, 0, 1, lo_open=True)
+        if budget_bytes is not None:
+            check_range("method.budget_bytes", budget_bytes, 1)
+        if max_group is not None:
+            check_range("method.max_group", max_group, 1)
+        if profile_batch is not None:
+            check_range("method.profile_batch", profile_batch, 1)
+        self.strategy, self.every = strategy, int(every)
+        self.budget_fraction, self.budget_bytes = float(budget_fraction), budget_bytes
+        check_range("method.profile_repeats", profile_repeats, 1)
+        self.max_group, self.profile_batch, self.dry_run = max_group, profile_batch, dry_run
+        self.profile_repeats = int(profile_repeats)
+        self.segments: list[Segment] = []
+        self.plan: planner.Plan | None = None
+        self.profile: planner.Profile | None = None
+
+    # ------------------------------------------------------------ wrap / prepare
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.strategy == "compile":
+            return CompiledBudget(model, self.budget_fraction)
+        self.segments = discover(model)
+        if self.strategy == "selective":
+            # A saved matmul/conv output must not be overwritten later in the forward (SAC
+            # checks it): in-place activations (SiLU after the squeeze-excite conv) go out-of-place.
+            for m in model.modules():
+                if isinstance(getattr(m, "inplace", None), bool):
+                    m.inplace = False
+            apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
+                         policy=_save_matmul_conv)
+        return model
+
+    def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                autocast=None) -> dict[str, Any]:
+        """Profile the segments on `x` (its device), choose the groups, checkpoint them in
+        place; returns the plan's summary columns. Planned strategies only."""
+        pb = self.profile_batch
+        scale = 1.0
+        if pb is not None and pb < x.shape[0]:
+            scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
+        self.profile = prof = planner.profile(model, self.segments, x,
+                                              lambda out: F.cross_entropy(out.float(), y),
+                                              autocast, self.profile_repeats, scale)
+        n = prof.n
+        if self.strategy == "uniform":
+            plan = planner.make_plan(prof, planner.uniform_groups(n, self.every))
+        elif self.strategy == "sqrt":
+            plan = planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
+        else:
+            plan = self._plan_budget(prof)
+        self.plan = plan
+        if not self.dry_run:
+            apply_groups(model, self.segments, plan.groups)
+        return self.summary_columns()
+
+    def _budget(self, prof: planner.Profile) -> int:
+        if self.budget_bytes is not None:
+            return int(self.budget_bytes)
+        return int(self.budget_fraction * prof.baseline_peak)
+
+    def _plan_budget(self, prof: planner.Profile) -> planner.Plan:
+        budget = self._budget(prof)
+        try:
+            return planner.plan_budget(prof, budget, self.max_group)
+        except planner.Infeasible as e:
+            what = (f"method.budget_bytes={self.budget_bytes}" if self.budget_bytes is not None
+                    else f"method.budget_fraction={self.budget_fraction} ({budget} bytes)")
+            raise ConfigError(
+                f"{what} is below the smallest feasible activation peak, {e.min_peak} bytes "
+                f"(budget_fraction {e.min_peak / prof.baseline_peak:.3f} of the baseline's "
+                f"{prof.baseline_peak}); raise the budget") from None
+
+    def summary_columns(self) -> dict[str, Any]:
+        p, prof = self.plan, self.profile
+        if p is None or prof is None:
+            return {}
+        return {
+            "plan_peak_bytes": p.peak,
+            "plan_baseline_peak_bytes": prof.baseline_peak,
+            "plan_budget_bytes": self._budget(prof) if self.strategy == "budget" else None,
+            "plan_overhead": p.overhead,
+            "plan_recompute_s": p.recompute_s,
+            "plan_segments": prof.n,
+            "plan_groups": ";".join(f"{a}-{e}" for a, e in p.groups),
+            "plan_solve_s": p.extra.get("solve_s", 0.0),
+        }
+
+    def table(self) -> str:
+        """The profile and the plan, one row per segment (what `dry_run` prints)."""
+        prof, p = self.profile, self.plan
+        group_of = {i: g for g in p.groups for i in range(g[0], g[1] + 1)}
+        lines = [f"{'#':>3} {'segment':<14} {'inner MiB':>10} {'out MiB':>9} {'fwd ms':>8}  "
+                 f"decision"]
+        for i in range(prof.n):
+            g = group_of.get(i)
+            what = "keep" if g is None else (f"recompute (group {g[0]}-{g[1]})")
+            lines.append(f"{i:>3} {prof.names[i]:<14} {prof.inner[i] / 2**20:>10.2f} "
+                         f"{prof.out[i] / 2**20:>9.2f} {prof.time[i] * 1e3:>8.2f}  {what}")
+        lines.append(f"tail (kept): {prof.tail / 2**20:.2f} MiB; baseline step "
+                     f"{prof.step_time * 1e3:.1f} ms")
+        lines.append(f"activation peak: baseline {prof.baseline_peak / 2**20:.2f} MiB -> plan "
+                     f"{p.peak / 2**20:.2f} MiB ({p.peak / prof.baseline_peak:.3f}x); predicted "
+                     f"overhead +{100 * p.overhead:.1f}% step time")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ training
+
+    def fit(self, model: nn.Module, data, optimizer, scheduler, **train_kwargs):
+        from memtrain.train import PRECISIONS, TrainResult, train
+
+        extra: dict[str, Any] = {}
+        if self.strategy in PLANNED:
+            device = train_kwargs["device"]
+            model.to(device)
+            model.train()
+            x, y = next(iter(data.train.batches(train_kwargs["batch_size"], device)))
+            if train_kwargs.get("channels_last") and x.ndim == 4:
+                model.to(memory_format=torch.channels_last)
+                x = x.contiguous(memory_format=torch.channels_last)
+            dtype = PRECISIONS[train_kwargs.get("precision", "fp32")]
+            autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else None
+            extra = self.prepare(model, x, y, autocast)
+            log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
+            if self.dry_run:
+                print(self.table())
+                return TrainResult({**extra, "dry_run": True, "steps": 0}, [])
+        elif self.dry_run:
+            print(f"checkpoint strategy {self.strategy} has no plan to show; "
+                  f"{len(self.segments)} segments")
+            return TrainResult({"dry_run": True, "steps": 0}, [])
+        result = train(model, data, optimizer, scheduler, **train_kwargs)
+        result.summary.update(extra)
+        return result
+

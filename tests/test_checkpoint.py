@@ -1,0 +1,226 @@
+"""Checkpointing: exact gradients and BatchNorm statistics against none, the planner against brute
+force, the modelled activation peak against the tracker's, budgets respected."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memtrain import api
+from memtrain.errors import ConfigError
+from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods.checkpoint import CheckpointMethod
+
+# (model, image size, batch): small inputs that still exercise every segment kind.
+MODELS = {
+    "resnet18": (64, 2), "resnet34": (64, 2), "resnet50": (64, 2), "efficientnet_b0": (32, 2),
+    "resmlp12": (32, 2), "resmlp24": (16, 2), "mlp6": (8, 4),
+}
+EAGER = ("uniform", "sqrt", "budget", "selective")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared, loaded CPU two spinning threads run these small
+    convolutions many times slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _build(model: str, size: int):
+    data, m, _ = api.build([f"model={model}", f"dataset.image_size={size}"])
+    return data, m
+
+
+def _batch(size: int, batch: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,),
+                                                                         generator=g)
+
+
+def _step(model, x, y, seed=1):
+    """One forward + backward in train mode, from a fixed RNG state (dropout, stochastic depth)."""
+    model.train()
+    torch.manual_seed(seed)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _checkpointed(base, strategy, x, y, **kw):
+    """A checkpointed copy of `base`, its method and its parameters and buffers in `base`'s order
+    (the surgery moves modules, the tensors stay the same objects)."""
+    model = copy.deepcopy(base)
+    tensors = list(model.parameters()), list(model.buffers())
+    method = CheckpointMethod(strategy=strategy, profile_repeats=1, **kw)
+    model = method.wrap(model)
+    if strategy in ("uniform", "sqrt", "budget"):
+        method.prepare(model, x, y)
+    return model, method, tensors
+
+
+def _assert_same_step(ref, ref_loss, model, tensors, x, y, what):
+    """One step of `model` gives `ref`'s loss, gradients and BatchNorm running statistics."""
+    loss = _step(model, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-5), what
+    params, buffers = tensors
+    for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7,
+                                   msg=f"{what}: grad of {name}")
+    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
+        assert torch.equal(b, b_ref), f"{what}: buffer {name}"
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m == "resmlp24"
+                                   else m for m in sorted(MODELS)])
+def test_every_strategy_matches_none(model):
+    size, batch = MODELS[model]
+    _, base = _build(model, size)
+    x, y = _batch(size, batch)
+    ref = copy.deepcopy(base)
+    ref_loss = _step(ref, x, y)
+    for strategy in EAGER:
+        got, method, tensors = _checkpointed(base, strategy, x, y, budget_fraction=0.7, every=2)
+        if strategy != "selective":  # something really is recomputed
+            assert method.plan.groups, strategy
+        _assert_same_step(ref, ref_loss, got, tensors, x, y, f"{model}/{strategy}")
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def _random_profile(rng: random.Random, n: int) -> planner.Profile:
+    kib = 1024
+    return planner.Profile(
+        names=[f"s{i}" for i in range(n)],
+        inner=[rng.randint(0, 64) * kib for _ in range(n)],
+        out=[rng.randint(1, 16) * kib for _ in range(n)],
+        out_saved=[rng.random() < 0.5 for _ in range(n)],
+        time=[rng.uniform(0.1, 2.0) for _ in range(n)],
+        tail=rng.randint(0, 8) * kib, step_time=3.0 * n)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planner_equals_brute_force(seed):
+    rng = random.Random(seed)
+    n = 10 + seed % 3
+    prof = _random_profile(rng, n)
+    low, high = planner.min_peak(prof), prof.baseline_peak
+    assert low == min(planner.peak_bytes(prof, g) for g in planner._all_plans(n, 0, n))
+    for frac in (0.1, 0.5, 0.9):
+        budget = int(low + frac * (high - low))
+        got = planner.plan_budget(prof, budget)
+        best = planner.brute_force(prof, budget)
+        assert got.peak <= budget
+        assert got.recompute_s == pytest.approx(best.recompute_s, rel=1e-9, abs=1e-12)
+    with pytest.raises(planner.Infeasible) as err:
+        planner.plan_budget(prof, low - 1)
+    assert err.value.min_peak == low
+
+
+def test_peak_model_by_hand():
+    # three segments, inner 10/20/30, outputs 1/2/3 (the last saved by its own op), tail 5
+    p = planner.Profile(["a", "b", "c"], [10, 20, 30], [1, 2, 3], [False, False, True],
+                        [1.0, 1.0, 1.0], tail=5)
+    assert p.baseline_peak == 5 + 60 + 6
+    # recompute b alone: forward end = 5 + 10 + 30 + 6; its recompute = (10 + 1) + 20 = 31
+    assert planner.peak_bytes(p, [(1, 1)]) == 51
+    # a+b as one group: output of a hidden; recompute = 10 + 20 + 1 = 31; forward = 5+30+2+3
+    assert planner.peak_bytes(p, [(0, 1)]) == 40
+    # everything in one group: forward = 5 + 3; recompute = 60 + 1 + 2 + 3 (c saves its output)
+    assert planner.peak_bytes(p, [(0, 2)]) == 66
+
+
+# ---------------------------------------------------------------- measured runs
+
+RUN = ["trainer=smoke", "trainer.threads=1", "trainer.batch_size=4", "trainer.max_steps=2",
+       "trainer.warmup_steps=1"]
+
+
+def _run(tmp_path, name, *overrides):
+    s = api.run([*RUN, *overrides], out_dir=tmp_path / name)
+    assert s["status"] == "ok", s.get("error")
+    return s
+
+
+@pytest.mark.slow
+def test_budget_respected_and_peak_predicted(tmp_path):
+    model = ["model=resnet18", "dataset.image_size=64"]
+    none = _run(tmp_path, "none", *model)
+    for frac in (0.5, 0.8):
+        s = _run(tmp_path, f"b{frac}", *model, "method=checkpoint",
+                 f"method.budget_fraction={frac}")
+        assert s["mem_peak_act_bytes"] <= (frac + 0.05) * none["mem_peak_act_bytes"]
+        assert s["plan_peak_bytes"] == pytest.approx(s["mem_peak_act_bytes"], rel=0.10)
+        assert s["plan_peak_bytes"] <= s["plan_budget_bytes"]
+        # the baseline the fraction refers to is none's measured activation peak
+        assert s["plan_baseline_peak_bytes"] == pytest.approx(none["mem_peak_act_bytes"],
+                                                              rel=0.05)
+        assert s["train_loss"] == pytest.approx(none["train_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,size,strategy,extra,fraction", [
+    ("resnet50", 64, "sqrt", [], 1.0), ("efficientnet_b0", 32, "uniform", [], 1.0),
+    ("resmlp12", 32, "budget", [], 0.5),
+    # autocast caches its bf16 weight copies until the forward ends, recomputed segment or not
+    ("resnet18", 32, "budget", ["trainer.precision=bf16"], 0.8)])
+def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extra, fraction):
+    args = [f"model={model}", f"dataset.image_size={size}", *extra]
+    none = _run(tmp_path, "none", *args)
+    s = _run(tmp_path, strategy, *args, "method=checkpoint", f"method.strategy={strategy}",
+             f"method.budget_fraction={fraction}")
+    assert s["plan_peak_bytes"] == pytest.approx(s["mem_peak_act_bytes"], rel=0.10)
+    if strategy == "sqrt":  # Chen et al.'s sqrt(n) groups at least halve the activation peak
+        assert s["mem_peak_act_bytes"] <= 0.5 * none["mem_peak_act_bytes"]
+
+
+def test_infeasible_budget_names_the_smallest(tmp_path):
+    with pytest.raises(ConfigError, match=r"smallest feasible activation peak, \d+ bytes"):
+        api.run([*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint",
+                 "method.budget_fraction=0.1"], out_dir=tmp_path / "x")
+
+
+@pytest.mark.parametrize("key,value", [("strategy", "best"), ("every", 0),
+                                       ("budget_fraction", 0), ("budget_fraction", 1.5)])
+def test_bad_options_are_config_errors(key, value):
+    with pytest.raises(ConfigError, match=f"method.{key}"):
+        CheckpointMethod(**{key: value})
+
+
+def test_unknown_model_is_a_config_error():
+    with pytest.raises(ConfigError, match="no segment rule"):
+        CheckpointMethod().wrap(torch.nn.Linear(2, 2))
+
+
+def test_dry_run_prints_plan_and_does_not_train(in_tmp):
+    from conftest import run_memtrain
+
+    p = run_memtrain("trainer=smoke", "model=resnet18", "dataset.image_size=32",
+                     "method=checkpoint", "method.dry_run=true", "trainer.threads=1",
+                     cwd=in_tmp, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "layer4.1" in p.stdout and "activation peak: baseline" in p.stdout
+    (summary,) = in_tmp.glob("runs/*/*_checkpoint_*/summary.json")
+    s = __import__("json").loads(summary.read_text())
+    assert s["dry_run"] is True and s["steps"] == 0 and s["plan_peak_bytes"] > 0
+    assert "mem_peak_act_bytes" not in s
+
+
+@pytest.mark.slow
+def test_compile_strategy_matches_none():
+    # Inductor compiles on the CPU in tens of seconds per model: one small MLP shows the
+    # budgeted compile trains the same function (the partitioner only changes what is saved).
+    _, base = _build("mlp6", 8)
+    x, y = _batch(8, 4)
+    ref = copy.deepcopy(base)
+    ref_loss = _step(ref, x, y)
+    for frac in (0.0, 1.0):
+        got, _, tensors = _checkpointed(base, "compile", x, y, budget_fraction=frac or 1e-3)
+        _assert_same_step(ref, ref_loss, got, tensors, x, y, f"compile {frac}")
