@@ -181,3 +181,74 @@ def test_cli_bad_option_exits_2_with_one_line(in_tmp):
     p = run_memtrain("method=pool", "method.mode=bilinear", "trainer=smoke", cwd=in_tmp,
                      timeout=120)
     assert p.returncode == 2 and "method.mode must be one of upsample, pooled" in p.stderr
+
+
+def _small_cnn(channels: int, width: int = 32, classes: int = 10) -> torch.nn.Module:
+    """Four conv-BN-ReLU layers (one stride 2): a ResNet stage in miniature, cheap on a CPU."""
+    nn = torch.nn
+    layers, cin = [], channels
+    for cout, stride in ((width, 1), (width, 1), (2 * width, 2), (2 * width, 1)):
+        layers += [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout),
+                   nn.ReLU(inplace=True)]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+@pytest.mark.slow
+def test_training_converges_like_none_at_equal_epochs():
+    """Synthetic 16 px data, 12 epochs of 32 steps, SGD with a cosine schedule: pool (k=2,
+    upsample, targets=conv) ends within 3 points of none's test accuracy."""
+    import copy
+
+    from memtrain.data import synthetic
+    from memtrain.optim import build_optimizer, build_scheduler
+    from memtrain.train import train
+
+    data = synthetic(image_size=16, train_size=2048, test_size=1000)
+    torch.manual_seed(0)
+    base = _small_cnn(3)
+    acc = {}
+    for name in ("none", "pool"):
+        net = copy.deepcopy(base)
+        if name == "pool":
+            net = PoolMethod().wrap(net)
+        opt = build_optimizer(net, lr=0.05)
+        result = train(net, data, opt, build_scheduler(opt, 12 * 32), device=CPU,
+                       batch_size=64, epochs=12, warmup_steps=1, progress=False,
+                       account_memory=False)
+        acc[name] = result.summary["test_acc"]
+    assert acc["none"] > 0.8, acc  # the task is learnt at all
+    assert acc["pool"] >= acc["none"] - 0.03, acc
+
+
+STUDY = ["none", "k2_upsample", "k2_pooled", "k4_upsample", "k4_pooled"]
+
+
+def test_pool_study_variants_compose_to_the_intended_methods():
+    import yaml
+    from conftest import CONF
+
+    sweep = yaml.safe_load((CONF / "experiment" / "pool_study.yaml").read_text())
+    assert sweep["hydra"]["sweeper"]["params"]["+experiment/pool_study@_global_"] == \
+        ",".join(STUDY)
+    for variant in STUDY:
+        cfg, choices = api.compose(["experiment=pool_study", "trainer=smoke",
+                                    f"+experiment/pool_study@_global_={variant}"])
+        assert cfg.trainer.max_steps == 4 and cfg.trainer.batch_size == 8  # smoke still wins
+        if variant == "none":
+            assert choices["method"] == "none"
+            continue
+        k, mode = variant[1:].split("_")
+        assert choices["method"] == "pool"
+        assert (cfg.method.kernel_size, cfg.method.mode) == (int(k), mode)
+
+
+def test_pool_smoke_run_records_options_and_saves_less(in_tmp):
+    common = ["trainer=smoke", "model=resnet18", "dataset.image_size=16"]
+    base = api.run([*common, "method=none"], out_dir=in_tmp / "none")
+    row = api.run([*common, "method=pool", "method.kernel_size=4", "method.mode=pooled"],
+                  out_dir=in_tmp / "pool")
+    assert row["status"] == "ok", row.get("error")
+    assert row["method.kernel_size"] == 4 and row["method.mode"] == "pooled"
+    assert row["mem_act_saved_bytes"] < 0.8 * base["mem_act_saved_bytes"]
+    assert row["mem_peak_act_bytes"] < base["mem_peak_act_bytes"]
