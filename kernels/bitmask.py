@@ -23,10 +23,14 @@ BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
 
 # ---------------------------------------------------------------- Triton kernels
 
+triton = tl = None  # module globals, bound on first use: the kernels resolve `tl` through them
+
 
 @functools.cache
 def _kernels():
-    """Compile-on-first-use: importing this module never needs Triton."""
+    """Define the kernels on first use: importing this module never needs Triton, and
+    TRITON_INTERPRET (read when a kernel is defined) may be set until then."""
+    global triton, tl
     import triton
     import triton.language as tl
 
