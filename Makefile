@@ -56,5 +56,9 @@ bench-baseline: $(STAMP) ## GPU: resnet50 at 224 px, batch 64, none: peak and br
 bench-checkpoint: $(STAMP) ## checkpointing vs none: peak and step time per strategy (GPU: resnet50 224 px, largest batch)
 	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
+.PHONY: bench-pool
+bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
+	$(BIN)/python -m memtrain.bench.pool $(ARGS)
+
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

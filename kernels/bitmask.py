@@ -1,0 +1,172 @@
+"""1-bit activation masks: pack `x > 0` into bytes, and apply the packed mask to a gradient.
+
+Used by `method=pool` so that a ReLU keeps 1 bit per element for its backward instead of its
+full-size output (PAPERS.md, the pool pitfall). Bit j of byte b holds element 8*b + j (little
+bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
+
+Three implementations with one signature each:
+- Triton kernels (`_pack_kernel`, `_masked_grad_kernel`) behind `pack_triton`, `masked_grad_triton`:
+  CUDA, or the CPU under TRITON_INTERPRET=1 (tests).
+- Plain-torch fallbacks `pack_torch` / `unpack_torch` / `masked_grad_torch`: any device.
+- `pack` / `masked_grad` pick Triton on CUDA when it imports, else the fallback.
+The eager oracle (numpy) lives in kernels/reference.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_BYTES = 1024  # bytes per program in the pack kernel (8x as many elements)
+BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
+
+# ---------------------------------------------------------------- Triton kernels
+
+triton = tl = None  # module globals, bound on first use: the kernels resolve `tl` through them
+
+
+@functools.cache
+def _kernels():
+    """Define the kernels on first use: importing this module never needs Triton, and
+    TRITON_INTERPRET (read when a kernel is defined) may be set until then."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _pack_kernel(
+        x_ptr,  # *T     input, n elements, contiguous
+        bits_ptr,  # *u8  output, ceil(n / 8) bytes
+        n,  # number of elements of x
+        n_bytes,  # ceil(n / 8)
+        BLOCK: tl.constexpr,  # bytes per program
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        byte = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] byte index
+        bit = tl.arange(0, 8)  # [8] bit index within a byte
+        idx = byte[:, None] * 8 + bit[None, :]  # [BLOCK, 8] element index
+        x = tl.load(x_ptr + idx, mask=idx < n, other=0)
+        weights = (x > 0).to(tl.int32) << bit[None, :]  # bits never overlap: sum == or
+        packed = tl.sum(weights, axis=1)  # [BLOCK] in 0..255
+        tl.store(bits_ptr + byte, packed.to(tl.uint8), mask=byte < n_bytes)
+
+    @triton.jit
+    def _masked_grad_kernel(
+        grad_ptr,  # *T   incoming gradient, n elements, contiguous
+        bits_ptr,  # *u8  packed mask from _pack_kernel
+        out_ptr,  # *T    grad where the mask bit is set, else 0
+        n,  # number of elements
+        BLOCK: tl.constexpr,  # elements per program
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        idx = pid * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < n
+        byte = tl.load(bits_ptr + idx // 8, mask=inside, other=0).to(tl.int32)
+        keep = ((byte >> (idx % 8).to(tl.int32)) & 1) != 0
+        g = tl.load(grad_ptr + idx, mask=inside, other=0)
+        tl.store(out_ptr + idx, tl.where(keep, g, tl.zeros_like(g)), mask=inside)
+
+    return _pack_kernel, _masked_grad_kernel
+
+
+def n_bytes(n: int) -> int:
+    return (n + 7) // 8
+
+
+def pack_triton(x: torch.Tensor) -> torch.Tensor:
+    """Packed `x > 0` (uint8, ceil(numel / 8) bytes) computed by the Triton kernel."""
+    x = x.contiguous()
+    n = x.numel()
+    bits = torch.empty(n_bytes(n), dtype=torch.uint8, device=x.device)
+    if n:
+        pack_kernel, _ = _kernels()
+        grid = (_cdiv(n_bytes(n), BLOCK_BYTES),)
+        pack_kernel[grid](x, bits, n, n_bytes(n), BLOCK=BLOCK_BYTES)
+    return bits
+
+
+def masked_grad_triton(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`grad` where the packed mask is set, else 0 (shape and dtype of grad), by Triton."""
+    grad = grad.contiguous()
+    out = torch.empty_like(grad)
+    n = grad.numel()
+    if n:
+        _, masked_kernel = _kernels()
+        masked_kernel[(_cdiv(n, BLOCK_ELEMS),)](grad, bits, out, n, BLOCK=BLOCK_ELEMS)
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------- torch fallback
+
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
+                                            device=device)
+    return _BIT_WEIGHTS[device]
+
+
+def pack_torch(x: torch.Tensor) -> torch.Tensor:
+    """Packed `x > 0` with plain torch ops (any device)."""
+    m = (x > 0).reshape(-1)
+    pad = (-m.numel()) % 8
+    if pad:
+        m = torch.cat([m, m.new_zeros(pad)])
+    return (m.view(-1, 8).to(torch.uint8) * _weights(x.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_torch(bits: torch.Tensor, n: int) -> torch.Tensor:
+    """The bool mask of `n` elements (flat) held in `bits`."""
+    m = (bits[:, None] & _weights(bits.device)) != 0  # [n_bytes, 8]
+    return m.reshape(-1)[:n]
+
+
+def masked_grad_torch(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    mask = unpack_torch(bits, grad.numel()).view(grad.shape)
+    return torch.where(mask, grad, grad.new_zeros(()))
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and triton_available()
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """Packed `x > 0`: Triton on CUDA, plain torch elsewhere."""
+    return pack_triton(x) if _use_triton(x) else pack_torch(x)
+
+
+def masked_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """`grad` where the packed mask is set, else 0: Triton on CUDA, plain torch elsewhere."""
+    return masked_grad_triton(grad, bits) if _use_triton(grad) else masked_grad_torch(grad, bits)
+
+
+if __name__ == "__main__":  # benchmark: python -m memtrain.kernels.bitmask (CUDA)
+    import triton.testing
+
+    x = torch.randn(128 * 64 * 112 * 112, device="cuda")
+    bits = pack(x)
+    for name, fn in [("pack triton", lambda: pack_triton(x)), ("pack torch", lambda: pack_torch(x)),
+                     ("grad triton", lambda: masked_grad_triton(x, bits)),
+                     ("grad torch", lambda: masked_grad_torch(x, bits)),
+                     ("relu backward (ref)", lambda: torch.where(x > 0, x, 0))]:
+        ms = triton.testing.do_bench(fn)
+        print(f"{name:>20}: {ms:.3f} ms, {x.numel() * x.element_size() / ms / 1e6:.0f} GB/s read")
