@@ -45,6 +45,24 @@ class MixerHead(nn.Module):
         return self.head(self.head_drop(x))
 
 
+class LabelStandardize(nn.Module):
+    """Fixed (x - kappa/2) / (kappa/sqrt(12)): a partition after a cut sees its input centred
+    and of unit variance, as the synthetic labels' entries are kappa * U(0, 1). Parameter-free
+    and affine, so the composed model's function class is unchanged; without it plain SGD on the
+    all-positive, off-centre inputs often kills every ReLU of mlp6's right part in a few steps.
+    """
+
+    def __init__(self, kappa: float):
+        super().__init__()
+        self.kappa = kappa
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - 0.5 * self.kappa) * (12**0.5 / self.kappa)
+
+    def extra_repr(self) -> str:
+        return f"kappa={self.kappa}"
+
+
 def units(model: nn.Module) -> list[nn.Module]:
     """The model as a list of modules whose composition is its forward: the cut candidates.
 
@@ -242,14 +260,20 @@ def build_optimizer(spec: dict[str, Any], module: nn.Module) -> torch.optim.Opti
     return spec["cls"](groups, **spec["defaults"])
 
 
-def lr_factors(scheduler, run_total: int, phase_total: int) -> list[float] | None:
-    """The run's LambdaLR shape stretched to a phase of `phase_total` steps, as a table (picklable,
-    unlike the schedule's closure). None when the run has no schedule."""
+def lr_factors(scheduler, run_total: int, phase_total: int, tail: bool = False) -> list[float] | None:
+    """The run's LambdaLR as a table over a phase of `phase_total` steps (picklable, unlike the
+    schedule's closure); None when the run has no schedule. A partition gets the whole schedule
+    stretched to its length; `tail` gives the run's last `phase_total` steps instead (recovery:
+    end-to-end fine-tuning at the low end of the schedule)."""
     lambdas = getattr(scheduler, "lr_lambdas", None)
     if not lambdas:
         return None
+    f = lambdas[0]
+    if tail:
+        start = max(0, run_total - phase_total)
+        return [float(f(start + s)) for s in range(phase_total + 1)]
     scale = run_total / max(1, phase_total)
-    return [float(lambdas[0](int(s * scale))) for s in range(phase_total + 1)]
+    return [float(f(int(s * scale))) for s in range(phase_total + 1)]
 
 
 def _factor(table: list[float], step: int) -> float:

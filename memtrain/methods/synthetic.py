@@ -27,6 +27,7 @@ from torch import nn
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods._partition import (
+    LabelStandardize,
     Phase,
     _numel,
     balanced_cuts,
@@ -111,7 +112,9 @@ class Synthetic:
         else:
             cuts = balanced_cuts(sizes, self.partitions)
         bounds = [0, *cuts, len(us)]
-        parts = Partitioned(*[nn.Sequential(*us[a:b]) for a, b in zip(bounds, bounds[1:])])
+        # every partition after a cut starts with the fixed standardisation of its input
+        parts = Partitioned(*[nn.Sequential(*([LabelStandardize(self.kappa)] if a else []),
+                                            *us[a:b]) for a, b in zip(bounds, bounds[1:])])
         parts.unit_bounds = bounds
         return parts
 
@@ -123,7 +126,7 @@ class Synthetic:
 
         `optimizer`/`scheduler` are the run's (built on the whole model): each phase gets a fresh
         optimizer of the same class and settings over its own parameters, and the run's learning
-        rate schedule stretched to the phase's length.
+        rate schedule stretched to the phase's length (recovery: the schedule's last steps).
         """
         from memtrain.train import RunFailed, TrainResult
 
@@ -187,7 +190,8 @@ class Synthetic:
         total = rec_kw["max_steps"] or cap
         model.to(kw["device"])
         return Phase(name="recovery", module=model, optim=optimizer_spec(optimizer, model),
-                     factors=lr_factors(scheduler, run_total, total), train_kwargs=rec_kw)
+                     factors=lr_factors(scheduler, run_total, total, tail=True),
+                     train_kwargs=rec_kw)
 
     # ------------------------------------------------------------ records
 
