@@ -16,6 +16,7 @@ one partition's parameters, gradients, optimizer state and activations are alive
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import time
@@ -130,21 +131,10 @@ class Synthetic:
         """
         from memtrain.train import RunFailed, TrainResult
 
+        kw = {**_train_defaults(), **kw}
+        phases = self.plan(model, data, optimizer, scheduler, **kw)
         device: torch.device = kw["device"]
-        seed = self.seed if self.seed is not None else kw["seed"]
-        shapes = cut_shapes(model, data.input_shape)
-        self.labels = [label_matrix(seed, j, math.prod(s), data.num_classes, self.kappa)
-                       for j, s in enumerate(shapes)]
-        steps_per_epoch = max(1, len(data.train) // kw["batch_size"])
-        run_total = kw["max_steps"] or kw["epochs"] * steps_per_epoch
-        epochs = self.epochs_per_partition or kw["epochs"] - self.recovery_epochs
-        if epochs < 1:
-            raise ConfigError(f"method.recovery_epochs={self.recovery_epochs} leaves no epochs "
-                              f"for the partitions out of trainer.epochs={kw['epochs']}; lower it "
-                              f"or set method.epochs_per_partition")
-        phase_kw = {**kw, "epochs": epochs}
-        phases = [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
-                              steps_per_epoch) for j in range(len(model))]
+        steps_per_epoch, run_total = _run_steps(data, kw)
         done: list[tuple[str, Any]] = []
         t0 = time.perf_counter()
         try:
@@ -168,6 +158,24 @@ class Synthetic:
         summary["train_time_s"] = time.perf_counter() - t0
         summary.update(self._evaluate(model, data, kw, metrics, summary["steps"]))
         return TrainResult(summary, metrics)
+
+    def plan(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
+             **kw) -> list[Phase]:
+        """The label matrices (in `self.labels`) and one Phase per partition, in order."""
+        kw = {**_train_defaults(), **kw}
+        seed = self.seed if self.seed is not None else kw["seed"]
+        shapes = cut_shapes(model, data.input_shape)
+        self.labels = [label_matrix(seed, j, math.prod(s), data.num_classes, self.kappa)
+                       for j, s in enumerate(shapes)]
+        steps_per_epoch, run_total = _run_steps(data, kw)
+        epochs = self.epochs_per_partition or kw["epochs"] - self.recovery_epochs
+        if epochs < 1:
+            raise ConfigError(f"method.recovery_epochs={self.recovery_epochs} leaves no epochs "
+                              f"for the partitions out of trainer.epochs={kw['epochs']}; lower it "
+                              f"or set method.epochs_per_partition")
+        phase_kw = {**kw, "epochs": epochs}
+        return [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
+                            steps_per_epoch) for j in range(len(model))]
 
     def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, spe) -> Phase:
         part = model[j]
@@ -237,6 +245,22 @@ class Synthetic:
             metrics.append({"step": step, "epoch": -1, "split": "test", "name": k, "value": v})
         log.info("synthetic: composed model test_acc %.4f", res["acc"])
         return {f"test_{k}": v for k, v in res.items()}
+
+
+def _train_defaults() -> dict[str, Any]:
+    """train.train's keyword defaults, so fit/plan accept what the CLI passes or any subset."""
+    from memtrain.train import train
+
+    hooks = ("loss_fn", "evaluate_fn", "metric_prefix")  # set per phase
+    return {k: p.default for k, p in inspect.signature(train).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in hooks
+            and p.default is not inspect.Parameter.empty}
+
+
+def _run_steps(data: Data, kw: dict[str, Any]) -> tuple[int, int]:
+    """Steps per epoch and the whole run's steps, as the CLI counts them for its schedule."""
+    steps_per_epoch = max(1, len(data.train) // kw["batch_size"])
+    return steps_per_epoch, kw["max_steps"] or kw["epochs"] * steps_per_epoch
 
 
 def _failing(phases: list[Phase], done) -> str:
