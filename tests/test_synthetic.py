@@ -14,7 +14,6 @@ from memtrain.methods._partition import (
     balanced_cuts,
     label_matrix,
     run_phase,
-    units,
 )
 from memtrain.methods.synthetic import Synthetic
 from memtrain.models import mlp6, resmlp12, resnet18
@@ -56,7 +55,7 @@ def test_label_matrix_deterministic_and_separated():
     assert torch.equal(s, label_matrix(3, 0, 512, 10, 2.0))
     assert not torch.equal(s, label_matrix(4, 0, 512, 10, 2.0))
     assert not torch.equal(s, label_matrix(3, 1, 512, 10, 2.0))
-    assert 0 <= float(s.min()) and float(s.max()) <= 2.0
+    assert float(s.min()) >= 0 and float(s.max()) <= 2.0
     # two independent kappa*U(0,1) vectors are kappa*sqrt(dim/6) apart on average
     dist = torch.cdist(s.t(), s.t())
     expected = 2.0 * (512 / 6) ** 0.5

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -68,8 +68,8 @@ def units(model: nn.Module) -> list[nn.Module]:
 
     mlp6 (nn.Sequential): Flatten, 5 Linear-ReLU blocks, classifier. torchvision ResNet: stem,
     each residual block of layer1..layer4 (stages are runs of blocks; blocks balance better than
-    stages, layer4 alone holds ~3/4 of ResNet-18), head (avgpool, flatten, fc). timm MlpMixer (resmlp): stem, each block, head
-    (norm, token mean, fc).
+    stages, layer4 alone holds ~3/4 of ResNet-18), head (avgpool, flatten, fc). timm MlpMixer
+    (resmlp): stem, each block, head (norm, token mean, fc).
     """
     from timm.models.mlp_mixer import MlpMixer
     from torchvision.models import ResNet
@@ -97,7 +97,7 @@ def _best_split(prefix: list[int], k: int, cost) -> tuple[float, tuple[int, ...]
     parameters; `cost` folds group by group: cost(size, rest_cost) (optimal substructure)."""
     n = len(prefix) - 1
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(start: int, parts: int) -> tuple[float, tuple[int, ...]]:
         if parts == 1:
             total = prefix[n] - prefix[start]
@@ -260,7 +260,8 @@ def build_optimizer(spec: dict[str, Any], module: nn.Module) -> torch.optim.Opti
     return spec["cls"](groups, **spec["defaults"])
 
 
-def lr_factors(scheduler, run_total: int, phase_total: int, tail: bool = False) -> list[float] | None:
+def lr_factors(scheduler, run_total: int, phase_total: int,
+               tail: bool = False) -> list[float] | None:
     """The run's LambdaLR as a table over a phase of `phase_total` steps (picklable, unlike the
     schedule's closure); None when the run has no schedule. A partition gets the whole schedule
     stretched to its length; `tail` gives the run's last `phase_total` steps instead (recovery:
