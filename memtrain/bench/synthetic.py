@@ -18,7 +18,6 @@ import argparse
 import csv
 import datetime
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -64,22 +63,22 @@ def time_to(row: dict, run_dir: Path, target: float, k: int) -> float:
     return float("nan")
 
 
-def bench(cpu: bool, ks: list[int], target_ratio: float, extra: list[str]) -> list[dict]:
+def bench(cpu: bool, ks: list[int], target_ratio: float, extra: list[str],
+          runs: Path) -> list[dict]:
     fmnist = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
     device = "cpu" if cpu else "auto"
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for model, over in suites(cpu, fmnist).items():
-            base = [*over, "optim=adamw", f"trainer.device={device}", "trainer.progress=false",
-                    "trainer.log_every=1000", *extra]
-            none = api.run([*base, "method=none"], out_dir=Path(tmp) / model / "none")
-            target = target_ratio * none["test_acc"]
-            rows.append(_row(model, 0, none, none, time_to(none, Path(tmp) / model / "none",
-                                                           target, 0)))
-            for k in ks:
-                d = Path(tmp) / model / f"k{k}"
-                syn = api.run([*base, "method=synthetic", f"method.partitions={k}"], out_dir=d)
-                rows.append(_row(model, k, syn, none, time_to(syn, d, target, k)))
+    for model, over in suites(cpu, fmnist).items():
+        base = [*over, "optim=adamw", f"trainer.device={device}", "trainer.progress=false",
+                "trainer.log_every=1000", *extra]
+        none = api.run([*base, "method=none"], out_dir=runs / model / "none")
+        target = target_ratio * none["test_acc"]
+        rows.append(_row(model, 0, none, none, time_to(none, runs / model / "none",
+                                                       target, 0)))
+        for k in ks:
+            d = runs / model / f"k{k}"
+            syn = api.run([*base, "method=synthetic", f"method.partitions={k}"], out_dir=d)
+            rows.append(_row(model, k, syn, none, time_to(syn, d, target, k)))
     return rows
 
 
@@ -106,22 +105,38 @@ def markdown(rows: list[dict], target_ratio: float) -> str:
                                f"peaks from `{rows[0]['peak_source']}` on {rows[0]['device']}.\n")
 
 
+def _device_name(cpu: bool) -> str:
+    if not cpu:
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} (torch threads: see overrides)"
+    except OSError:
+        pass
+    return "CPU"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU sizes (default when no CUDA)")
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--target", type=float, default=0.97, help="fraction of none's final acc")
     p.add_argument("--out", type=Path, help="write the markdown table here")
+    p.add_argument("--runs", type=Path, default=Path("runs/bench_synthetic"),
+                   help="run folders go below this folder")
     p.add_argument("overrides", nargs="*", help="extra memtrain overrides, e.g. trainer.threads=1")
     a = p.parse_args(argv)
     cpu = a.cpu or not torch.cuda.is_available()
-    table = markdown(bench(cpu, a.k, a.target, a.overrides), a.target)
+    runs = a.runs / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    table = markdown(bench(cpu, a.k, a.target, a.overrides, runs), a.target)
     print(table)
     if a.out:
         stamp = datetime.date.today().isoformat()
         a.out.parent.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(sys.argv[1:] if argv is None else argv)
         a.out.write_text(f"# method synthetic benchmark ({'CPU' if cpu else 'GPU'}, {stamp})\n\n"
+                         f"Device: {_device_name(cpu)}\n\n"
                          f"`python -m memtrain.bench.synthetic {cmd}`\n\n{table}")
 
 

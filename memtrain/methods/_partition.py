@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
@@ -298,7 +298,6 @@ class Phase:
     in_shape: tuple[int, ...] | None = None
     noise_std: float = 0.0
     s_out: torch.Tensor | None = None   # this cut's S; None: cross-entropy on the classes
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def phase_data(phase: Phase, data: Data, device: torch.device) -> Data:

@@ -104,7 +104,8 @@ class Synthetic:
     # ------------------------------------------------------------ surgery
 
     def wrap(self, model: nn.Module) -> Partitioned:
-        """Cut the model into `partitions` sequential parts (same parameters, same forward)."""
+        """Cut the model into `partitions` sequential parts: the same parameters; the forward
+        gains only the fixed `LabelStandardize` at each cut."""
         us = units(model)
         sizes = [_numel(u) for u in us]
         if self.cuts is not None:
