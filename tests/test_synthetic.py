@@ -16,7 +16,7 @@ from memtrain.methods._partition import (
     run_phase,
 )
 from memtrain.methods.synthetic import Synthetic
-from memtrain.models import mlp6, resmlp12, resnet18
+from memtrain.models import mlp6, resmlp12, resmlp24, resnet18, resnet50
 from memtrain.optim import build_optimizer, build_scheduler
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.device=cpu"]
@@ -82,9 +82,10 @@ def test_balanced_cuts_match_brute_force():
         balanced_cuts([0, 5, 5, 0, 5, 5], 5)
 
 
-@pytest.mark.parametrize("build,shape", [(mlp6, (1, 12, 12)), (resnet18, (3, 16, 16)),
-                                         (resmlp12, (3, 16, 16))])
-@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("build,shape,k", [
+    *[(b, s, k) for b, s in [(mlp6, (1, 12, 12)), (resnet18, (3, 16, 16)), (resmlp12, (3, 16, 16))]
+      for k in (2, 3, 4)],
+    (resnet50, (3, 16, 16), 3), (resmlp24, (3, 16, 16), 2)])
 def test_partitions_compose_to_the_model(build, shape, k):
     torch.manual_seed(0)
     model = build(num_classes=10, input_shape=shape).eval()
