@@ -91,7 +91,10 @@ def run_parallel(phases: list[Phase], data: Data, device: torch.device) -> list[
         procs = {}
         for j, phase in enumerate(wave):
             phase.module.cpu()
-            phase.train_kwargs = {**phase.train_kwargs, "device": devices[j]}
+            # A worker trains its partition from scratch: resumable state (a checkpointer, once
+            # the trainer has one) holds the parent's stop signal and is not sent.
+            kw = {k: v for k, v in phase.train_kwargs.items() if k != "checkpointer"}
+            phase.train_kwargs = {**kw, "device": devices[j]}
             p = ctx.Process(target=_worker, daemon=True,
                             args=(start + j, phase, cpu_data, on_device, torch.get_num_threads(),
                                   out))
