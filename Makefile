@@ -60,5 +60,9 @@ bench-checkpoint: $(STAMP) ## checkpointing vs none: peak and step time per stra
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
 	$(BIN)/python -m memtrain.bench.pool $(ARGS)
 
+.PHONY: bench-synthetic
+bench-synthetic: $(STAMP) ## method synthetic: per-partition peak, time to target, accuracy vs none (mlp6, resnet18; K=2,3,4)
+	$(BIN)/python -m memtrain.bench.synthetic $(ARGS)
+
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

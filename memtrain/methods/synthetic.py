@@ -1,0 +1,269 @@
+"""Partitioned training with synthetic intermediate labels (Karadag & Topaloglu, arXiv 2403.11204).
+
+The model is cut into K sequential partitions at layer/stage boundaries. Cut j gets a fixed random
+matrix S_j of shape (cut width, classes), entries kappa * U(0, 1); class c's intermediate label is
+column c (reshaped like the cut's output for feature maps). Partition j < K-1 learns, with MSE, to
+map its input to S_j[:, y]; the last partition learns the classes with cross-entropy. A later
+partition's input is either the frozen earlier partitions' output (`right_input=left`, trained in
+order) or S_{j-1}[:, y] plus Gaussian noise (`right_input=synthetic`: the partitions do not depend
+on each other and may train in parallel processes). Optional end-to-end recovery epochs follow.
+The composed model predicts argmax right(...(left(x))).
+
+Each phase is one call of `train.train` (its loss_fn / evaluate_fn / metric_prefix hooks); only
+one partition's parameters, gradients, optimizer state and activations are alive in a phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtrain.data import Data
+from memtrain.errors import ConfigError, check_choice, check_range
+from memtrain.methods._partition import (
+    LabelStandardize,
+    Phase,
+    _numel,
+    balanced_cuts,
+    check_cuts,
+    cut_shapes,
+    label_matrix,
+    lr_factors,
+    optimizer_spec,
+    run_phase,
+    units,
+)
+
+log = logging.getLogger(__name__)
+
+RIGHT_INPUTS = ("left", "synthetic")
+# Per-phase columns copied to the top level from the largest phase (see `_merge`).
+TOP_FROM_LARGEST = ("step_time_s_median", "step_time_s_p90", "throughput_samples_s")
+
+
+class Partitioned(nn.Sequential):
+    """The composed model: partitions applied in order; `unit_bounds` says which units each holds
+    (partition j = units[unit_bounds[j]:unit_bounds[j+1]])."""
+
+    unit_bounds: list[int]
+
+
+class Synthetic:
+    """Method `synthetic`; the keyword arguments are conf/method/synthetic.yaml's keys.
+
+    Args:
+        partitions: K >= 2 sequential partitions.
+        cuts: explicit boundaries as unit indices (K-1 of them, increasing); null picks the cuts
+            that balance parameter counts.
+        kappa: scale of the synthetic labels, S = kappa * U(0, 1).
+        right_input: `left` (a partition learns from the frozen earlier partitions' outputs) or
+            `synthetic` (from the previous cut's synthetic label plus noise).
+        noise: standard deviation of the Gaussian noise on synthetic inputs, as a fraction of kappa.
+        epochs_per_partition: epochs of each partition; null = trainer.epochs - recovery_epochs,
+            so every layer gets trainer.epochs epochs of updates in all (matched with none).
+        recovery_epochs: end-to-end fine-tuning epochs of the composed model afterwards.
+        parallel: one worker process per partition (needs right_input=synthetic); one device each
+            when several GPUs exist, one after another on a single device.
+        seed: seed of the label matrices; null = trainer.seed.
+    """
+
+    name = "synthetic"
+
+    def __init__(self, partitions: int = 2, cuts: list[int] | None = None, kappa: float = 1.0,
+                 right_input: str = "left", noise: float = 0.1,
+                 epochs_per_partition: int | None = None, recovery_epochs: int = 0,
+                 parallel: bool = False, seed: int | None = None):
+        check_range("method.partitions", partitions, 2)
+        if cuts is not None:
+            cuts = [int(c) for c in cuts]
+            if len(cuts) != partitions - 1:
+                raise ConfigError(f"method.cuts lists {len(cuts)} boundaries, so it needs "
+                                  f"method.partitions={len(cuts) + 1}, got {partitions}")
+        check_range("method.kappa", kappa, 0, None, lo_open=True)
+        check_choice("method.right_input", right_input, RIGHT_INPUTS)
+        check_range("method.noise", noise, 0)
+        if epochs_per_partition is not None:
+            check_range("method.epochs_per_partition", epochs_per_partition, 1)
+        check_range("method.recovery_epochs", recovery_epochs, 0)
+        if parallel and right_input != "synthetic":
+            raise ConfigError("method.parallel=true needs method.right_input=synthetic (with "
+                              "right_input=left each partition waits for the previous one)")
+        self.partitions, self.cuts, self.kappa = int(partitions), cuts, float(kappa)
+        self.right_input, self.noise = right_input, float(noise)
+        self.epochs_per_partition, self.recovery_epochs = epochs_per_partition, recovery_epochs
+        self.parallel, self.seed = bool(parallel), seed
+        self.labels: list[torch.Tensor] = []  # S_j per cut, set by fit
+
+    # ------------------------------------------------------------ surgery
+
+    def wrap(self, model: nn.Module) -> Partitioned:
+        """Cut the model into `partitions` sequential parts: the same parameters; the forward
+        gains only the fixed `LabelStandardize` at each cut."""
+        us = units(model)
+        sizes = [_numel(u) for u in us]
+        if self.cuts is not None:
+            check_cuts(self.cuts, sizes)
+            cuts = self.cuts
+        else:
+            cuts = balanced_cuts(sizes, self.partitions)
+        bounds = [0, *cuts, len(us)]
+        # every partition after a cut starts with the fixed standardisation of its input
+        parts = Partitioned(*[nn.Sequential(*([LabelStandardize(self.kappa)] if a else []),
+                                            *us[a:b]) for a, b in zip(bounds, bounds[1:])])
+        parts.unit_bounds = bounds
+        return parts
+
+    # ------------------------------------------------------------ training
+
+    def fit(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
+            **kw) -> Any:
+        """Train every partition on its own target, then recover end to end; one TrainResult.
+
+        `optimizer`/`scheduler` are the run's (built on the whole model): each phase gets a fresh
+        optimizer of the same class and settings over its own parameters, and the run's learning
+        rate schedule stretched to the phase's length (recovery: the schedule's last steps).
+        """
+        from memtrain.train import RunFailed, TrainResult
+
+        kw = {**_train_defaults(), **kw}
+        phases = self.plan(model, data, optimizer, scheduler, **kw)
+        device: torch.device = kw["device"]
+        steps_per_epoch, run_total = _run_steps(data, kw)
+        done: list[tuple[str, Any]] = []
+        t0 = time.perf_counter()
+        try:
+            if self.parallel:
+                from memtrain.methods._workers import run_parallel
+
+                done += run_parallel(phases, data, device)
+            else:
+                for phase in phases:
+                    done.append((phase.name, run_phase(phase, data)))
+                    if self.right_input == "synthetic":  # not needed again until composed
+                        phase.module.cpu()
+            if self.recovery_epochs:
+                rec = self._recovery(model, optimizer, scheduler, kw, run_total, steps_per_epoch)
+                done.append((rec.name, run_phase(rec, data)))
+        except RunFailed as e:
+            summary, metrics = self._merge(done, model)
+            summary.update({f"{_failing(phases, done)}.{k}": v for k, v in e.summary.items()})
+            raise RunFailed(e.status, str(e), e.step, summary, metrics + e.metrics) from e
+        summary, metrics = self._merge(done, model)
+        summary["train_time_s"] = time.perf_counter() - t0
+        summary.update(self._evaluate(model, data, kw, metrics, summary["steps"]))
+        return TrainResult(summary, metrics)
+
+    def plan(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
+             **kw) -> list[Phase]:
+        """The label matrices (in `self.labels`) and one Phase per partition, in order."""
+        kw = {**_train_defaults(), **kw}
+        seed = self.seed if self.seed is not None else kw["seed"]
+        shapes = cut_shapes(model, data.input_shape)
+        self.labels = [label_matrix(seed, j, math.prod(s), data.num_classes, self.kappa)
+                       for j, s in enumerate(shapes)]
+        steps_per_epoch, run_total = _run_steps(data, kw)
+        epochs = self.epochs_per_partition or kw["epochs"] - self.recovery_epochs
+        if epochs < 1:
+            raise ConfigError(f"method.recovery_epochs={self.recovery_epochs} leaves no epochs "
+                              f"for the partitions out of trainer.epochs={kw['epochs']}; lower it "
+                              f"or set method.epochs_per_partition")
+        phase_kw = {**kw, "epochs": epochs}
+        return [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
+                            steps_per_epoch) for j in range(len(model))]
+
+    def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, spe) -> Phase:
+        part = model[j]
+        total = kw["max_steps"] or kw["epochs"] * spe
+        phase = Phase(name=f"part{j}", module=part, optim=optimizer_spec(optimizer, part),
+                      factors=lr_factors(scheduler, run_total, total), train_kwargs=kw,
+                      s_out=self.labels[j] if j < len(model) - 1 else None)
+        if j > 0:
+            phase.in_shape = shapes[j - 1]
+            if self.right_input == "left":
+                phase.prefix = nn.Sequential(*list(model)[:j])
+            else:
+                phase.s_in, phase.noise_std = self.labels[j - 1], self.noise * self.kappa
+        return phase
+
+    def _recovery(self, model, optimizer, scheduler, kw, run_total, spe) -> Phase:
+        cap = self.recovery_epochs * spe
+        rec_kw = {**kw, "epochs": self.recovery_epochs,
+                  "max_steps": min(kw["max_steps"], cap) if kw["max_steps"] else None}
+        total = rec_kw["max_steps"] or cap
+        model.to(kw["device"])
+        return Phase(name="recovery", module=model, optim=optimizer_spec(optimizer, model),
+                     factors=lr_factors(scheduler, run_total, total, tail=True),
+                     train_kwargs=rec_kw)
+
+    # ------------------------------------------------------------ records
+
+    def _merge(self, done, model: Partitioned) -> tuple[dict[str, Any], list[dict]]:
+        """Per-phase columns `part0.mem_act_saved_bytes`, ...; the usual mem_* columns (and step
+        time) from the phase with the largest peak; losses and steps over all phases."""
+        summary: dict[str, Any] = {}
+        metrics: list[dict] = []
+        bounds = model.unit_bounds
+        for name, res in done:
+            summary.update({f"{name}.{k}": v for k, v in res.summary.items()})
+            metrics += res.metrics
+            if name.startswith("part"):
+                j = int(name[4:])
+                summary[f"{name}.params"] = _numel(model[j])
+                summary[f"{name}.units"] = f"{bounds[j]}-{bounds[j + 1] - 1}"
+        if not done:
+            return summary, metrics
+        key = "mem_peak_alloc_bytes"
+        largest_name, largest = max(done, key=lambda d: d[1].summary.get(key, 0))
+        summary.update({k: v for k, v in largest.summary.items()
+                        if k.startswith("mem_") or k in TOP_FROM_LARGEST})
+        summary["mem_peak_rss_bytes"] = max(r.summary.get("mem_peak_rss_bytes", 0)
+                                            for _, r in done)
+        summary["synthetic_largest_phase"] = largest_name
+        summary["train_loss"] = done[-1][1].summary.get("train_loss", float("nan"))
+        summary["steps"] = sum(r.summary.get("steps", 0) for _, r in done)
+        summary["epochs_done"] = max(r.summary.get("epochs_done", 0) for _, r in done)
+        return summary, metrics
+
+    def _evaluate(self, model, data, kw, metrics, step) -> dict[str, float]:
+        """Test accuracy of the composed model: argmax of the last partition's logits."""
+        from memtrain.train import PRECISIONS, evaluate
+
+        device = kw["device"]
+        dtype = PRECISIONS[kw["precision"]]
+        autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else \
+            contextlib.nullcontext
+        model.to(device)
+        res = evaluate(model, data.test, device, kw["eval_batch_size"] or kw["batch_size"],
+                       autocast, kw["eval_max_batches"], kw["channels_last"])
+        for k, v in res.items():
+            metrics.append({"step": step, "epoch": -1, "split": "test", "name": k, "value": v})
+        log.info("synthetic: composed model test_acc %.4f", res["acc"])
+        return {f"test_{k}": v for k, v in res.items()}
+
+
+def _train_defaults() -> dict[str, Any]:
+    """train.train's keyword defaults, so fit/plan accept what the CLI passes or any subset."""
+    from memtrain.train import train
+
+    hooks = ("loss_fn", "evaluate_fn", "metric_prefix")  # set per phase
+    return {k: p.default for k, p in inspect.signature(train).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in hooks
+            and p.default is not inspect.Parameter.empty}
+
+
+def _run_steps(data: Data, kw: dict[str, Any]) -> tuple[int, int]:
+    """Steps per epoch and the whole run's steps, as the CLI counts them for its schedule."""
+    steps_per_epoch = max(1, len(data.train) // kw["batch_size"])
+    return steps_per_epoch, kw["max_steps"] or kw["epochs"] * steps_per_epoch
+
+
+def _failing(phases: list[Phase], done) -> str:
+    names = [n for n, _ in done]
+    return next((p.name for p in phases if p.name not in names), "recovery")
