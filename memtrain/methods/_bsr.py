@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,10 +49,14 @@ class BlockSparse(NamedTuple):
         return self.values.shape[-1]
 
     def to_torch_bsc(self) -> torch.Tensor:
-        """torch's own sparse BSC tensor of the padded matrix (for checks and benchmarks)."""
+        """torch's own sparse BSC tensor of the padded matrix (for checks and benchmarks); torch
+        checks the format's invariants on the way."""
         b, (m, k) = self.block, self.shape
         size = (math.ceil(m / b) * b, math.ceil(k / b) * b)
-        return torch.sparse_bsc_tensor(self.col_ptr.long(), self.rows.long(), self.values, size)
+        with warnings.catch_warnings():  # "sparse BSC support is in beta state"
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_bsc_tensor(self.col_ptr.long(), self.rows.long(), self.values,
+                                           size, check_invariants=True)
 
 
 def n_kept(n_blocks: int, sparsity: float) -> int:

@@ -237,5 +237,7 @@ class PruneMethod:
         self.pruned = swap_modules(model, self._match(head), self._make)
         if not self.pruned:
             raise ConfigError(f"method=prune found no layer to prune for method.layers="
-                              f"{self.layers} in {type(model).__name__}; try method.layers=both")
+                              f"{self.layers} in {type(model).__name__} (choices: linear, "
+                              f"conv1x1, both; the classifier is pruned only with "
+                              f"method.prune_head=true)")
         return model
