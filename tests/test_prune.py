@@ -198,11 +198,22 @@ def test_saved_bytes_fall_with_sparsity_on_resmlp24_at_224():
 @pytest.mark.data
 @pytest.mark.skipif(not fashion_mnist_available(), reason="Fashion-MNIST not installed")
 def test_mlp6_on_fashion_mnist_converges_within_3_points_of_none(tmp_path):
-    common = ["model=mlp6", "dataset=fashion_mnist", "trainer.max_steps=400",
-              "trainer.batch_size=128", "trainer.eval_max_batches=20", "trainer.progress=false",
-              "trainer.account_memory=false", "optim.lr=0.05"]
+    # 300 AdamW steps of 128 (0.64 epoch), full test set; measured 0.8345 (none), 0.8113 (s=0.5)
+    common = ["model=mlp6", "model.widths=[256,256,128,128,64]", "dataset=fashion_mnist",
+              "optim=adamw", "optim.lr=2e-3", "trainer.max_steps=300", "trainer.batch_size=128",
+              "trainer.eval_batch_size=250", "trainer.eval_max_batches=40",
+              "trainer.progress=false", "trainer.account_memory=false"]
     none = api.run(common, out_dir=tmp_path / "none")
     prune = api.run([*common, "method=prune", "method.sparsity=0.5"], out_dir=tmp_path / "prune")
     assert none["status"] == prune["status"] == "ok"
-    assert none["test_acc"] > 0.75
+    assert none["test_acc"] > 0.8
     assert prune["test_acc"] >= none["test_acc"] - 0.03, (prune["test_acc"], none["test_acc"])
+
+
+def test_prune_study_preset_runs_one_cell_with_smoke_trainer(in_tmp):
+    row = api.run(["experiment=prune_study", "trainer=smoke", "method.sparsity=0.9",
+                   "method.block_size=16", "model.embed_dim=64"], out_dir=in_tmp / "run")
+    assert row["status"] == "ok", row.get("error")
+    assert row["method"] == "prune" and row["model"] == "resmlp12"
+    assert row["method.sparsity"] == 0.9 and row["method.block_size"] == 16
+    assert row["mem_act_saved_bytes"] > 0
