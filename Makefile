@@ -9,7 +9,7 @@ ARGS   ?=
 QUICK_DIR := runs/quick/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint sweep report bench-overhead clean
+.PHONY: help install run test test-fast lint sweep report bench-overhead bench-prune clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -42,6 +42,10 @@ report: $(STAMP) ## table of every run below DIR (default runs/): make report DI
 
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop
 	$(BIN)/python -m memtrain.bench.overhead $(ARGS)
+
+bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torch BSR, then resmlp24 end to end
+	$(BIN)/python -m memtrain.kernels.bench prune $(ARGS)
+	$(BIN)/python -m memtrain.bench.prune
 
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
