@@ -12,6 +12,7 @@ import datetime
 import platform
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -36,7 +37,8 @@ def device_line(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        cpu = platform.processor() or platform.machine()
+        name = f"CPU {cpu}, {torch.get_num_threads()} threads"
     versions = f"torch {torch.__version__}"
     try:
         import triton
@@ -74,10 +76,24 @@ def _torch_bsr_product(bs, g: torch.Tensor) -> Callable[[], torch.Tensor] | None
         return None
 
 
-def bench_prune(batch: int, dtypes: list[torch.dtype], sparsities: list[float],
-                blocks: list[int], device: torch.device) -> list[dict]:
+def _prune_case(a: torch.Tensor, g: torch.Tensor, b: int, s: float, backend: str,
+                dense_ms: float) -> dict:
+    """Times of one (matrix, b, s): our grad_weight, torch's BSR product and compression."""
     from memtrain.methods import _bsr
 
+    spec = _bsr.PruneSpec(s, b, "l2", backend)
+    bs = _bsr.compress(a, spec)
+    kernel = bench_ms(lambda: _bsr.grad_weight(g, bs, backend), a.device)
+    compress = bench_ms(lambda: _bsr.compress(a, spec), a.device)
+    sparse_fn = _torch_bsr_product(bs, g)
+    torch_bsr = bench_ms(sparse_fn, a.device) if sparse_fn else float("nan")
+    return {"b": b, "s": s, "dense_ms": dense_ms, "kernel_ms": kernel,
+            "kernel_x_dense": kernel / dense_ms, "torch_bsr_x_dense": torch_bsr / dense_ms,
+            "compress_ms": compress, "compress_x_dense": compress / dense_ms}
+
+
+def bench_prune(batch: int, dtypes: list[torch.dtype], sparsities: list[float],
+                blocks: list[int], device: torch.device) -> list[dict]:
     backend = "triton" if device.type == "cuda" else "torch"
     rows = []
     for layer, (m, k, n) in resmlp_s24_shapes(batch).items():
@@ -85,21 +101,11 @@ def bench_prune(batch: int, dtypes: list[torch.dtype], sparsities: list[float],
             gen = torch.Generator(device=device).manual_seed(0)
             a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
             g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
-            dense = bench_ms(lambda: torch.matmul(g.t(), a), device)
-            for b in blocks:
-                for s in sparsities:
-                    spec = _bsr.PruneSpec(s, b, "l2", backend)
-                    bs = _bsr.compress(a, spec)
-                    kernel = bench_ms(lambda: _bsr.grad_weight(g, bs, backend), device)
-                    compact = bench_ms(lambda: _bsr.compress(a, spec), device)
-                    sparse_fn = _torch_bsr_product(bs, g)
-                    torch_bsr = bench_ms(sparse_fn, device) if sparse_fn else float("nan")
-                    rows.append({"layer": layer, "M": m, "K": k, "N": n,
-                                 "dtype": str(dtype).removeprefix("torch."), "b": b, "s": s,
-                                 "dense_ms": dense, "kernel_ms": kernel,
-                                 "kernel_x_dense": kernel / dense,
-                                 "torch_bsr_x_dense": torch_bsr / dense,
-                                 "compress_ms": compact, "compress_x_dense": compact / dense})
+            dense = bench_ms(partial(torch.matmul, g.t(), a), device)
+            head = {"layer": layer, "M": m, "K": k, "N": n,
+                    "dtype": str(dtype).removeprefix("torch.")}
+            rows += [{**head, **_prune_case(a, g, b, s, backend, dense)}
+                     for b in blocks for s in sparsities]
     return rows
 
 

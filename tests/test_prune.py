@@ -174,6 +174,17 @@ def test_a_matrix_smaller_than_its_blocks_keeps_its_dense_input():
     assert _saved(net[:1], x) == x.numel() * 4
 
 
+def test_input_a_relu_keeps_anyway_stays_dense_the_first_input_is_pruned():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 2))
+    x = torch.randn(64, 64)
+    base = _saved(net, x)  # x, the ReLU output (also the 2nd Linear's input), the head's input
+    PruneMethod(0.5, 16).wrap(net)
+    # only x shrinks: half of its 16 blocks, plus int32 rows [8] and col_ptr [5]; the ReLU
+    # output is shared, so it stays as it is
+    assert base - _saved(net, x) == 64 * 64 * 4 // 2 - (8 + 5) * 4
+
+
 def test_efficientnet_saves_less_than_none():
     over = ["model=efficientnet_b0", "dataset.image_size=32", "dataset.train_size=8"]
     data, net0, _ = api.build(over)

@@ -7,9 +7,10 @@ b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole mat
 as values [nnz, b, b] plus int32 block indices (memtrain/methods/_bsr.py, kernels/prune.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
-A layer whose kept blocks (padding included) would take at least as much memory as its dense
-input (tiny matrices, e.g. squeeze-excitation convs on 1x1 maps) also keeps the dense input,
-and so an exact gradient.
+Two cases keep the dense input (and so an exact gradient), because blocks would only add memory:
+a matrix whose kept blocks (padding included) take at least as much as the matrix itself (tiny
+matrices, e.g. squeeze-excitation convs on 1x1 maps), and an input whose producer keeps that same
+tensor for its own backward anyway (a ReLU's output: ResNet's 1x1 convs, mlp6's hidden layers).
 """
 
 from __future__ import annotations
@@ -41,12 +42,26 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_m
         ctx.save_for_backward(weight)
         return
     k = weight.shape[1]  # in_features / C_in: A's columns
-    if _bsr.compressed_elements(m, k, spec) >= m * k:
+    if _bsr.compressed_elements(m, k, spec) >= m * k or kept_by_producer(x):
         ctx.save_for_backward(weight, x)
         return
     bs = _bsr.compress(to_matrix(x.detach()), spec)
     ctx.sparse, ctx.shape = True, bs.shape
     ctx.save_for_backward(weight, bs.values, bs.rows, bs.col_ptr)
+
+
+def kept_by_producer(x: torch.Tensor) -> bool:
+    """Does the op that made x (or x's base, for a view) keep x's storage for its own backward
+    (ReLU keeps its output)? Then blocks would be memory on top of a tensor that stays anyway."""
+    ptr = x.untyped_storage().data_ptr()
+    for t in (x, x._base):
+        fn = t.grad_fn if t is not None else None
+        for name in dir(fn) if fn is not None else ():
+            if name.startswith("_saved_"):
+                v = getattr(fn, name)
+                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr:
+                    return True
+    return False
 
 
 def _grad_weight(ctx, g2d: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
