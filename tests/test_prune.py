@@ -3,6 +3,7 @@ eager oracle, the baseline reproduced bitwise at s=0, saved bytes against none, 
 
 import copy
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("key,value", [("sparsity", 1.0), ("sparsity", -0.1), ("block_size", 8),
                                        ("criterion", "linf"), ("layers", "conv"),
-                                       ("backend", "cuda"), ("prune_head", "yes")])
+                                       ("backend", "cuda"), ("prune_head", "yes"),
+                                       ("prune_shared", 1.5)])
 def test_bad_option_is_a_config_error_naming_it(key, value):
     with pytest.raises(ConfigError, match=f"method.{key}"):
         PruneMethod(**{key: value})
@@ -182,7 +184,10 @@ def test_input_a_relu_keeps_anyway_stays_dense_the_first_input_is_pruned():
     PruneMethod(0.5, 16).wrap(net)
     # only x shrinks: half of its 16 blocks, plus int32 rows [8] and col_ptr [5]; the ReLU
     # output is shared, so it stays as it is
-    assert base - _saved(net, x) == 64 * 64 * 4 // 2 - (8 + 5) * 4
+    blocks_x = 64 * 64 * 4 // 2 + (8 + 5) * 4
+    assert _saved(net, x) == base - 64 * 64 * 4 + blocks_x
+    net[2].prune_spec = replace(net[2].prune_spec, prune_shared=True)  # now it adds its blocks
+    assert _saved(net, x) == base - 64 * 64 * 4 + 2 * blocks_x
 
 
 def test_efficientnet_saves_less_than_none():
@@ -209,13 +214,15 @@ def test_saved_bytes_fall_with_sparsity_on_resmlp24_at_224():
 @pytest.mark.data
 @pytest.mark.skipif(not fashion_mnist_available(), reason="Fashion-MNIST not installed")
 def test_mlp6_on_fashion_mnist_converges_within_3_points_of_none(tmp_path):
-    # 300 AdamW steps of 128 (0.64 epoch), full test set; measured 0.8345 (none), 0.8113 (s=0.5)
+    # 300 AdamW steps of 128 (0.64 epoch), full test set; every hidden layer pruned too
+    # (prune_shared): measured 0.8345 (none), 0.8113 (s=0.5)
     common = ["model=mlp6", "model.widths=[256,256,128,128,64]", "dataset=fashion_mnist",
               "optim=adamw", "optim.lr=2e-3", "trainer.max_steps=300", "trainer.batch_size=128",
               "trainer.eval_batch_size=250", "trainer.eval_max_batches=40",
               "trainer.progress=false", "trainer.account_memory=false"]
     none = api.run(common, out_dir=tmp_path / "none")
-    prune = api.run([*common, "method=prune", "method.sparsity=0.5"], out_dir=tmp_path / "prune")
+    prune = api.run([*common, "method=prune", "method.sparsity=0.5", "method.prune_shared=true"],
+                    out_dir=tmp_path / "prune")
     assert none["status"] == prune["status"] == "ok"
     assert none["test_acc"] > 0.8
     assert prune["test_acc"] >= none["test_acc"] - 0.03, (prune["test_acc"], none["test_acc"])

@@ -33,6 +33,7 @@ class PruneSpec:
     block_size: int = 32
     criterion: str = "l2"
     backend: str = "auto"
+    prune_shared: bool = False  # also prune inputs their producer keeps anyway (adds memory)
 
 
 class BlockSparse(NamedTuple):

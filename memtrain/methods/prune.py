@@ -42,7 +42,8 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_m
         ctx.save_for_backward(weight)
         return
     k = weight.shape[1]  # in_features / C_in: A's columns
-    if _bsr.compressed_elements(m, k, spec) >= m * k or kept_by_producer(x):
+    if _bsr.compressed_elements(m, k, spec) >= m * k or (
+            not spec.prune_shared and kept_by_producer(x)):
         ctx.save_for_backward(weight, x)
         return
     bs = _bsr.compress(to_matrix(x.detach()), spec)
@@ -213,22 +214,27 @@ class PruneMethod:
         backend: auto (Triton on CUDA, torch elsewhere), triton or torch.
         prune_head: also prune the classifier's input (the last nn.Linear of the model); off by
             default: its input is a small pooled feature matrix, and its gradient feeds all else.
+        prune_shared: also prune inputs that their producer keeps for its own backward (ReLU
+            outputs); off by default since the blocks then add memory; on for accuracy studies.
     """
 
     name = "prune"
 
     def __init__(self, sparsity: float = 0.5, block_size: int = 32, criterion: str = "l2",
-                 layers: str = "both", backend: str = "auto", prune_head: bool = False):
+                 layers: str = "both", backend: str = "auto", prune_head: bool = False,
+                 prune_shared: bool = False):
         check_range("method.sparsity", sparsity, 0, 1, hi_open=True)
         check_choice("method.block_size", block_size, BLOCK_SIZES)
         check_choice("method.criterion", criterion, _bsr.CRITERIA)
         check_choice("method.layers", layers, LAYERS)
         check_choice("method.backend", backend, _bsr.BACKENDS)
         check_choice("method.prune_head", prune_head, (True, False))
+        check_choice("method.prune_shared", prune_shared, (True, False))
         if backend == "triton" and not _bsr.triton_available():
             raise ConfigError("method.backend=triton but triton is not installed; use "
                               "method.backend=auto or torch")
-        self.spec = _bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend)
+        self.spec = _bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend,
+                                   prune_shared)
         self.layers, self.prune_head = layers, prune_head
         self.pruned: list[str] = []
 
