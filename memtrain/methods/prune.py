@@ -52,17 +52,14 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_m
 
 
 def kept_by_producer(x: torch.Tensor) -> bool:
-    """Does the op that made x (or x's base, for a view) keep x's storage for its own backward
-    (ReLU keeps its output)? Then blocks would be memory on top of a tensor that stays anyway."""
-    ptr = x.untyped_storage().data_ptr()
-    for t in (x, x._base):
-        fn = t.grad_fn if t is not None else None
-        for name in dir(fn) if fn is not None else ():
-            if name.startswith("_saved_"):
-                v = getattr(fn, name)
-                if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr:
-                    return True
-    return False
+    """Does the op that made x (or x's base, for a view) keep its output, x's storage, for its own
+    backward (ReLU, sigmoid, tanh)? Then blocks would be memory on top of a tensor that stays.
+
+    Read from the node's `_raw_saved_result` attribute: nothing is unpacked, so saved-tensor
+    hooks (checkpointing, accounting) see no extra access.
+    """
+    return any(t is not None and t.grad_fn is not None
+               and hasattr(t.grad_fn, "_raw_saved_result") for t in (x, x._base))
 
 
 def _grad_weight(ctx, g2d: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
