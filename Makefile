@@ -64,5 +64,10 @@ bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 p
 bench-synthetic: $(STAMP) ## method synthetic: per-partition peak, time to target, accuracy vs none (mlp6, resnet18; K=2,3,4)
 	$(BIN)/python -m memtrain.bench.synthetic $(ARGS)
 
+.PHONY: bench-prune
+bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torch BSR, then resmlp24 end to end
+	$(BIN)/python -m memtrain.kernels.bench prune $(ARGS)
+	$(BIN)/python -m memtrain.bench.prune
+
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

@@ -3,6 +3,8 @@ kernels they check. Each method keeps its own self-contained section."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -27,3 +29,54 @@ def pool_masked_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """ReLU's backward from the packed mask: grad where the bit is set, else 0."""
     mask = pool_unpack_mask(bits, grad.numel()).view(grad.shape)
     return torch.where(mask, grad, torch.zeros_like(grad))
+
+
+# ================================================================ prune (kernels/prune.py)
+# Written block by block in Python loops on purpose: independent of the vectorised torch backend
+# (memtrain/methods/_bsr.py) and of the kernels, for small test shapes only.
+
+
+def prune_block_scores_ref(a: torch.Tensor, b: int, criterion: str = "l2") -> torch.Tensor:
+    """fp32 [ceil(M/b), ceil(K/b)]: the L2 (or L1) norm of each b x b block, computed in fp64."""
+    m, k = a.shape
+    nbr, nbc = math.ceil(m / b), math.ceil(k / b)
+    out = torch.zeros(nbr, nbc, dtype=torch.float64)
+    for i in range(nbr):
+        for j in range(nbc):
+            blk = a[i * b:(i + 1) * b, j * b:(j + 1) * b].double()
+            out[i, j] = blk.abs().sum() if criterion == "l1" else blk.square().sum().sqrt()
+    return out.float()
+
+
+def prune_topk_ref(scores: torch.Tensor, sparsity: float) -> list[tuple[int, int]]:
+    """The kept (row, col) blocks: the ceil((1-s) n) largest scores, ties to the lower index."""
+    nbr, nbc = scores.shape
+    n = nbr * nbc
+    keep = min(n, math.ceil(round((1.0 - sparsity) * n, 9)))
+    flat = scores.flatten().tolist()
+    order = sorted(range(n), key=lambda i: (-flat[i], i))[:keep]
+    return sorted(((i // nbc, i % nbc) for i in order), key=lambda rc: (rc[1], rc[0]))
+
+
+def prune_compact_ref(a: torch.Tensor, kept: list[tuple[int, int]], b: int) -> torch.Tensor:
+    """values [nnz, b, b]: each kept block copied out of A, zero-padded past A's edges."""
+    out = torch.zeros(len(kept), b, b, dtype=a.dtype)
+    for n, (i, j) in enumerate(kept):
+        blk = a[i * b:(i + 1) * b, j * b:(j + 1) * b]
+        out[n, :blk.shape[0], :blk.shape[1]] = blk
+    return out
+
+
+def prune_mask_ref(shape: tuple[int, int], kept: list[tuple[int, int]], b: int) -> torch.Tensor:
+    """Boolean [M, K]: True on the elements of the kept blocks."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for i, j in kept:
+        mask[i * b:(i + 1) * b, j * b:(j + 1) * b] = True
+    return mask
+
+
+def prune_grad_weight_ref(g: torch.Tensor, a: torch.Tensor, kept: list[tuple[int, int]],
+                          b: int) -> torch.Tensor:
+    """grad_weight = G^T @ (A with every pruned block zeroed), in fp64."""
+    mask = prune_mask_ref(tuple(a.shape), kept, b)
+    return g.double().t() @ (a.double() * mask)

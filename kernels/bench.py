@@ -1,0 +1,153 @@
+"""Kernel benchmarks: `python -m memtrain.kernels.bench prune [--batch 64] [--out FILE]`.
+
+On CUDA, times are `triton.testing.do_bench` medians (ms); on the CPU (no Triton), the fastest of
+wall-clock repeats of the torch backend, at small batch sizes only. Every ratio is against the
+dense product measured in the same process on the same tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:
+    """Time of fn() in ms: do_bench's median on CUDA; on the CPU the fastest of `reps` wall-clock
+    runs (a shared CPU adds scheduling delays to every other statistic)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def device_line(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        cpu = platform.processor() or platform.machine()
+        name = f"CPU {cpu}, {torch.get_num_threads()} threads"
+    versions = f"torch {torch.__version__}"
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    return f"{name}; {versions}; {datetime.date.today().isoformat()}"
+
+
+# ================================================================ prune
+
+
+def resmlp_s24_shapes(batch: int) -> dict[str, tuple[int, int, int]]:
+    """(M, K, N) of grad_weight = G^T [N, M] @ A [M, K] for ResMLP-S24's layers at 224 px:
+    196 tokens, width 384, hidden 1536."""
+    tokens, dim, hidden = 196, 384, 1536
+    return {"linear_tokens": (batch * dim, tokens, tokens),
+            "fc1": (batch * tokens, dim, hidden),
+            "fc2": (batch * tokens, hidden, dim)}
+
+
+def _torch_bsr_product(bs, g: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """torch's own path: the pruned, padded A^T as a sparse BSR tensor, times G (rows padded to
+    the block grid); None where torch does not support it for this device and dtype."""
+    try:
+        padded = bs.to_torch_bsc().to_dense()  # [Mp, Kp], pruned blocks zero
+        a_t = padded.t().contiguous().to_sparse_bsr(bs.block)  # [Kp, Mp]
+        g_p = torch.nn.functional.pad(g, (0, 0, 0, padded.shape[0] - g.shape[0]))
+        fn = lambda: a_t @ g_p  # [Kp, N] = (G^T A)^T
+        fn()
+        return fn
+    except (RuntimeError, NotImplementedError) as e:
+        print(f"torch bsr product unavailable: {str(e).splitlines()[0]}")
+        return None
+
+
+def _prune_case(a: torch.Tensor, g: torch.Tensor, b: int, s: float, backend: str,
+                dense_ms: float) -> dict:
+    """Times of one (matrix, b, s): our grad_weight, torch's BSR product and compression."""
+    from memtrain.methods import _bsr
+
+    spec = _bsr.PruneSpec(s, b, "l2", backend)
+    bs = _bsr.compress(a, spec)
+    kernel = bench_ms(lambda: _bsr.grad_weight(g, bs, backend), a.device)
+    compress = bench_ms(lambda: _bsr.compress(a, spec), a.device)
+    sparse_fn = _torch_bsr_product(bs, g)
+    torch_bsr = bench_ms(sparse_fn, a.device) if sparse_fn else float("nan")
+    return {"b": b, "s": s, "dense_ms": dense_ms, "kernel_ms": kernel,
+            "kernel_x_dense": kernel / dense_ms, "torch_bsr_x_dense": torch_bsr / dense_ms,
+            "compress_ms": compress, "compress_x_dense": compress / dense_ms}
+
+
+def bench_prune(batch: int, dtypes: list[torch.dtype], sparsities: list[float],
+                blocks: list[int], device: torch.device) -> list[dict]:
+    backend = "triton" if device.type == "cuda" else "torch"
+    rows = []
+    for layer, (m, k, n) in resmlp_s24_shapes(batch).items():
+        for dtype in dtypes:
+            gen = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+            g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+            dense = bench_ms(partial(torch.matmul, g.t(), a), device)
+            head = {"layer": layer, "M": m, "K": k, "N": n,
+                    "dtype": str(dtype).removeprefix("torch.")}
+            rows += [{**head, **_prune_case(a, g, b, s, backend, dense)}
+                     for b in blocks for s in sparsities]
+    return rows
+
+
+def markdown(rows: list[dict], title: str, note: str) -> str:
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = [f"# {title}", "", note, "", "| " + " | ".join(cols) + " |",
+             "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("which", choices=["prune"])
+    p.add_argument("--batch", type=int, default=None, help="default 64 on CUDA, 2 on the CPU")
+    p.add_argument("--dtypes", default=None, help="default bf16,fp32 on CUDA, fp32 on the CPU")
+    p.add_argument("--sparsity", default="0.5,0.75,0.9")
+    p.add_argument("--blocks", default="16,32,64")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    p.add_argument("--out", default=None, help="also write the markdown table here")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    names = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    dtypes = [names[d] for d in (args.dtypes or ("bf16,fp32" if cuda else "fp32")).split(",")]
+    batch = args.batch or (64 if cuda else 2)
+    rows = bench_prune(batch, dtypes, [float(s) for s in args.sparsity.split(",")],
+                       [int(b) for b in args.blocks.split(",")], device)
+    what = "Triton kernel (do_bench median)" if cuda else "torch backend (fastest of 25 runs)"
+    note = (f"Device: {device_line(device)}. ResMLP-S24 layer shapes at batch {batch}; "
+            f"grad_weight = G^T A_pruned by the {what} against dense torch.matmul(G^T, A) and "
+            f"torch's to_sparse_bsr product (pruned A^T as BSR @ G); compress = scoring + top-k + "
+            f"compaction. Ratios < 1 are faster than dense.")
+    text = markdown(rows, f"prune kernels: grad_weight and compaction ({device.type})", note)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Block-sparse storage of an activation matrix for method `prune`: selection, compaction and the
+grad_weight product, with two backends.
+
+- `triton`: the kernels of kernels/prune.py (CUDA, or the CPU under TRITON_INTERPRET=1).
+- `torch`: the same operations in vectorised torch (a strided block view, one gather, one scatter
+  and one matmul): the CPU fallback and the second implementation the tests compare against.
+
+Selection is the same for both: block scores (fp32), then the top ceil((1 - s) * n_blocks) blocks
+over the whole matrix (global selection, as the paper's magnitude criterion on the BSR matrix),
+ties broken by the lower block index (row-major), via a stable descending sort of the scores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "triton", "torch")
+CRITERIA = ("l2", "l1")
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """How one layer stores its input: s, b, criterion and backend (validated by the method)."""
+
+    sparsity: float
+    block_size: int = 32
+    criterion: str = "l2"
+    backend: str = "auto"
+    prune_shared: bool = False  # also prune inputs their producer keeps anyway (adds memory)
+
+
+class BlockSparse(NamedTuple):
+    """Kept blocks of A [M, K]: values [nnz, b, b], `rows` int32 [nnz] (block row of each),
+    `col_ptr` int32 [n_col_blocks + 1] (grouped by block column: BSR of A^T, torch's BSC of A)."""
+
+    values: torch.Tensor
+    rows: torch.Tensor
+    col_ptr: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def block(self) -> int:
+        return self.values.shape[-1]
+
+    def to_torch_bsc(self) -> torch.Tensor:
+        """torch's own sparse BSC tensor of the padded matrix (for checks and benchmarks); torch
+        checks the format's invariants on the way."""
+        b, (m, k) = self.block, self.shape
+        size = (math.ceil(m / b) * b, math.ceil(k / b) * b)
+        with warnings.catch_warnings():  # "sparse BSC support is in beta state"
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_bsc_tensor(self.col_ptr.long(), self.rows.long(), self.values,
+                                           size, check_invariants=True)
+
+
+def n_kept(n_blocks: int, sparsity: float) -> int:
+    """ceil((1 - s) * n_blocks), computed so that s=0 keeps exactly every block."""
+    return min(n_blocks, math.ceil(round((1.0 - sparsity) * n_blocks, 9)))
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """auto -> triton on CUDA (when Triton imports), torch elsewhere."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("method.backend=triton on a CPU tensor needs TRITON_INTERPRET=1 "
+                           "(or use method.backend=torch|auto)")
+    return backend
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernels():
+    from memtrain.kernels import prune as kernels
+
+    return kernels
+
+
+# ---------------------------------------------------------------- torch backend
+
+
+def _block_view(a: torch.Tensor, b: int) -> torch.Tensor:
+    """[nbr, nbc, b, b] view of A zero-padded to multiples of b (a copy only when padding)."""
+    m, k = a.shape
+    pm, pk = -m % b, -k % b
+    if pm or pk:
+        a = F.pad(a, (0, pk, 0, pm))
+    return a.unflatten(0, (-1, b)).unflatten(2, (-1, b)).transpose(1, 2)
+
+
+def block_scores_torch(blocks: torch.Tensor, criterion: str = "l2") -> torch.Tensor:
+    """fp32 [nbr, nbc] norms of the blocks of `_block_view`."""
+    return torch.linalg.vector_norm(blocks, ord=1 if criterion == "l1" else 2, dim=(2, 3),
+                                    dtype=torch.float32)
+
+
+def compact_torch(blocks: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """values [nnz, b, b]: one gather out of the block view."""
+    return blocks[rows.long(), cols.long()]
+
+
+def grad_weight_torch(g: torch.Tensor, bs: BlockSparse) -> torch.Tensor:
+    """G^T @ A_pruned: scatter the kept blocks into a zero matrix (one layer, transient), one mm."""
+    (m, k), b = bs.shape, bs.block
+    nbr, nbc = math.ceil(m / b), bs.col_ptr.numel() - 1
+    cols = torch.repeat_interleave(torch.arange(nbc, device=g.device),
+                                   (bs.col_ptr[1:] - bs.col_ptr[:-1]).long())
+    dense = bs.values.new_zeros(nbr, nbc, b, b)
+    dense[bs.rows.long(), cols] = bs.values
+    a = dense.transpose(1, 2).reshape(nbr * b, nbc * b)[:m, :k]
+    return g.t().mm(a)
+
+
+# ---------------------------------------------------------------- both backends
+
+
+def select_blocks(scores: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    """(rows, cols, col_ptr) of the kept blocks, int32, grouped by block column then row.
+
+    Global top-k: the highest ceil((1 - s) * n) scores over the whole matrix; a stable descending
+    sort keeps ties deterministic (the lower row-major index wins).
+    """
+    nbr, nbc = scores.shape
+    keep = n_kept(nbr * nbc, sparsity)
+    order = torch.sort(scores.flatten(), descending=True, stable=True).indices[:keep]
+    r, c = order // nbc, order % nbc
+    key = torch.sort(c * nbr + r).values  # column-major: the order grad_weight consumes them
+    rows, cols = (key % nbr).int(), (key // nbr).int()
+    counts = torch.bincount(cols, minlength=nbc)
+    col_ptr = F.pad(torch.cumsum(counts, 0), (1, 0)).int()
+    return rows, cols, col_ptr
+
+
+def compress(a: torch.Tensor, spec: PruneSpec) -> BlockSparse:
+    """Score, select and compact A [M, K] into its kept b x b blocks."""
+    b = spec.block_size
+    if resolve_backend(spec.backend, a.device) == "triton":
+        kern = _kernels()
+        rows, cols, col_ptr = select_blocks(kern.block_scores(a, b, spec.criterion), spec.sparsity)
+        values = kern.compact_blocks(a, rows, cols, b)
+    else:
+        blocks = _block_view(a, b)  # padded once, shared by scoring and the gather
+        rows, cols, col_ptr = select_blocks(block_scores_torch(blocks, spec.criterion),
+                                            spec.sparsity)
+        values = compact_torch(blocks, rows, cols)
+    return BlockSparse(values, rows, col_ptr, tuple(a.shape))
+
+
+def grad_weight(g: torch.Tensor, bs: BlockSparse, backend: str = "auto") -> torch.Tensor:
+    """grad_weight [N, K] = G^T @ A_pruned for grad_out G [M, N]."""
+    if bs.values.dtype != g.dtype:
+        bs = bs._replace(values=bs.values.to(g.dtype))
+    if resolve_backend(backend, g.device) == "triton":
+        return _kernels().bsr_grad_weight(g, bs.values, bs.rows, bs.col_ptr, bs.shape[1])
+    return grad_weight_torch(g, bs)
+
+
+def compressed_elements(m: int, k: int, spec: PruneSpec) -> int:
+    """Elements the kept blocks take (padding included): the size check against dense storage."""
+    b = spec.block_size
+    return n_kept(math.ceil(m / b) * math.ceil(k / b), spec.sparsity) * b * b
