@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP) ## create .venv and install memtrain with its dev tools
 
 run: $(STAMP) ## run the default study (every method, synthetic data, CPU, ~3 min) and print its table
-	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) $(ARGS)
+	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) \
+	  +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)

@@ -323,7 +323,12 @@ def compact(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         return df
     out = pd.DataFrame(index=df.index)
-    out["method"] = df["label"] if "label" in df else df.apply(method_label, axis=1)
+    # A terminal row names only the method parameters that vary between that method's runs
+    # here (report.md and the figures carry the full settings).
+    params = [c for c in df.columns if c.startswith("method.")]
+    same = {str(m): [c for c in params if g[c].map(fmt_value).nunique(dropna=False) == 1]
+            for m, g in df.groupby("method")} if "method" in df else {}
+    out["method"] = df.apply(lambda r: method_label(r, same.get(str(r.get("method")), [])), axis=1)
     for col, name in COMPACT.items():
         if col not in df:
             continue
