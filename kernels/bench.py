@@ -16,6 +16,8 @@ from functools import partial
 
 import torch
 
+from memtrain.record import atomic_write
+
 
 def bench_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:
     """Time of fn() in ms: do_bench's median on CUDA; on the CPU the fastest of `reps` wall-clock
@@ -145,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(rows, f"prune kernels: grad_weight and compaction ({device.type})", note)
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        atomic_write(args.out, text)  # a table is never left half-written
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from memtrain import api, measure
 from memtrain.errors import ConfigError
+from memtrain.record import atomic_write
 
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 COMPILE_BUDGETS = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{table(rows, device)}\n")
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        atomic_write(args.out, text)  # a table is never left half-written
 
 
 if __name__ == "__main__":

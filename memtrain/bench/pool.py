@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from memtrain import measure, models
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
+from memtrain.record import atomic_write
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 VARIANTS = {  # label -> method factory
@@ -156,8 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     text = head + "\n" + table(rows) + "\n"
     print(text)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        atomic_write(a.out, text)  # a table is never left half-written
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 
 from memtrain import api
 from memtrain.kernels.bench import device_line, markdown
+from memtrain.record import atomic_write
 
 MIB = 2**20
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(rows, f"prune end to end: resmlp24 ({device.type})", note)
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        atomic_write(args.out, text)  # a table is never left half-written
 
 
 if __name__ == "__main__":

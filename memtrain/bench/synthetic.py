@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from memtrain import api
+from memtrain.record import atomic_write
 
 MIB = 2**20
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         stamp = datetime.date.today().isoformat()
         a.out.parent.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(sys.argv[1:] if argv is None else argv)
-        a.out.write_text(f"# method synthetic benchmark ({'CPU' if cpu else 'GPU'}, {stamp})\n\n"
+        atomic_write(a.out, f"# method synthetic benchmark ({'CPU' if cpu else 'GPU'}, {stamp})\n\n"
                          f"Device: {_device_name(cpu)}\n\n"
                          f"`python -m memtrain.bench.synthetic {cmd}`\n\n{table}")
 
