@@ -127,14 +127,14 @@ def method_label(row: pd.Series, skip: Iterable[str] = ()) -> str:
 
 
 def constant_params(df: pd.DataFrame) -> dict[str, dict[str, str]]:
-    """method -> {column: value} of the method parameters that never change in `df` for a
-    method run in several settings: legends leave them out, report.md states them once."""
+    """method -> {column: value} of the method parameters that never change in `df`: legends
+    leave them out, report.md states them once."""
     out: dict[str, dict[str, str]] = {}
     params = [c for c in df.columns if c.startswith("method.")]
     for m, g in df.groupby("method"):
         cols = [c for c in params if g[c].notna().any()]
-        if g[cols].astype(str).drop_duplicates().shape[0] < 2:
-            continue  # a single setting: its label keeps every parameter
+        # A method run in one setting only is labelled by its name alone: its parameters are
+        # constant, stated once in report.md, and would make legends unreadable.
         const = {c: fmt_value(g[c].iloc[0]) for c in cols
                  if g[c].notna().all() and g[c].map(fmt_value).nunique() == 1}
         if const:
