@@ -52,16 +52,8 @@ class FakeSavedBytes(measure.SavedBytes):
     """SavedBytes for fake tensors: they have no data pointer, so storages are told apart by
     their C++ object."""
 
-    def __init__(self, exclude):
-        super().__init__()
-        self._exclude = {t.untyped_storage()._cdata for t in exclude}
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            s = t.untyped_storage()
-            if s._cdata not in self._exclude:
-                self._seen[(str(t.device), s._cdata)] = s.nbytes()
-        return t
+    def storage_id(self, t: torch.Tensor) -> tuple[str, int]:
+        return (str(t.device), t.untyped_storage()._cdata)
 
 
 def estimate_peak(make_model: Callable[[], nn.Module],

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device, data pointer) of t's storage: views of one storage share it."""
     s = t.untyped_storage()
     return (str(t.device), s.data_ptr())
 
@@ -39,15 +40,23 @@ class SavedBytes:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {_storage_key(t) for t in exclude}
+        self._exclude = {self.storage_id(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx = None
 
+    def storage_id(self, t: torch.Tensor) -> tuple[str, int]:
+        """What tells one storage from another (a subclass for fake tensors overrides it)."""
+        return storage_key(t)
+
+    def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
+        """Called once per packed tensor that counts; subclasses attribute it further."""
+        self._seen[key] = t.untyped_storage().nbytes()
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not isinstance(t, nn.Parameter):
-            key = _storage_key(t)
+            key = self.storage_id(t)
             if key not in self._exclude and key[1] != 0:
-                self._seen[key] = t.untyped_storage().nbytes()
+                self.record(key, t)
         return t
 
     @property
@@ -133,7 +142,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if t is not None and t.device.type != "meta":
-            seen[_storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

@@ -244,16 +244,13 @@ def _all_plans(n: int, i: int, max_group: int) -> Iterator[list[Group]]:
 # ---------------------------------------------------------------- the profiler
 
 
-def _key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
-
-
-class _Recorder:
-    """Hooks that attribute each saved storage to the segment whose forward packed it."""
+class _Recorder(measure.SavedBytes):
+    """Counts saved storages like SavedBytes and attributes each to the segment whose forward
+    packed it."""
 
     def __init__(self, model: nn.Module, segments: list[Segment], x: torch.Tensor, device):
+        super().__init__(exclude=[*model.parameters(), *model.buffers(), x])
         self.device = device
-        self.exclude = {_key(t) for t in [*model.parameters(), *model.buffers(), x]}
         self.saved: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (bytes, segment or -1)
         # Autocast's copy of a weight: same shape as one of the segment's parameters, another
         # dtype (a heuristic; activations practically never share a weight's shape).
@@ -283,16 +280,15 @@ class _Recorder:
             self.outputs[i], self.current = out, -1
         return hook
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta" and not isinstance(t, nn.Parameter):
-            k = _key(t)
-            if k not in self.exclude and k[1] != 0 and k not in self.saved:
-                self.saved[k] = (t.untyped_storage().nbytes(), self.current)
-                if self.current >= 0:  # (autocast reads as off inside autograd's hooks)
-                    shapes = self.weight_shapes[self.current]
-                    if any(sh == tuple(t.shape) and dt != t.dtype for sh, dt in shapes):
-                        self.casts.add(k)
-        return t
+    def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
+        if key in self.saved:
+            return
+        super().record(key, t)
+        self.saved[key] = (t.untyped_storage().nbytes(), self.current)
+        if self.current >= 0:  # (autocast reads as off inside autograd's hooks)
+            shapes = self.weight_shapes[self.current]
+            if any(sh == tuple(t.shape) and dt != t.dtype for sh, dt in shapes):
+                self.casts.add(key)
 
     def close(self) -> None:
         for h in self.handles:
@@ -325,7 +321,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         for _ in range(repeats):  # per-segment forward times and saved storages
             rec = _Recorder(model, segments, x, device)
             try:
-                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), autocast():
+                with rec, autocast():
                     out = model(x)
             finally:
                 rec.close()
@@ -351,7 +347,7 @@ def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
     for i, o in enumerate(rec.outputs):
         if not isinstance(o, torch.Tensor):
             raise RuntimeError(f"segment {segments[i].name} did not return one tensor")
-        out_keys[_key(o)] = i
+        out_keys[measure.storage_key(o)] = i
     n = len(segments)
     inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
     for k, (nbytes, seg) in rec.saved.items():
