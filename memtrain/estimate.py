@@ -13,7 +13,6 @@ Fake tensors are made on the CPU when no GPU is present, so autocast follows the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -22,19 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain import measure
+from memtrain.train import autocast_factory
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                   y: torch.Tensor, precision: str = "fp32",
                   saved: measure.SavedBytes | None = None) -> None:
     """Forward, backward, update: the memory-relevant part of train.train's step."""
-    dtype = PRECISIONS[precision]
-    autocast = torch.autocast(x.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-    with measure.maybe(saved, saved is not None), autocast:
+    with measure.maybe(saved, saved is not None), autocast_factory(x.device.type, precision)():
         loss = F.cross_entropy(model(x).float(), y)
     loss.backward()
     optimizer.step()

@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast_factory(device_type: str,
+                     precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A zero-argument factory of the autocast context for `precision` (fp32: a null context);
+    a factory, because an autocast context object cannot be entered twice at once."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return contextlib.nullcontext
+    return functools.partial(torch.autocast, device_type, dtype=dtype)
+
+
 class RunFailed(Exception):
     """A run that ended early for a reason a study records: oom, diverged or interrupted."""
 
@@ -137,9 +147,7 @@ def train(
     # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
     warmup_steps = min(warmup_steps, max(0, total_steps - 2))
     account_step = warmup_steps
-    dtype = PRECISIONS[precision]
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else \
-        contextlib.nullcontext
+    autocast = autocast_factory(device.type, precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
     torch.manual_seed(seed)

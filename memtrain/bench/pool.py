@@ -25,8 +25,8 @@ from memtrain import measure, models
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
 from memtrain.record import atomic_write
+from memtrain.train import PRECISIONS
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 VARIANTS = {  # label -> method factory
     "none": NoneMethod,
     "pool k2 upsample": lambda: PoolMethod(kernel_size=2, mode="upsample"),

@@ -179,7 +179,7 @@ class CheckpointMethod:
     # ------------------------------------------------------------ training
 
     def fit(self, model: nn.Module, data, optimizer, scheduler, **train_kwargs):
-        from memtrain.train import PRECISIONS, TrainResult, train
+        from memtrain.train import TrainResult, autocast_factory, train
 
         extra: dict[str, Any] = {}
         if self.strategy in PLANNED:
@@ -190,8 +190,7 @@ class CheckpointMethod:
             if train_kwargs.get("channels_last") and x.ndim == 4:
                 model.to(memory_format=torch.channels_last)
                 x = x.contiguous(memory_format=torch.channels_last)
-            dtype = PRECISIONS[train_kwargs.get("precision", "fp32")]
-            autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else None
+            autocast = autocast_factory(device.type, train_kwargs.get("precision", "fp32"))
             extra = self.prepare(model, x, y, autocast)
             log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
             if self.dry_run:

@@ -15,7 +15,6 @@ one partition's parameters, gradients, optimizer state and activations are alive
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import math
@@ -233,12 +232,10 @@ class Synthetic:
 
     def _evaluate(self, model, data, kw, metrics, step) -> dict[str, float]:
         """Test accuracy of the composed model: argmax of the last partition's logits."""
-        from memtrain.train import PRECISIONS, evaluate
+        from memtrain.train import autocast_factory, evaluate
 
         device = kw["device"]
-        dtype = PRECISIONS[kw["precision"]]
-        autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else \
-            contextlib.nullcontext
+        autocast = autocast_factory(device.type, kw["precision"])
         model.to(device)
         res = evaluate(model, data.test, device, kw["eval_batch_size"] or kw["batch_size"],
                        autocast, kw["eval_max_batches"], kw["channels_last"])
