@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from memtrain.record import atomic_write
+from memtrain.bench import publish
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, reps: int = 25) -> float:
@@ -145,9 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             f"torch's to_sparse_bsr product (pruned A^T as BSR @ G); compress = scoring + top-k + "
             f"compaction. Ratios < 1 are faster than dense.")
     text = markdown(rows, f"prune kernels: grad_weight and compaction ({device.type})", note)
-    print(text)
-    if args.out:
-        atomic_write(args.out, text)  # a table is never left half-written
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from memtrain import api, measure
+from memtrain.bench import publish
 from memtrain.errors import ConfigError
-from memtrain.record import atomic_write
 
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
 COMPILE_BUDGETS = (0.2, 0.4, 0.6, 0.8, 1.0)
@@ -161,9 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             f"device: {name}; torch {torch.__version__}; date {datetime.date.today()}; "
             f"{args.steps} timed steps after {args.warmup} warm-up, median.\n\n"
             f"{table(rows, device)}\n")
-    print(text)
-    if args.out:
-        atomic_write(args.out, text)  # a table is never left half-written
+    publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from memtrain import measure, models
+from memtrain.bench import publish
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
-from memtrain.record import atomic_write
 from memtrain.train import PRECISIONS
 
 VARIANTS = {  # label -> method factory
@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{prov['git_commit']}; median of {steps} timed steps after {warmup} warm-up; "
             f"saved bytes: one forward, per storage, parameters excluded.\n")
     text = head + "\n" + table(rows) + "\n"
-    print(text)
-    if a.out:
-        atomic_write(a.out, text)  # a table is never left half-written
+    publish(text, a.out)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from memtrain import api
+from memtrain.bench import publish
 from memtrain.kernels.bench import device_line, markdown
-from memtrain.record import atomic_write
 
 MIB = 2**20
 
@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{precision}, {steps} steps (warm-up excluded), AdamW; one process, same protocol "
             f"as `memtrain` (peak source: {rows[0]['source']}).")
     text = markdown(rows, f"prune end to end: resmlp24 ({device.type})", note)
-    print(text)
-    if args.out:
-        atomic_write(args.out, text)  # a table is never left half-written
+    publish(text, args.out)
 
 
 if __name__ == "__main__":
