@@ -67,7 +67,9 @@ def check_trainer(t: DictConfig) -> None:
     if t.max_steps is not None:  # 0: probes only
         check_range("trainer.max_steps", t.max_steps, 0)
     check_range("trainer.warmup_steps", t.warmup_steps, 0)
-    check_choice("trainer.precision", t.precision, ("fp32", "bf16", "fp16"))
+    from memtrain.train import PRECISIONS
+
+    check_choice("trainer.precision", t.precision, tuple(PRECISIONS))
     check_range("trainer.log_every", t.log_every, 1)
     check_range("trainer.eval_every", t.eval_every, 0)
     dev = str(t.device)
