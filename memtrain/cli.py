@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import capacity, estimate, faults, measure, record, resume
+from memtrain import capacity, estimate, faults, measure, record, resume, schema
 from memtrain.errors import ConfigError, check_choice, check_range
 
 log = logging.getLogger("memtrain")
@@ -112,6 +112,7 @@ def _target(node: DictConfig):
 
 def build(cfg: DictConfig):
     """(data, model, method) from a composed config; the method already applied to the model."""
+    schema.check_config(cfg, GROUPS)
     check_trainer(cfg.trainer)
     torch.manual_seed(cfg.trainer.seed)
     data = _target(cfg.dataset)(**_kwargs(cfg.dataset))

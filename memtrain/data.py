@@ -131,7 +131,10 @@ def _hash_uniform(seed: int, index: torch.Tensor, numel: int) -> torch.Tensor:
     same tensor on any device, in any batch and any order.
     """
     k = torch.arange(numel, device=index.device, dtype=torch.int64)
-    z = index.to(torch.int64)[:, None] * 0x9E3779B1 + k[None, :] * 0x85EBCA77 + seed * 0xC2B2AE3D
+    # seed's term wrapped to int64 as the tensor arithmetic wraps (any 64-bit seed; unchanged
+    # for the usual small ones)
+    seed_term = (seed * 0xC2B2AE3D + 2**63) % 2**64 - 2**63
+    z = index.to(torch.int64)[:, None] * 0x9E3779B1 + k[None, :] * 0x85EBCA77 + seed_term
     for mul in (0x7FEB352D, 0x846CA68B):
         z = z ^ (z >> 16)
         z = (z * mul) & 0xFFFFFFFF
