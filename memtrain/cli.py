@@ -375,7 +375,7 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
     status = summary["status"]
     line = (f"{'skipped (done) ' if summary.get('skipped') else ''}{status}: {summary['method']} "
             f"{summary['model']} {summary['dataset']} "
-            f"test_acc={summary.get('test_acc') or float('nan'):.4f} -> {run_dir}")
+            f"test_acc={summary.get('test_acc', float('nan')):.4f} -> {run_dir}")
     log.info(line)
     if status == "interrupted":  # the user or the cluster wants the whole process to stop
         print(f"memtrain: interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; "

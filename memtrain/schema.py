@@ -158,7 +158,8 @@ def check_config(cfg: DictConfig, groups: tuple[str, ...]) -> None:
         try:
             values = OmegaConf.to_container(node, resolve=True)
         except Exception as e:  # an interpolation that cannot be resolved, e.g. an unset env var
-            raise ConfigError(f"{group}: cannot resolve a value: {str(e).splitlines()[0]}") from None
+            msg = str(e).splitlines()[0]
+            raise ConfigError(f"{group}: cannot resolve a value: {msg}") from None
         for key, value in values.items():
             if key == "_target_":
                 continue
