@@ -110,6 +110,14 @@ class TensorSplit(Split):
         return self.transform(x)[0], y
 
 
+def check_labels(name: str, labels, num_classes: int) -> None:
+    """Labels outside [0, num_classes) would train on garbage or fail mid-run: a ConfigError."""
+    for y in labels:
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            raise ConfigError(f"dataset {name} has labels in [{int(y.min())}, {int(y.max())}], "
+                              f"outside [0, {num_classes})")
+
+
 @dataclass
 class Data:
     """What every model and method needs to know about a dataset."""
@@ -203,6 +211,13 @@ def synthetic(
         raise ConfigError(f"dataset.num_classes must be >= 2, got {num_classes}")
     if image_size < 4:
         raise ConfigError(f"dataset.image_size must be >= 4 for synthetic, got {image_size}")
+    for key, value in (("train_size", train_size), ("test_size", test_size),
+                       ("channels", channels)):  # test_size 0 would measure no accuracy
+        if value < 1:
+            raise ConfigError(f"dataset.{key} must be >= 1, got {value}")
+    if noise < 0 or max_shift < 0:
+        raise ConfigError(f"dataset.noise and dataset.max_shift must be >= 0, got {noise} "
+                          f"and {max_shift}")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(num_classes, channels, 4, 4, generator=g)
     templates = F.interpolate(coarse, size=(image_size, image_size), mode="bicubic",
@@ -223,12 +238,22 @@ def _missing(name: str, tried: list[Path], extra: str = "") -> ConfigError:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    """Read an IDX file (the MNIST format), gzipped or not."""
+    """Read an IDX file (the MNIST format, unsigned bytes), gzipped or not; a file that is not
+    one, or is cut short, is a ConfigError naming it."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise ConfigError(f"cannot read the IDX file {path}: {e}") from None
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] == 0:
+        raise ConfigError(f"{path} is not an IDX file of unsigned bytes (bad header)")
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    want = 4 + 4 * ndim + math.prod(dims)
+    if len(raw) != want:
+        raise ConfigError(f"{path} is truncated or corrupt: {len(raw)} bytes, its header "
+                          f"{'x'.join(map(str, dims))} needs {want}")
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
@@ -254,6 +279,11 @@ def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_si
                  for p in ("train", "t10k") for k in ("images", "labels")]
         if all(files):
             xtr, ytr, xte, yte = (_read_idx(f) for f in files)
+            for x, y, (fx, fy) in ((xtr, ytr, files[:2]), (xte, yte, files[2:])):
+                if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+                    raise ConfigError(f"{fx} ({'x'.join(map(str, x.shape))}) and {fy} "
+                                      f"({'x'.join(map(str, y.shape))}) do not match: need "
+                                      f"N images of HxW and N labels")
             return _tensor_data(name, xtr[:, None], ytr, xte[:, None], yte, mean, std,
                                 image_size, augment)
     try:
@@ -275,7 +305,12 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment) -> Da
     ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
     yte = torch.as_tensor(np.asarray(yte), dtype=torch.int64)
     size = image_size or xtr.shape[-1]
+    for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+        if len(y) == 0 or len(x) != len(y):
+            raise ConfigError(f"dataset {name}: the {split} split has {len(x)} images and "
+                              f"{len(y)} labels")
     num_classes = int(max(ytr.max(), yte.max())) + 1
+    check_labels(name, (ytr, yte), num_classes)
     train = TensorSplit(xtr, ytr, mean, std, size, augment)
     test = TensorSplit(xte, yte, mean, std, size, False)
     return Data(train, test, num_classes, (xtr.shape[1], size, size), name)
@@ -306,6 +341,7 @@ def emnist(split: str = "balanced", data_dir: str | None = None, download: bool 
         for s in (data.train, data.test):
             s.labels = s.labels - 1
         data.num_classes = 26
+        check_labels("emnist", (data.train.labels, data.test.labels), 26)
     return data
 
 
@@ -355,8 +391,26 @@ class LoaderSplit(Split):
             self.dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
             drop_last=drop_last, num_workers=self.workers, pin_memory=device.type == "cuda",
             persistent_workers=False)
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        try:
+            for x, y in loader:
+                yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        except ConfigError as e:  # workers=0: _read_image's own error
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # a worker's error arrives with its traceback in the message
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
+            raise ConfigError(last.removeprefix("memtrain.errors.ConfigError: ")) from None
+
+
+def _read_image(path: str):
+    """ImageFolder's loader, with an unreadable file named in one line."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except Exception as e:
+        raise ConfigError(f"cannot read image {path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | None = None,
@@ -379,8 +433,14 @@ def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | 
                           norm])
     test_tf = T.Compose([T.Resize(math.ceil(image_size / 0.875)), T.CenterCrop(image_size),
                          T.ToTensor(), norm])
-    tr = datasets.ImageFolder(str(root / "train"), transform=train_tf)
-    te = datasets.ImageFolder(str(root / "val"), transform=test_tf)
+    try:
+        tr = datasets.ImageFolder(str(root / "train"), transform=train_tf, loader=_read_image)
+        te = datasets.ImageFolder(str(root / "val"), transform=test_tf, loader=_read_image)
+    except FileNotFoundError as e:  # no class folder, or no image in them
+        raise ConfigError(f"dataset imagenet: {str(e).splitlines()[0]}") from None
+    if tr.classes != te.classes:
+        raise ConfigError(f"dataset imagenet: {root / 'train'} and {root / 'val'} hold different "
+                          f"class folders ({len(tr.classes)} and {len(te.classes)})")
     workers = workers if workers is not None else min(8, os.cpu_count() or 1)
     return Data(LoaderSplit(tr, workers), LoaderSplit(te, workers), len(tr.classes),
                 (3, image_size, image_size), "imagenet")

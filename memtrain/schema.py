@@ -111,6 +111,8 @@ def problem(key: str, ann: Any, value: Any) -> str | None:
     ann = _strip_none(ann)
     if value is None or ann is None or ann is Any or ann is str:
         return None
+    if isinstance(value, str) and "${" in value:  # an interpolation: checked once resolved
+        return None
     origin = typing.get_origin(ann) or ann
     if origin is bool:
         return None if isinstance(value, bool) else f"{key} must be true or false, got {value!r}"

@@ -12,6 +12,7 @@ check those). Ranges and choices are checked by the builders, the methods and
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -179,10 +180,33 @@ def compose_fn(conf_dir: Path) -> Callable[[list[str]], DictConfig]:
     return compose
 
 
+def check_output_dirs(parsed: list) -> None:
+    """`hydra.run.dir` / `hydra.sweep.dir` must be a folder we can make (not a file, nor under
+    one, nor on a read-only disk): made here, so the failure is one line, not Hydra's traceback."""
+    for o in parsed:
+        if o.key_or_group not in ("hydra.run.dir", "hydra.sweep.dir") or o.is_sweep_override():
+            continue
+        value = str(o.value())
+        if "${" in value:  # resolved by Hydra (e.g. ${now:...}); checked when it makes it
+            continue
+        try:
+            Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+            probe = Path(value).expanduser() / f".memtrain-write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            if isinstance(e, FileExistsError) or Path(value).expanduser().is_file():
+                reason = "a file of that name exists"
+            raise ConfigError(f"{o.key_or_group}={value} cannot be used as the output folder: "
+                              f"{reason}") from None
+
+
 def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[str]]) -> None:
     """All of the above over command-line overrides; raises ConfigError with one line."""
     parsed = parse(overrides)
     check_groups(parsed, options)
+    check_output_dirs(parsed)
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
         check_values(parsed, compose_fn(conf_dir))
