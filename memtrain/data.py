@@ -394,9 +394,7 @@ class LoaderSplit(Split):
         try:
             for x, y in loader:
                 yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        except ConfigError as e:  # workers=0: _read_image's own error
-            raise ConfigError(str(e)) from None
-        except Exception as e:  # a worker's error arrives with its traceback in the message
+        except ConfigError as e:  # _read_image's; from a worker with its traceback attached
             last = [ln for ln in str(e).splitlines() if ln.strip()][-1]
             raise ConfigError(last.removeprefix("memtrain.errors.ConfigError: ")) from None
 
