@@ -273,6 +273,7 @@ def _run(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     from memtrain.train import train
 
     t = cfg.trainer
+    schema.check_config(cfg, GROUPS)  # before the device and the memory cap use any value
     check_trainer(t)
     if t.threads:
         torch.set_num_threads(int(t.threads))
