@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_memtrain
 
-from memtrain import api, cli, data, resume
+from memtrain import api, cli, data, imagefolder, resume
 from memtrain.errors import ConfigError
 from memtrain.report import cli as report_cli
 
@@ -85,14 +85,14 @@ def _image_folder(root, train_files: dict[str, bytes]):
 def test_empty_image_folder_is_one_line(tmp_path):
     for split in ("train", "val"):
         (tmp_path / split).mkdir()
-    _one_line_error(lambda: data.imagenet(data_dir=str(tmp_path), image_size=8),
+    _one_line_error(lambda: imagefolder.imagenet(data_dir=str(tmp_path), image_size=8),
                     "dataset imagenet: Couldn't find any class folder")
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_unreadable_image_is_named_in_one_line(tmp_path, workers):
     _image_folder(tmp_path, {"bad.png": b"not a png"})
-    d = data.imagenet(data_dir=str(tmp_path), image_size=8, workers=workers)
+    d = imagefolder.imagenet(data_dir=str(tmp_path), image_size=8, workers=workers)
     msg = _one_line_error(lambda: list(d.train.batches(2, torch.device("cpu"))),
                           "cannot read image")
     assert "bad.png" in msg
