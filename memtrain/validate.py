@@ -206,7 +206,7 @@ def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[st
     """All of the above over command-line overrides; raises ConfigError with one line."""
     parsed = parse(overrides)
     check_groups(parsed, options)
-    check_output_dirs(parsed)
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
         check_values(parsed, compose_fn(conf_dir))
+    check_output_dirs(parsed)  # last: it makes the folder, which a bad value must not leave
