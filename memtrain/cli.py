@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import capacity, estimate, faults, measure, record, resume
+from memtrain import capacity, estimate, faults, measure, record, resume, schema
 from memtrain.errors import ConfigError, check_choice, check_range
 
 log = logging.getLogger("memtrain")
@@ -66,6 +66,10 @@ def check_trainer(t: DictConfig) -> None:
     check_range("trainer.epochs", t.epochs, 1)
     if t.max_steps is not None:  # 0: probes only
         check_range("trainer.max_steps", t.max_steps, 0)
+    if t.max_steps == 0 and not (t.estimate or t.find_max_batch):
+        raise ConfigError("trainer.max_steps=0 runs the probes only, and none is asked: set "
+                          "trainer.estimate=true or trainer.find_max_batch=true, or "
+                          "trainer.max_steps >= 1")
     check_range("trainer.warmup_steps", t.warmup_steps, 0)
     from memtrain.train import PRECISIONS
 
@@ -112,6 +116,7 @@ def _target(node: DictConfig):
 
 def build(cfg: DictConfig):
     """(data, model, method) from a composed config; the method already applied to the model."""
+    schema.check_config(cfg, GROUPS)
     check_trainer(cfg.trainer)
     torch.manual_seed(cfg.trainer.seed)
     data = _target(cfg.dataset)(**_kwargs(cfg.dataset))
@@ -146,10 +151,10 @@ NOT_IN_RUN_ID = ("resume", "save_every", "save_weights", "skip_done", "search_di
                  "memory_snapshot", "progress")
 
 
-def run_id(cfg: DictConfig) -> str:
+def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     """A hash of the resolved config (hydra's own settings and NOT_IN_RUN_ID excluded): same
     config, same id."""
-    c = OmegaConf.to_container(cfg, resolve=True)
+    c = OmegaConf.to_container(cfg, resolve=resolve)
     c.pop("hydra", None)
     for k in NOT_IN_RUN_ID:
         c.get("trainer", {}).pop(k, None)
@@ -157,10 +162,11 @@ def run_id(cfg: DictConfig) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def identity(cfg: DictConfig, choices: dict[str, str]) -> dict[str, Any]:
-    """The columns that say what a run is: choices, run_id and every option flattened."""
+def identity(cfg: DictConfig, choices: dict[str, str], resolve: bool = True) -> dict[str, Any]:
+    """The columns that say what a run is: choices, run_id and every option flattened
+    (`resolve=False`: as written, for a config whose interpolations cannot be resolved)."""
     row: dict[str, Any] = {
-        "run_id": run_id(cfg),
+        "run_id": run_id(cfg, resolve),
         "status": "running",
         "method": choices.get("method", ""),
         "model": choices.get("model", ""),
@@ -169,7 +175,7 @@ def identity(cfg: DictConfig, choices: dict[str, str]) -> dict[str, Any]:
         "trainer": choices.get("trainer", ""),
         "experiment": choices.get("experiment") or "",
     }
-    c = OmegaConf.to_container(cfg, resolve=True)
+    c = OmegaConf.to_container(cfg, resolve=resolve)
     for group in ("method", "trainer", "dataset", "model", "optim"):
         row.update(_flatten(group, c.get(group, {})))
     return row
@@ -190,7 +196,13 @@ def execute(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     from memtrain.train import RunFailed
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = identity(cfg, choices)
+    resume.clean_partial(run_dir)
+    try:
+        summary = identity(cfg, choices)
+    except Exception as e:  # an unresolvable interpolation (an unset ${oc.env:...}): a row
+        summary = identity(cfg, choices, resolve=False)
+        return _failed_early(run_dir, summary, ConfigError(
+            f"cannot resolve the config: {str(e).splitlines()[0]}"))
     search = Path(cfg.trainer.search_dir or search_dir or run_dir.parent)
     if cfg.trainer.skip_done:
         done = _already_done(search, run_dir, summary["run_id"])
@@ -233,6 +245,15 @@ def execute(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     return summary
 
 
+def _failed_early(run_dir: Path, summary: dict[str, Any], error: ConfigError) -> dict:
+    """Record a job that could not start (status=error) and re-raise its one-line error."""
+    summary.update(status="error", error=str(error), test_acc=float("nan"),
+                   test_acc5=float("nan"), run_dir=str(run_dir))
+    record.write_metrics(run_dir, [])
+    record.write_summary(run_dir, summary)
+    raise error
+
+
 def _already_done(search: Path, run_dir: Path, rid: str) -> dict[str, Any] | None:
     """`trainer.skip_done`: the earlier ok summary of this run_id under `search`, or None."""
     done = resume.find_done(search, rid)
@@ -252,6 +273,7 @@ def _run(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     from memtrain.train import train
 
     t = cfg.trainer
+    schema.check_config(cfg, GROUPS)  # before the device and the memory cap use any value
     check_trainer(t)
     if t.threads:
         torch.set_num_threads(int(t.threads))
@@ -259,6 +281,10 @@ def _run(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(measure.provenance(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     data, model, method = build(cfg)
+    for split in ("train", "test"):  # an empty test split would end ok with no accuracy
+        if len(getattr(data, split)) == 0:
+            raise ConfigError(f"dataset {data.name or cfg.dataset._target_}: the {split} split "
+                              f"is empty; nothing would be measured")
     if device.type == "cuda" and t.data_on_device:
         from memtrain.data import place
 
@@ -294,6 +320,8 @@ def _run(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         summary["memory_snapshot"] = str(snapshot.path)
     if ckpt.resumed_from is not None:
         summary["resumed_from"] = str(ckpt.resumed_from)
+    if ckpt.warning is not None:
+        summary["resume_warning"] = ckpt.warning
     ckpt.clear()
     if t.save_weights:
         resume.save_weights(model, run_dir)
@@ -374,7 +402,7 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
     status = summary["status"]
     line = (f"{'skipped (done) ' if summary.get('skipped') else ''}{status}: {summary['method']} "
             f"{summary['model']} {summary['dataset']} "
-            f"test_acc={summary.get('test_acc') or float('nan'):.4f} -> {run_dir}")
+            f"test_acc={summary.get('test_acc', float('nan')):.4f} -> {run_dir}")
     log.info(line)
     if status == "interrupted":  # the user or the cluster wants the whole process to stop
         print(f"memtrain: interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; "

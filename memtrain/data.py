@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import logging
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +109,14 @@ class TensorSplit(Split):
         return self.transform(x)[0], y
 
 
+def check_labels(name: str, labels, num_classes: int) -> None:
+    """Labels outside [0, num_classes) would train on garbage or fail mid-run: a ConfigError."""
+    for y in labels:
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            raise ConfigError(f"dataset {name} has labels in [{int(y.min())}, {int(y.max())}], "
+                              f"outside [0, {num_classes})")
+
+
 @dataclass
 class Data:
     """What every model and method needs to know about a dataset."""
@@ -131,7 +138,10 @@ def _hash_uniform(seed: int, index: torch.Tensor, numel: int) -> torch.Tensor:
     same tensor on any device, in any batch and any order.
     """
     k = torch.arange(numel, device=index.device, dtype=torch.int64)
-    z = index.to(torch.int64)[:, None] * 0x9E3779B1 + k[None, :] * 0x85EBCA77 + seed * 0xC2B2AE3D
+    # seed's term wrapped to int64 as the tensor arithmetic wraps (any 64-bit seed; unchanged
+    # for the usual small ones)
+    seed_term = (seed * 0xC2B2AE3D + 2**63) % 2**64 - 2**63
+    z = index.to(torch.int64)[:, None] * 0x9E3779B1 + k[None, :] * 0x85EBCA77 + seed_term
     for mul in (0x7FEB352D, 0x846CA68B):
         z = z ^ (z >> 16)
         z = (z * mul) & 0xFFFFFFFF
@@ -200,6 +210,13 @@ def synthetic(
         raise ConfigError(f"dataset.num_classes must be >= 2, got {num_classes}")
     if image_size < 4:
         raise ConfigError(f"dataset.image_size must be >= 4 for synthetic, got {image_size}")
+    for key, value in (("train_size", train_size), ("test_size", test_size),
+                       ("channels", channels)):  # test_size 0 would measure no accuracy
+        if value < 1:
+            raise ConfigError(f"dataset.{key} must be >= 1, got {value}")
+    if noise < 0 or max_shift < 0:
+        raise ConfigError(f"dataset.noise and dataset.max_shift must be >= 0, got {noise} "
+                          f"and {max_shift}")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(num_classes, channels, 4, 4, generator=g)
     templates = F.interpolate(coarse, size=(image_size, image_size), mode="bicubic",
@@ -220,12 +237,22 @@ def _missing(name: str, tried: list[Path], extra: str = "") -> ConfigError:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    """Read an IDX file (the MNIST format), gzipped or not."""
+    """Read an IDX file (the MNIST format, unsigned bytes), gzipped or not; a file that is not
+    one, or is cut short, is a ConfigError naming it."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise ConfigError(f"cannot read the IDX file {path}: {e}") from None
+    if len(raw) < 4 or raw[:3] != b"\x00\x00\x08" or raw[3] == 0:
+        raise ConfigError(f"{path} is not an IDX file of unsigned bytes (bad header)")
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    want = 4 + 4 * ndim + math.prod(dims)
+    if len(raw) != want:
+        raise ConfigError(f"{path} is truncated or corrupt: {len(raw)} bytes, its header "
+                          f"{'x'.join(map(str, dims))} needs {want}")
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
@@ -251,6 +278,11 @@ def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_si
                  for p in ("train", "t10k") for k in ("images", "labels")]
         if all(files):
             xtr, ytr, xte, yte = (_read_idx(f) for f in files)
+            for x, y, (fx, fy) in ((xtr, ytr, files[:2]), (xte, yte, files[2:])):
+                if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+                    raise ConfigError(f"{fx} ({'x'.join(map(str, x.shape))}) and {fy} "
+                                      f"({'x'.join(map(str, y.shape))}) do not match: need "
+                                      f"N images of HxW and N labels")
             return _tensor_data(name, xtr[:, None], ytr, xte[:, None], yte, mean, std,
                                 image_size, augment)
     try:
@@ -272,7 +304,12 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment) -> Da
     ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
     yte = torch.as_tensor(np.asarray(yte), dtype=torch.int64)
     size = image_size or xtr.shape[-1]
+    for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
+        if len(y) == 0 or len(x) != len(y):
+            raise ConfigError(f"dataset {name}: the {split} split has {len(x)} images and "
+                              f"{len(y)} labels")
     num_classes = int(max(ytr.max(), yte.max())) + 1
+    check_labels(name, (ytr, yte), num_classes)
     train = TensorSplit(xtr, ytr, mean, std, size, augment)
     test = TensorSplit(xte, yte, mean, std, size, False)
     return Data(train, test, num_classes, (xtr.shape[1], size, size), name)
@@ -303,6 +340,7 @@ def emnist(split: str = "balanced", data_dir: str | None = None, download: bool 
         for s in (data.train, data.test):
             s.labels = s.labels - 1
         data.num_classes = 26
+        check_labels("emnist", (data.train.labels, data.test.labels), 26)
     return data
 
 
@@ -333,54 +371,6 @@ def cifar100(data_dir: str | None = None, download: bool = False, image_size: in
              seed: int = 0, augment: bool = True) -> Data:
     return _cifar("cifar100", "CIFAR100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
                   data_dir, download, image_size, augment)
-
-
-# ---------------------------------------------------------------- ImageNet-style folders
-
-
-class LoaderSplit(Split):
-    """A torchvision ImageFolder streamed through a DataLoader with worker processes."""
-
-    def __init__(self, dataset, workers: int):
-        self.dataset, self.workers = dataset, workers
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
-        loader = torch.utils.data.DataLoader(
-            self.dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
-            drop_last=drop_last, num_workers=self.workers, pin_memory=device.type == "cuda",
-            persistent_workers=False)
-        for x, y in loader:
-            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-
-
-def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | None = None,
-             download: bool = False, seed: int = 0) -> Data:
-    """An ImageFolder root with train/ and val/ subfolders (one folder per class)."""
-    from torchvision import datasets
-    from torchvision import transforms as T
-
-    if not data_dir:
-        raise ConfigError("dataset imagenet needs dataset.data_dir=PATH (a folder with train/ "
-                          "and val/ subfolders, one folder per class)")
-    root = Path(data_dir).expanduser()
-    if download:
-        raise ConfigError("dataset imagenet cannot be downloaded; point dataset.data_dir at it")
-    tried = [root / "train", root / "val"]
-    if not all(p.is_dir() for p in tried):
-        raise _missing("imagenet", tried, " (ImageFolder layout: train/CLASS/*.jpg, val/CLASS/*)")
-    norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(),
-                          norm])
-    test_tf = T.Compose([T.Resize(math.ceil(image_size / 0.875)), T.CenterCrop(image_size),
-                         T.ToTensor(), norm])
-    tr = datasets.ImageFolder(str(root / "train"), transform=train_tf)
-    te = datasets.ImageFolder(str(root / "val"), transform=test_tf)
-    workers = workers if workers is not None else min(8, os.cpu_count() or 1)
-    return Data(LoaderSplit(tr, workers), LoaderSplit(te, workers), len(tr.classes),
-                (3, image_size, image_size), "imagenet")
 
 
 def place(data: Data, device: torch.device, max_bytes: int) -> Data:

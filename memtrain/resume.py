@@ -51,6 +51,21 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def clean_partial(run_dir: Path) -> list[Path]:
+    """Remove what a kill during an atomic save leaves (`.<name>.*.tmp`: a checkpoint, the
+    weights or a record half written); the files they were meant to replace are intact."""
+    gone = []
+    for p in Path(run_dir).glob(".*.tmp"):
+        if p.name.startswith((".resume", f".{WEIGHTS}.", ".summary.json.", ".metrics.csv.",
+                              f".{SKIPPED}.")):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    if gone:
+        log.warning("removed %d partial file(s) left by an interrupted save in %s", len(gone),
+                    run_dir)
+    return gone
+
+
 def capture(model: nn.Module, optimizer, scheduler, scaler, *, step: int, epoch: int,
             epoch_shuffle: torch.Tensor, extra: dict) -> dict:
     """The training state at a step boundary, as plain tensors and containers."""
@@ -104,6 +119,7 @@ class Checkpointer:
         self.run_dir, self.run_id, self.every = Path(run_dir), run_id, int(every or 0)
         self.resume, self.search, self.stop = resume, list(search or []), stop
         self.resumed_from: Path | None = None
+        self.warning: str | None = None  # a checkpoint that could not be read (the row says so)
 
     def path(self, prefix: str = "", run_dir: Path | None = None) -> Path:
         name = f"resume{'_' + prefix.strip('_/.') if prefix else ''}.pt"
@@ -117,7 +133,16 @@ class Checkpointer:
             p = self.path(prefix, folder)
             if not p.is_file():
                 continue
-            state = load(p)
+            try:
+                state = load(p)
+                if not isinstance(state, dict) or "step" not in state:
+                    raise ValueError("not a training-state checkpoint")
+            except Exception as e:  # cut short or corrupt: start afresh rather than fail
+                self.warning = (f"unreadable checkpoint {p} ignored ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); started from "
+                                f"step 0")
+                log.warning("%s", self.warning)
+                continue
             if state.get("run_id") != self.run_id or state.get("format") != FORMAT:
                 log.warning("ignoring %s: written by another configuration", p)
                 continue

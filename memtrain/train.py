@@ -166,6 +166,8 @@ def train(
     step, t_start, loss_val = 0, time.perf_counter(), float("nan")
     start_epoch, replay = 0, 0
     state = checkpointer.load(metric_prefix) if checkpointer is not None else None
+    if checkpointer is not None and checkpointer.warning:  # also on the row of a failed run
+        summary["resume_warning"] = checkpointer.warning
     if state is not None:  # continue bit for bit: replay the epoch's batches up to the step
         extra = resume.restore(state, model, optimizer, scheduler, scaler, shuffle_gen)
         step, start_epoch = state["step"], state["epoch"]

@@ -12,12 +12,14 @@ check those). Ranges and choices are checked by the builders, the methods and
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from memtrain import schema
 from memtrain.errors import ConfigError
 
 GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
@@ -99,30 +101,23 @@ def _missing(cfg: DictConfig, key: str) -> str | None:
     return None
 
 
-def _type_error(key: str, default: Any, value: Any) -> str | None:
-    """The message when `value` cannot stand where `default` does, else None."""
-    if value is None or default is None or isinstance(default, str):
-        return None
-    if isinstance(default, bool):
-        ok, want = isinstance(value, bool), "true or false"
-    elif isinstance(default, int):
-        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif isinstance(default, float):
-        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    elif isinstance(default, list):
-        ok, want = isinstance(value, list), "a list such as [1, 2]"
-    elif isinstance(default, dict):
-        ok, want = isinstance(value, dict), "a mapping such as {a: 1}"
-    else:
-        return None
-    return None if ok else f"{key} must be {want}, got {value!r}"
+def _type_error(cfg: DictConfig, key: str, default: Any, value: Any) -> str | None:
+    """The message when `value` cannot stand for option `key` (schema.problem), else None."""
+    group, _, name = key.partition(".")
+    node = cfg.get(group) if "." not in name else None
+    ann = (schema.expected_type(group, name, node, default) if isinstance(node, DictConfig)
+           else schema.type_of_default(default))
+    return schema.problem(key, ann, value)
 
 
 def _values(o) -> list[Any]:
+    """The values an override sets: one, a choice sweep's list or a range's members."""
     if not o.is_sweep_override():
         return [o.value()]
     v = o.value()
-    return [getattr(e, "text", e) for e in v.list] if hasattr(v, "list") else []
+    if hasattr(v, "list"):
+        return [getattr(e, "text", e) for e in v.list]
+    return list(o.sweep_iterator()) if hasattr(v, "step") else []
 
 
 def check_values(parsed: list, compose: Callable[[list[str]], DictConfig]) -> None:
@@ -162,7 +157,7 @@ def check_values(parsed: list, compose: Callable[[list[str]], DictConfig]) -> No
             if isinstance(default, (DictConfig, ListConfig)):
                 default = OmegaConf.to_container(default, resolve=False)
             for value in _values(o):
-                msg = _type_error(key, default, value)
+                msg = _type_error(cfg, key, default, value)
                 if msg:
                     raise ConfigError(msg + where)
 
@@ -185,6 +180,28 @@ def compose_fn(conf_dir: Path) -> Callable[[list[str]], DictConfig]:
     return compose
 
 
+def check_output_dirs(parsed: list) -> None:
+    """`hydra.run.dir` / `hydra.sweep.dir` must be a folder we can make (not a file, nor under
+    one, nor on a read-only disk): made here, so the failure is one line, not Hydra's traceback."""
+    for o in parsed:
+        if o.key_or_group not in ("hydra.run.dir", "hydra.sweep.dir") or o.is_sweep_override():
+            continue
+        value = str(o.value())
+        if "${" in value:  # resolved by Hydra (e.g. ${now:...}); checked when it makes it
+            continue
+        try:
+            Path(value).expanduser().mkdir(parents=True, exist_ok=True)
+            probe = Path(value).expanduser() / f".memtrain-write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+            if isinstance(e, FileExistsError) or Path(value).expanduser().is_file():
+                reason = "a file of that name exists"
+            raise ConfigError(f"{o.key_or_group}={value} cannot be used as the output folder: "
+                              f"{reason}") from None
+
+
 def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[str]]) -> None:
     """All of the above over command-line overrides; raises ConfigError with one line."""
     parsed = parse(overrides)
@@ -192,3 +209,4 @@ def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[st
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
         check_values(parsed, compose_fn(conf_dir))
+    check_output_dirs(parsed)  # last: it makes the folder, which a bad value must not leave

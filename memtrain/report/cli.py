@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     from memtrain.report.build import make_report
 
     args = parser().parse_args(argv)
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"memtrain-report: error: --out {args.out} is a file, not a folder", file=sys.stderr)
+        return 2
     try:
         rep = make_report(args.dirs, args.out, baseline=args.baseline,
                           match=[k.strip() for k in args.match.split(",") if k.strip()],
@@ -41,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                           memory=args.memory, figures=not args.no_figures)
     except FileNotFoundError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # --out under a file, or on a read-only disk
+        print(f"memtrain-report: error: cannot write the report: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)

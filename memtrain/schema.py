@@ -1,0 +1,170 @@
+"""The type of every option in conf/, and the one rule that checks a value against it.
+
+A key's type is its builder's type hint: the `_target_`'s keyword argument (datasets, models,
+methods), the optimizer and schedule builders' (optim), the `Trainer` dataclass below (trainer).
+A key without a hint takes the type of its default in conf/. The rule: an integer option takes
+integers (not 2.5, not true), a number takes a finite number (NaN and inf are bad input, never a
+training result), true/false a bool, a list a list whose elements obey the same rule, and every
+integer fits torch's 64 bits. validate.py applies it to command-line overrides before Hydra
+composes; `check_config` applies it to the composed, resolved config of each job (presets,
+`${oc.env:...}` and the Python API included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from memtrain.errors import ConfigError
+
+INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds included) hold no more
+
+
+@dataclasses.dataclass
+class Trainer:
+    """conf/trainer/default.yaml as types (a test keeps the two equal). The seed of a structured
+    trainer config: the meaning of each key is in the YAML's comments."""
+
+    device: str = "auto"
+    batch_size: int = 128
+    eval_batch_size: int | None = None
+    epochs: int = 10
+    max_steps: int | None = None
+    warmup_steps: int = 5
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
+    seed: int = 0
+    eval_every: int = 1
+    eval_max_batches: int | None = None
+    log_every: int = 50
+    progress: bool = True
+    account_memory: bool = True
+    grad_clip: float | None = None
+    data_on_device: bool = True
+    data_on_device_max_gb: float = 8
+    threads: int | None = None
+    resume: bool = False
+    save_every: int = 0
+    save_weights: bool = False
+    skip_done: bool = False
+    search_dir: str | None = None
+    fault: str | None = None
+    fault_step: int = 0
+    memory_snapshot: bool = False
+    gpu_memory_gb: float | None = None
+    find_max_batch: bool = False
+    estimate: bool = False
+
+
+@functools.cache
+def _hints_of(fn: Callable) -> dict[str, Any]:
+    target = fn.__init__ if inspect.isclass(fn) and not dataclasses.is_dataclass(fn) else fn
+    return typing.get_type_hints(target)
+
+
+def hints(group: str, target: str | None) -> dict[str, Any]:
+    """Type hints of the keys of a config group (target: its node's `_target_`, if any)."""
+    if group == "trainer":
+        return _hints_of(Trainer)
+    if group == "optim":
+        from memtrain.optim import build_optimizer, build_scheduler
+
+        return {**_hints_of(build_scheduler), **_hints_of(build_optimizer)}
+    if not target:
+        return {}
+    from hydra.utils import get_method
+
+    try:
+        return _hints_of(get_method(target))
+    except Exception:  # an unimportable target is reported where it is instantiated
+        return {}
+
+
+def type_of_default(default: Any) -> Any:
+    """The type a default stands for (None: anything, the builder checks)."""
+    if default is None or isinstance(default, str):
+        return None
+    for t in (bool, int, float, list, dict):
+        if isinstance(default, t):
+            return t
+    return None
+
+
+def _strip_none(ann: Any) -> Any:
+    """`int | None` -> int; `list[int] | tuple[int, ...]` -> its first member, the YAML form."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(ann) if a is not type(None))
+    return ann
+
+
+def problem(key: str, ann: Any, value: Any) -> str | None:
+    """The one-line message when `value` cannot stand for option `key` of type `ann`, else None."""
+    ann = _strip_none(ann)
+    if value is None or ann is None or ann is Any or ann is str:
+        return None
+    if isinstance(value, str) and "${" in value:  # an interpolation: checked once resolved
+        return None
+    origin = typing.get_origin(ann) or ann
+    if origin is bool:
+        return None if isinstance(value, bool) else f"{key} must be true or false, got {value!r}"
+    if origin is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{key} must be an integer, got {value!r}"
+        if not INT64[0] <= value <= INT64[1]:
+            return f"{key} must be an integer in [-2**63, 2**63-1], got {value}"
+        return None
+    if origin is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{key} must be a number, got {value!r}"
+        return None if math.isfinite(value) else f"{key} must be a finite number, got {value}"
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return f"{key} must be a list such as [1, 2], got {value!r}"
+        args = [a for a in typing.get_args(ann) if a is not Ellipsis]
+        for i, v in enumerate(value):
+            msg = problem(f"{key}[{i}]", args[min(i, len(args) - 1)] if args else None, v)
+            if msg:
+                return msg
+        return None
+    if origin is dict:
+        return None if isinstance(value, dict) else \
+            f"{key} must be a mapping such as {{a: 1}}, got {value!r}"
+    return None
+
+
+def expected_type(group: str, key: str, node: DictConfig | dict, default: Any) -> Any:
+    """The type option `group.key` takes: its builder's hint, else its default's type."""
+    target = node.get("_target_") if isinstance(node, (DictConfig, dict)) else None
+    hint = hints(group, target).get(key)
+    return hint if hint is not None else type_of_default(default)
+
+
+def check_config(cfg: DictConfig, groups: tuple[str, ...]) -> None:
+    """Every option of the composed config against its type; ConfigError on the first problem.
+
+    Values are resolved first: an unset `${oc.env:...}` is a one-line error here too.
+    """
+    for group in groups:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        try:
+            values = OmegaConf.to_container(node, resolve=True)
+        except Exception as e:  # an interpolation that cannot be resolved, e.g. an unset env var
+            msg = str(e).splitlines()[0]
+            raise ConfigError(f"{group}: cannot resolve a value: {msg}") from None
+        for key, value in values.items():
+            if key == "_target_":
+                continue
+            msg = problem(f"{group}.{key}", expected_type(group, key, values, value), value)
+            if msg:
+                raise ConfigError(msg)

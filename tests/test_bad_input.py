@@ -1,0 +1,160 @@
+"""Bad input and broken files end in one line (or a row that says what is wrong), never in a
+traceback or an `ok` row that measured nothing (issue 15, classes 8 and 9)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_memtrain
+
+from memtrain import api, cli, data, imagefolder, resume
+from memtrain.errors import ConfigError
+from memtrain.report import cli as report_cli
+
+TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
+STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+         "t10k-labels-idx1-ubyte")
+
+
+def _idx(a: np.ndarray) -> bytes:
+    head = bytes([0, 0, 8, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape)
+    return head + a.astype(np.uint8).tobytes()
+
+
+def _mnist_folder(root, n=(10, 10, 4, 4), labels=None):
+    """IDX files: images [n, 4, 4], labels 0..9 (or `labels` for the train split)."""
+    y = labels if labels is not None else np.arange(n[1]) % 10
+    arrays = (np.zeros((n[0], 4, 4)), y, np.zeros((n[2], 4, 4)), np.arange(n[3]) % 10)
+    for stem, a in zip(STEMS, arrays, strict=True):
+        (root / stem).write_bytes(_idx(np.asarray(a)))
+    return root
+
+
+def _one_line_error(fn, match: str) -> str:
+    with pytest.raises(ConfigError, match=match) as e:
+        fn()
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_good_idx_files_load(tmp_path):
+    d = data.mnist(data_dir=str(_mnist_folder(tmp_path)))
+    assert len(d.train) == 10 and len(d.test) == 4 and d.num_classes == 10
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda b: b"garbage, not an IDX file" * 4, "is not an IDX file"),
+    (lambda b: b[:-5], "is truncated or corrupt"),
+    (lambda b: b + b"\0" * 3, "is truncated or corrupt"),
+    (lambda b: b"", "is not an IDX file"),
+])
+def test_garbage_or_truncated_idx_is_one_line(tmp_path, damage, match):
+    _mnist_folder(tmp_path)
+    f = tmp_path / STEMS[0]
+    f.write_bytes(damage(f.read_bytes()))
+    msg = _one_line_error(lambda: data.mnist(data_dir=str(tmp_path)), match)
+    assert str(f) in msg
+
+
+def test_label_and_image_counts_must_match(tmp_path):
+    _mnist_folder(tmp_path, n=(10, 9, 4, 4))
+    _one_line_error(lambda: data.mnist(data_dir=str(tmp_path)), "do not match")
+
+
+def test_labels_outside_the_classes_are_an_error(tmp_path):
+    # EMNIST letters are shifted by one: a label 0 there would become -1
+    _mnist_folder(tmp_path)
+    _one_line_error(lambda: data.emnist(split="letters", data_dir=str(tmp_path)),
+                    r"labels in \[-1, 8\], outside \[0, 26\)")
+    with pytest.raises(ConfigError, match=r"outside \[0, 3\)"):
+        data.check_labels("x", [torch.tensor([0, 3])], 3)
+
+
+def _image_folder(root, train_files: dict[str, bytes]):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(root / split / "a" / "ok.png")
+    for name, raw in train_files.items():
+        (root / "train" / "a" / name).write_bytes(raw)
+    return root
+
+
+def test_empty_image_folder_is_one_line(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    _one_line_error(lambda: imagefolder.imagenet(data_dir=str(tmp_path), image_size=8),
+                    "dataset imagenet: Couldn't find any class folder")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_unreadable_image_is_named_in_one_line(tmp_path, workers):
+    _image_folder(tmp_path, {"bad.png": b"not a png"})
+    d = imagefolder.imagenet(data_dir=str(tmp_path), image_size=8, workers=workers)
+    msg = _one_line_error(lambda: list(d.train.batches(2, torch.device("cpu"))),
+                          "cannot read image")
+    assert "bad.png" in msg
+
+
+@pytest.mark.parametrize("make", ["file", "under_file"])
+def test_run_dir_that_is_a_file_is_one_line(in_tmp, make):
+    (in_tmp / "f").write_text("x")
+    d = "f" if make == "file" else "f/sub"
+    _one_line_error(lambda: cli.check_overrides([*TINY, f"hydra.run.dir={d}"]),
+                    f"hydra.run.dir={d} cannot be used as the output folder")
+
+
+def test_report_out_naming_a_file_exits_2(in_tmp, capsys):
+    (in_tmp / "f").write_text("x")
+    (in_tmp / "runs").mkdir()
+    assert report_cli.main(["runs", "--out", "f"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "memtrain-report: error: --out f is a file, not a folder"
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["dataset.test_size=0"], "dataset.test_size must be >= 1, got 0"),
+    (["dataset.train_size=0"], "dataset.train_size must be >= 1, got 0"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0 runs the probes only, and none is asked"),
+])
+def test_runs_that_would_measure_nothing_are_errors(in_tmp, overrides, match):
+    row = None
+    with pytest.raises(ConfigError, match=match):
+        row = api.run([*TINY, *overrides], out_dir=in_tmp / "r")
+    assert row is None
+    saved = json.loads((in_tmp / "r" / "summary.json").read_text())
+    assert saved["status"] == "error"
+
+
+def test_corrupt_checkpoint_and_partial_files_fall_back_to_a_fresh_start(in_tmp):
+    out = in_tmp / "r"
+    out.mkdir()
+    (out / "resume.pt").write_bytes(b"cut short by a kill")
+    partial = out / ".resume.pt.x1y2.tmp"
+    partial.write_bytes(b"half a checkpoint")
+    row = api.run([*TINY, "trainer.resume=true"], out_dir=out)
+    assert row["status"] == "ok" and row["steps"] == 4
+    assert "unreadable checkpoint" in row["resume_warning"] and "resumed_at_step" not in row
+    assert not partial.exists() and not (out / "resume.pt").exists()
+    assert resume.clean_partial(out) == []
+
+
+def test_a_64_bit_seed_runs(in_tmp):
+    big = 2**63 - 1
+    row = api.run([*TINY, f"trainer.seed={big}", f"dataset.seed={big}"], out_dir=in_tmp / "r")
+    assert row["status"] == "ok"
+
+
+def test_unset_env_in_a_sweep_is_that_jobs_row(in_tmp):
+    p = run_memtrain("-m", *TINY, "trainer.seed=0,${oc.env:MEMTRAIN_TEST_UNSET_15}",
+                     "hydra.sweep.dir=sw", "+hydra.callbacks.report.enabled=false",
+                     cwd=in_tmp, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    rows = [json.loads((in_tmp / "sw" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert rows[0]["status"] == "ok"
+    assert rows[1]["status"] == "error"
+    assert "MEMTRAIN_TEST_UNSET_15" in rows[1]["error"] and "not found" in rows[1]["error"]
+    assert "memtrain: 2 jobs: ok 1, error 1" in p.stdout
