@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,8 @@ def _flatten(prefix: str, node: Any) -> dict[str, Any]:
     return {prefix: node}
 
 
-# How a run is driven, not what it computes: left out of run_id, so that a resumed or re-launched
-# run keeps its id.
-NOT_IN_RUN_ID = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
-                 "memory_snapshot", "progress")
+# How a run is driven, not what it computes: left out of run_id (record.DRIVING_OPTIONS).
+NOT_IN_RUN_ID = record.DRIVING_OPTIONS
 
 
 def run_id(cfg: DictConfig) -> str:
@@ -224,6 +223,8 @@ def execute(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     summary["test_acc"] = summary.pop("test_acc", float("nan"))
     summary.setdefault("test_acc5", float("nan"))
     summary["run_dir"] = str(run_dir)
+    # the report keeps a run_id's latest row (an interrupted run resumed in another folder)
+    summary["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     record.write_metrics(run_dir, metrics)
     record.write_summary(run_dir, summary)
     if isinstance(error, ConfigError):

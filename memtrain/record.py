@@ -19,6 +19,10 @@ SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 METRIC_FIELDS = ("step", "epoch", "split", "name", "value")
 STATUSES = ("ok", "oom", "diverged", "error", "interrupted")
+# trainer options that drive a run without changing what it computes: left out of run_id (so a
+# resumed or re-launched run keeps its id and skip_done finds it) and out of the report's settings
+DRIVING_OPTIONS = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
+                   "memory_snapshot", "progress")
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:
