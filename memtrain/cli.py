@@ -35,6 +35,15 @@ def _gpu_count(default: int = 0) -> int:
 OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
 
 
+def _job_run_id(*, _root_: DictConfig) -> str:
+    """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
+    sweeps (or a relaunch with other values) in one folder never share a job folder."""
+    return run_id(_root_)
+
+
+OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
+
+
 def conf_dir() -> Path:
     """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
     here = Path(__file__).resolve().parent.parent / "conf"
@@ -148,8 +157,9 @@ NOT_IN_RUN_ID = record.DRIVING_OPTIONS
 def run_id(cfg: DictConfig) -> str:
     """A hash of the resolved config (hydra's own settings and NOT_IN_RUN_ID excluded): same
     config, same id."""
-    c = OmegaConf.to_container(cfg, resolve=True)
-    c.pop("hydra", None)
+    # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
+    c = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k])
+         else cfg[k] for k in cfg if k != "hydra"}
     for k in NOT_IN_RUN_ID:
         c.get("trainer", {}).pop(k, None)
     blob = json.dumps(c, sort_keys=True, default=str)

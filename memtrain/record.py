@@ -17,6 +17,8 @@ from typing import Any
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
+# a job skipped by trainer.skip_done leaves this marker (naming the folder that holds its row)
+SKIPPED = "skipped.json"
 METRIC_FIELDS = ("step", "epoch", "split", "name", "value")
 STATUSES = ("ok", "oom", "diverged", "error", "interrupted")
 # trainer options that drive a run without changing what it computes: left out of run_id (so a

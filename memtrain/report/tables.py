@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.record import DRIVING_OPTIONS
+from memtrain.record import DRIVING_OPTIONS, SKIPPED
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,13 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def find_unfinished(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Hydra job folders (they hold .hydra/) below `paths` that never wrote a summary.json."""
+    """Hydra job folders (they hold .hydra/) below `paths` that never wrote a summary.json (nor
+    a skip marker: a job skipped by trainer.skip_done has its row elsewhere)."""
     out = []
     for p in map(Path, paths):
         for h in p.rglob(".hydra"):
-            if h.is_dir() and not (h.parent / SUMMARY).exists():
+            done = (h.parent / SUMMARY).exists() or (h.parent / SKIPPED).exists()
+            if h.is_dir() and not done:
                 out.append(h.parent.resolve())
     return sorted(set(out))
 
