@@ -369,6 +369,9 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    # a launcher's worker process (joblib, submitit): an interrupted job is a row, not an exit
+    # that would take the worker pool and its sibling jobs down; the main process ends the sweep
+    worker = multirun and faults.SweepStop.install_worker()
     run_dir = Path(hc.runtime.output_dir)
     search = Path(hc.sweep.dir) if multirun else None
     try:
@@ -387,7 +390,7 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
             f"{summary['model']} {summary['dataset']} "
             f"test_acc={summary.get('test_acc') or float('nan'):.4f} -> {run_dir}")
     log.info(line)
-    if status == "interrupted":  # the user or the cluster wants the whole process to stop
+    if status == "interrupted" and not worker:  # the user or the cluster wants it to stop
         print(f"memtrain: interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; "
               f"continue with: {_resume_command(hc, multirun, run_dir)}", file=sys.stderr)
         sys.exit(128 + (2 if summary.get("signal") == "SIGINT" else 15))
@@ -401,17 +404,13 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
 def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
     """The command that continues this run (or, for a multirun, the whole sweep)."""
-    task = list(hc.overrides.task)
-    if multirun:  # the sweep's own overrides, not this job's values
+    from memtrain.hydra_callbacks import continue_command
+
+    if multirun:  # the sweep's own overrides (multirun.yaml), not this job's values
         saved = Path(hc.sweep.dir) / "multirun.yaml"
-        if saved.is_file():
-            task = list(OmegaConf.load(saved).hydra.overrides.task)
-        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={hc.sweep.dir}"]
-    else:
-        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
-    keys = {e.split("=")[0] for e in extra}
-    task = [t for t in task if t.split("=")[0] not in keys]
-    return " ".join(["memtrain", *(["-m"] if multirun else []), *task, *extra])
+        over = OmegaConf.load(saved).hydra.overrides if saved.is_file() else hc.overrides
+        return continue_command(over, hc.sweep.dir)
+    return continue_command(hc.overrides, run_dir=run_dir)
 
 
 def main() -> None:
@@ -419,6 +418,8 @@ def main() -> None:
     import hydra
 
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if {"-m", "--multirun"} & set(sys.argv[1:]):  # SIGTERM stops every job, leaving rows
+        faults.SweepStop.install_main()
     try:
         check_overrides(args)
     except ConfigError as e:

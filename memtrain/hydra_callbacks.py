@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shlex
 import sys
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from memtrain.faults import SweepStop
 from memtrain.record import SKIPPED, STATUSES, SUMMARY
 
 LOCK = ".memtrain-sweep.lock"
@@ -75,6 +77,31 @@ class StatusCount(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         counts, skipped = count_statuses(sweep_dir, self.started)
         print(format_counts(counts, skipped), flush=True)
+        # jobs in worker processes (hydra/launcher=parallel, local) return interrupted rows
+        # instead of exiting; the sweep as a whole ends here, as the basic launcher's would
+        stop = SweepStop.requested
+        if stop or counts["interrupted"]:
+            print(f"memtrain: interrupted ({stop or 'a job was stopped'}); checkpoints saved in "
+                  f"{sweep_dir}; continue with: "
+                  f"{continue_command(config.hydra.overrides, str(sweep_dir))}",
+                  file=sys.stderr, flush=True)
+            sys.exit(128 + (2 if stop == "SIGINT" else 15))
+
+
+def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
+                     run_dir: str | os.PathLike | None = None) -> str:
+    """The shell command that continues a sweep (or a single run): its task overrides and its
+    hydra ones (launcher, hydra.launcher.*, callbacks), then resume and skip_done; shell-quoted.
+    """
+    if sweep_dir is not None:
+        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={sweep_dir}"]
+    else:
+        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    dropped = {e.split("=")[0] for e in extra} | {"hydra.mode"}
+    given = [*overrides.get("hydra", []), *overrides.get("task", [])]
+    kept = [o for o in given if o.split("=")[0].lstrip("+~") not in dropped]
+    words = ["memtrain", *(["-m"] if sweep_dir is not None else []), *kept, *extra]
+    return shlex.join(words)
 
 
 class SweepLock(Callback):

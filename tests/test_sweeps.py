@@ -4,6 +4,7 @@ report, job folders never collide, one sweep at a time per folder."""
 import fcntl
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -119,3 +120,67 @@ def test_interrupted_sweep_relaunched_is_one_setting_of_three_seeds(in_tmp):
     assert settings.iloc[0]["status"] == "ok" and settings.iloc[0]["seeds"] == "0,1,2"
     md = (sweep / "report.md").read_text()
     assert "3 runs in 1 setting" in md
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
+    """Every job a row and a checkpoint, no worker outlives the sweep, and the printed command
+    (quoted: the folder has a space) resumes it through the same launcher."""
+    sweep = in_tmp / "my sweep"
+    args = ["-m", "hydra/launcher=parallel", *NARROW, "trainer.max_steps=1000",
+            "trainer.save_every=50", "dataset.train_size=800", "trainer.seed=0,1",
+            f"hydra.sweep.dir={sweep}", NO_REPORT]
+    env = {**os.environ, "MEMTRAIN_PARALLEL_JOBS": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", *args], cwd=in_tmp, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    t0 = time.monotonic()
+    while len(list(sweep.glob("*/resume.pt"))) < 2:  # both jobs training
+        assert proc.poll() is None and time.monotonic() - t0 < 300, proc.communicate()
+        time.sleep(0.05)
+    pids = {int(line.split()[0]) for line in subprocess.run(
+        ["ps", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines()
+        if int(line.split()[1]) == proc.pid}
+    assert len(pids) >= 2  # the joblib workers
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    rows = [json.loads(f.read_text()) for f in sweep.glob("*/summary.json")]
+    assert sorted(r["trainer.seed"] for r in rows) == [0, 1]
+    assert {r["status"] for r in rows} == {"interrupted"}
+    assert len(list(sweep.glob("*/resume.pt"))) == 2
+    deadline = time.monotonic() + 30
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "a worker outlived the sweep"
+    line = err.split("continue with: ")[-1].strip().splitlines()[0]
+    again = shlex.split(line)
+    assert again[:3] == ["memtrain", "-m", "hydra/launcher=parallel"]
+    assert f"hydra.sweep.dir={sweep}" in again and NO_REPORT in again
+    p = run_memtrain(*again[1:], cwd=in_tmp, env={"MEMTRAIN_PARALLEL_JOBS": "2"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Joblib.Parallel" in p.stdout + p.stderr  # the same launcher
+    rows = [json.loads(f.read_text()) for f in sweep.glob("*/summary.json")]
+    assert {r["status"] for r in rows} == {"ok"} and all(r["resumed_at_step"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_fault_in_a_parallel_worker_spares_its_siblings(in_tmp):
+    """Four jobs on two workers: an injected SIGTERM or error in one is that job's row; the
+    sibling finishes and the remaining jobs still start."""
+    p = run_memtrain("-m", "hydra/launcher=parallel", *TINY, "trainer.fault=null,sigterm,error",
+                     "trainer.fault_step=1", "trainer.seed=0", "hydra.sweep.dir=sw", NO_REPORT,
+                     cwd=in_tmp, env={"MEMTRAIN_PARALLEL_JOBS": "2"})
+    assert p.returncode == 143, p.stderr[-3000:]  # a job was stopped: the sweep says so
+    rows = {r["trainer.fault"]: r["status"] for r in
+            (json.loads(f.read_text()) for f in (in_tmp / "sw").glob("*/summary.json"))}
+    assert rows == {None: "ok", "sigterm": "interrupted", "error": "error"}
+    assert "memtrain: 3 jobs: ok 1, error 1, interrupted 1" in p.stdout
+    assert "continue with: memtrain -m hydra/launcher=parallel" in p.stderr
