@@ -70,6 +70,16 @@ class SweepStop:
 
     requested: str | None = None
     ENV = "MEMTRAIN_WORKERS"
+    STOP = "stop"
+
+    @classmethod
+    def stopped(cls) -> str | None:
+        """The signal that stopped this sweep (in this process or its main process), if any."""
+        folder = os.environ.get(cls.ENV)
+        marker = Path(folder) / cls.STOP if folder else None
+        if cls.requested is None and marker is not None and marker.is_file():
+            return marker.read_text().strip() or "SIGTERM"
+        return cls.requested
 
     @classmethod
     def _handle(cls, signum, frame) -> None:
@@ -77,6 +87,9 @@ class SweepStop:
         log.warning("%s received between runs: the sweep stops", cls.requested)
         folder = os.environ.get(cls.ENV)
         if folder and os.getpid() == cls.main_pid():
+            # for the jobs not started yet, whichever worker they land on
+            with contextlib.suppress(OSError):
+                (Path(folder) / cls.STOP).write_text(cls.requested)
             for f in Path(folder).glob("*.pid"):
                 with contextlib.suppress(ValueError, OSError):
                     os.kill(int(f.stem), signum)
@@ -120,7 +133,7 @@ class StopSignals:
     SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 
     def __init__(self):
-        self.requested: str | None = SweepStop.requested  # the sweep was stopped before us
+        self.requested: str | None = SweepStop.stopped()  # the sweep was stopped before us
         self._old: dict = {}
 
     def _handle(self, signum, frame) -> None:

@@ -132,11 +132,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
-    """Every job a row and a checkpoint, no worker outlives the sweep, and the printed command
-    (quoted: the folder has a space) resumes it through the same launcher."""
+    """Three jobs on two workers: every job a row and a checkpoint, no worker outlives the sweep,
+    and the printed command (quoted: the folder has a space) resumes it with the same launcher."""
     sweep = in_tmp / "my sweep"
     args = ["-m", "hydra/launcher=parallel", *NARROW, "trainer.max_steps=1000",
-            "trainer.save_every=50", "dataset.train_size=800", "trainer.seed=0,1",
+            "trainer.save_every=50", "dataset.train_size=800", "trainer.seed=0,1,2",
             f"hydra.sweep.dir={sweep}", NO_REPORT]
     env = {**os.environ, "MEMTRAIN_PARALLEL_JOBS": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", *args], cwd=in_tmp, text=True,
@@ -153,9 +153,10 @@ def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-3000:]
     rows = [json.loads(f.read_text()) for f in sweep.glob("*/summary.json")]
-    assert sorted(r["trainer.seed"] for r in rows) == [0, 1]
+    # job 2 had not started: it starts stopped (one step, a checkpoint, its row)
+    assert sorted(r["trainer.seed"] for r in rows) == [0, 1, 2]
     assert {r["status"] for r in rows} == {"interrupted"}
-    assert len(list(sweep.glob("*/resume.pt"))) == 2
+    assert len(list(sweep.glob("*/resume.pt"))) == 3
     deadline = time.monotonic() + 30
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
