@@ -112,7 +112,7 @@ def test_interrupted_sweep_relaunched_is_one_setting_of_three_seeds(in_tmp):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err[-2000:]
-    again = err.split("continue with: memtrain ")[-1].split()
+    again = shlex.split(err.split("continue with: memtrain ")[-1].splitlines()[0])
     p = run_memtrain(*again, cwd=in_tmp)
     assert p.returncode == 0, p.stderr[-2000:]
     settings = pd.read_csv(sweep / "settings.csv")
