@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,15 @@ def _gpu_count(default: int = 0) -> int:
 
 
 OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
+
+
+def _job_run_id(*, _root_: DictConfig) -> str:
+    """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
+    sweeps (or a relaunch with other values) in one folder never share a job folder."""
+    return run_id(_root_)
+
+
+OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
 
 
 def conf_dir() -> Path:
@@ -145,17 +155,16 @@ def _flatten(prefix: str, node: Any) -> dict[str, Any]:
     return {prefix: node}
 
 
-# How a run is driven, not what it computes: left out of run_id, so that a resumed or re-launched
-# run keeps its id.
-NOT_IN_RUN_ID = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
-                 "memory_snapshot", "progress")
+# How a run is driven, not what it computes: left out of run_id (record.DRIVING_OPTIONS).
+NOT_IN_RUN_ID = record.DRIVING_OPTIONS
 
 
 def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     """A hash of the resolved config (hydra's own settings and NOT_IN_RUN_ID excluded): same
     config, same id."""
-    c = OmegaConf.to_container(cfg, resolve=resolve)
-    c.pop("hydra", None)
+    # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
+    c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
+         else cfg[k] for k in cfg if k != "hydra"}
     for k in NOT_IN_RUN_ID:
         c.get("trainer", {}).pop(k, None)
     blob = json.dumps(c, sort_keys=True, default=str)
@@ -236,6 +245,8 @@ def execute(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     summary["test_acc"] = summary.pop("test_acc", float("nan"))
     summary.setdefault("test_acc5", float("nan"))
     summary["run_dir"] = str(run_dir)
+    # the report keeps a run_id's latest row (an interrupted run resumed in another folder)
+    summary["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     record.write_metrics(run_dir, metrics)
     record.write_summary(run_dir, summary)
     if isinstance(error, ConfigError):
@@ -386,6 +397,9 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    # a launcher's worker process (joblib, submitit): an interrupted job is a row, not an exit
+    # that would take the worker pool and its sibling jobs down; the main process ends the sweep
+    worker = multirun and faults.SweepStop.install_worker()
     run_dir = Path(hc.runtime.output_dir)
     search = Path(hc.sweep.dir) if multirun else None
     try:
@@ -404,7 +418,7 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
             f"{summary['model']} {summary['dataset']} "
             f"test_acc={summary.get('test_acc', float('nan')):.4f} -> {run_dir}")
     log.info(line)
-    if status == "interrupted":  # the user or the cluster wants the whole process to stop
+    if status == "interrupted" and not worker:  # the user or the cluster wants it to stop
         print(f"memtrain: interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; "
               f"continue with: {_resume_command(hc, multirun, run_dir)}", file=sys.stderr)
         sys.exit(128 + (2 if summary.get("signal") == "SIGINT" else 15))
@@ -418,17 +432,13 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
 
 def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
     """The command that continues this run (or, for a multirun, the whole sweep)."""
-    task = list(hc.overrides.task)
-    if multirun:  # the sweep's own overrides, not this job's values
+    from memtrain.hydra_callbacks import continue_command
+
+    if multirun:  # the sweep's own overrides (multirun.yaml), not this job's values
         saved = Path(hc.sweep.dir) / "multirun.yaml"
-        if saved.is_file():
-            task = list(OmegaConf.load(saved).hydra.overrides.task)
-        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={hc.sweep.dir}"]
-    else:
-        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
-    keys = {e.split("=")[0] for e in extra}
-    task = [t for t in task if t.split("=")[0] not in keys]
-    return " ".join(["memtrain", *(["-m"] if multirun else []), *task, *extra])
+        over = OmegaConf.load(saved).hydra.overrides if saved.is_file() else hc.overrides
+        return continue_command(over, hc.sweep.dir)
+    return continue_command(hc.overrides, run_dir=run_dir)
 
 
 def main() -> None:
@@ -436,6 +446,8 @@ def main() -> None:
     import hydra
 
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if {"-m", "--multirun"} & set(sys.argv[1:]):  # SIGTERM stops every job, leaving rows
+        faults.SweepStop.install_main()
     try:
         check_overrides(args)
     except ConfigError as e:

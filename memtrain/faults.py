@@ -8,9 +8,13 @@ so every failure path of a sweep can be tested on a CPU. It is not meant for stu
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,6 +59,69 @@ class Fault:
         return loss * float("nan")
 
 
+class SweepStop:
+    """A SIGTERM that arrived while no run was active: in a sweep's main process, or in a
+    launcher's worker between two jobs. The next run starts stopped (it saves a checkpoint after
+    its first step and ends `interrupted`), so every job of a stopped sweep gets a row.
+
+    The main process forwards the signal to the workers that registered in `MEMTRAIN_WORKERS`
+    (a folder of pid files), so none of them trains on as an orphan.
+    """
+
+    requested: str | None = None
+    ENV = "MEMTRAIN_WORKERS"
+    STOP = "stop"
+
+    @classmethod
+    def stopped(cls) -> str | None:
+        """The signal that stopped this sweep (in this process or its main process), if any."""
+        folder = os.environ.get(cls.ENV)
+        marker = Path(folder) / cls.STOP if folder else None
+        if cls.requested is None and marker is not None and marker.is_file():
+            return marker.read_text().strip() or "SIGTERM"
+        return cls.requested
+
+    @classmethod
+    def _handle(cls, signum, frame) -> None:
+        cls.requested = StopSignals.SIGNALS.get(signum, str(signum))
+        log.warning("%s received between runs: the sweep stops", cls.requested)
+        folder = os.environ.get(cls.ENV)
+        if folder and os.getpid() == cls.main_pid():
+            # for the jobs not started yet, whichever worker they land on
+            with contextlib.suppress(OSError):
+                (Path(folder) / cls.STOP).write_text(cls.requested)
+            for f in Path(folder).glob("*.pid"):
+                with contextlib.suppress(ValueError, OSError):
+                    os.kill(int(f.stem), signum)
+
+    @staticmethod
+    def main_pid() -> int:
+        return int(os.environ.get("MEMTRAIN_MAIN_PID", os.getpid()))
+
+    @classmethod
+    def install_main(cls) -> None:
+        """In the process that launches a sweep: catch SIGTERM, forward it to the workers."""
+        os.environ["MEMTRAIN_MAIN_PID"] = str(os.getpid())
+        folder = Path(tempfile.mkdtemp(prefix="memtrain-workers-"))
+        os.environ[cls.ENV] = str(folder)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        signal.signal(signal.SIGTERM, cls._handle)
+
+    @classmethod
+    def install_worker(cls) -> bool:
+        """In a launcher's worker process (once): keep SIGTERM between jobs instead of dying, and
+        register for forwarding. Returns whether this is a worker (not the launching process)."""
+        if os.getpid() == cls.main_pid():
+            return False
+        if signal.getsignal(signal.SIGTERM) != cls._handle:
+            with contextlib.suppress(ValueError):  # not the main thread: stays default
+                signal.signal(signal.SIGTERM, cls._handle)
+            folder = os.environ.get(cls.ENV)
+            if folder and Path(folder).is_dir():
+                (Path(folder) / f"{os.getpid()}.pid").touch()
+        return True
+
+
 class StopSignals:
     """While active, SIGTERM and the first Ctrl-C only set `requested`; the training loop stops
     at the end of the current step, saves a checkpoint and reports `status=interrupted`.
@@ -66,7 +133,7 @@ class StopSignals:
     SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 
     def __init__(self):
-        self.requested: str | None = None
+        self.requested: str | None = SweepStop.stopped()  # the sweep was stopped before us
         self._old: dict = {}
 
     def _handle(self, signum, frame) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shlex
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -10,12 +15,22 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from memtrain.record import STATUSES, SUMMARY
-from memtrain.resume import SKIPPED
+from memtrain.faults import SweepStop
+from memtrain.record import SKIPPED, STATUSES, SUMMARY
+
+LOCK = ".memtrain-sweep.lock"
 
 
-def count_statuses(sweep_dir: Path) -> tuple[Counter, int]:
-    """(jobs per status, jobs skipped as already done) over the run folders below sweep_dir.
+def _touched(job: Path) -> float:
+    """When this sweep last wrote into the job folder (Hydra rewrites .hydra/config.yaml)."""
+    files = (job / ".hydra" / "config.yaml", job / SUMMARY, job / SKIPPED)
+    return max((f.stat().st_mtime for f in files if f.is_file()), default=0.0)
+
+
+def count_statuses(sweep_dir: Path, since: float | None = None) -> tuple[Counter, int]:
+    """(jobs per status, jobs skipped as already done) over the run folders below sweep_dir;
+    with `since`, only the folders written from then on (this sweep's, not an earlier one's in
+    the same folder).
 
     A folder with neither a readable summary.json nor a skip marker is a job that died without a
     record (killed hard, or the node lost): counted as `missing`.
@@ -23,6 +38,8 @@ def count_statuses(sweep_dir: Path) -> tuple[Counter, int]:
     counts: Counter = Counter()
     skipped = 0
     jobs = {p.parent for name in (".hydra", SUMMARY, SKIPPED) for p in sweep_dir.rglob(name)}
+    if since is not None:
+        jobs = {j for j in jobs if _touched(j) >= since}
     for job in sorted(jobs):
         if (job / SKIPPED).is_file():
             skipped += 1
@@ -50,7 +67,69 @@ class StatusCount(Callback):
     Reads the jobs' summary.json files, so it works with every launcher (the jobs may have run
     in other processes or on other machines)."""
 
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.started = time.time() - 1.0  # file times may be a little coarse
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        counts, skipped = count_statuses(sweep_dir)
+        counts, skipped = count_statuses(sweep_dir, self.started)
         print(format_counts(counts, skipped), flush=True)
+        # jobs in worker processes (hydra/launcher=parallel, local) return interrupted rows
+        # instead of exiting; the sweep as a whole ends here, as the basic launcher's would
+        stop = SweepStop.requested
+        if stop or counts["interrupted"]:
+            print(f"memtrain: interrupted ({stop or 'a job was stopped'}); checkpoints saved in "
+                  f"{sweep_dir}; continue with: "
+                  f"{continue_command(config.hydra.overrides, str(sweep_dir))}",
+                  file=sys.stderr, flush=True)
+            sys.exit(128 + (2 if stop == "SIGINT" else 15))
+
+
+def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
+                     run_dir: str | os.PathLike | None = None) -> str:
+    """The shell command that continues a sweep (or a single run): its task overrides and its
+    hydra ones (launcher, hydra.launcher.*, callbacks), then resume and skip_done; shell-quoted.
+    """
+    if sweep_dir is not None:
+        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={sweep_dir}"]
+    else:
+        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+    dropped = {e.split("=")[0] for e in extra} | {"hydra.mode"}
+    given = [*overrides.get("hydra", []), *overrides.get("task", [])]
+    kept = [o for o in given if o.split("=")[0].lstrip("+~") not in dropped]
+    words = ["memtrain", *(["-m"] if sweep_dir is not None else []), *kept, *extra]
+    return shlex.join(words)
+
+
+class SweepLock(Callback):
+    """One sweep at a time per sweep folder: a second one started while the first runs is
+    refused in one line (exit 2) before it writes anything there. The lock is an flock, so a
+    killed sweep frees the folder; a relaunch after it ends is welcome."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(sweep_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            print(f"memtrain: error: sweep folder {sweep_dir} is in use by another sweep "
+                  f"(pid {owner}); wait for it to end or choose another hydra.sweep.dir",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None

@@ -17,8 +17,14 @@ from typing import Any
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
+# a job skipped by trainer.skip_done leaves this marker (naming the folder that holds its row)
+SKIPPED = "skipped.json"
 METRIC_FIELDS = ("step", "epoch", "split", "name", "value")
 STATUSES = ("ok", "oom", "diverged", "error", "interrupted")
+# trainer options that drive a run without changing what it computes: left out of run_id (so a
+# resumed or re-launched run keeps its id and skip_done finds it) and out of the report's settings
+DRIVING_OPTIONS = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
+                   "memory_snapshot", "progress")
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:

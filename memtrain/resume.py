@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain import record
 from memtrain.faults import StopSignals
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
 WEIGHTS = "weights.pt"
-SKIPPED = "skipped.json"
+SKIPPED = record.SKIPPED
 
 
 def atomic_save(obj: Any, path: Path) -> None:

@@ -34,6 +34,12 @@ def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                           capture_output=True, timeout=timeout, env=full_env)
 
 
+def job_dir(sweep: Path, num: int) -> Path:
+    """Job `num`'s folder in a sweep folder: `<num>_<run_id>` (conf/config.yaml)."""
+    (found,) = Path(sweep).glob(f"{num}_*")
+    return found
+
+
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
     """Run inside a temporary folder so runs/ lands there."""

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import run_memtrain
+from conftest import job_dir, run_memtrain
 
 from memtrain import api
 
@@ -38,7 +38,7 @@ def test_two_jobs_through_submitit_local(in_tmp):
     p = run_memtrain("-m", "hydra/launcher=local", *TINY, "trainer.seed=0,1",
                      "hydra.sweep.dir=sw", cwd=in_tmp, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads((in_tmp / "sw" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    rows = [json.loads((job_dir(in_tmp / "sw", i) / "summary.json").read_text()) for i in (0, 1)]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert {r["trainer.seed"] for r in rows} == {0, 1}
     assert (in_tmp / "sw" / ".submitit").is_dir()  # it really went through submitit

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import run_memtrain
+from conftest import job_dir, run_memtrain
 from report_fixtures import MiB, fabricate_study, write_run
 
 from memtrain.report import plots, style, tables
@@ -277,4 +277,4 @@ def test_multirun_leaves_report_in_sweep_folder(in_tmp):
         assert (sweep / "figures" / f"{name}.pdf").stat().st_size > 1000
     drawn = pd.read_csv(sweep / "figures" / "tradeoff.csv")
     assert sorted(drawn["y"]) == pytest.approx(sorted(settings["test_acc"] * 100))
-    assert json.loads((sweep / "0" / "summary.json").read_text())["status"] == "ok"
+    assert json.loads((job_dir(sweep, 0) / "summary.json").read_text())["status"] == "ok"

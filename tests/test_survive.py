@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_memtrain
+from conftest import job_dir, run_memtrain
 
 from memtrain import api
 from memtrain.hydra_callbacks import count_statuses, format_counts
@@ -126,7 +126,7 @@ def test_sweep_continues_counts_and_relaunch_resumes(in_tmp):
     p = run_memtrain("-m", *TINY, "trainer.threads=1", "trainer.fault=null,oom,nan,error,sigterm",
                      "trainer.fault_step=1", f"hydra.sweep.dir={sweep}", cwd=in_tmp)
     assert p.returncode == 143, p.stderr[-3000:]
-    rows = {int(f.parent.name): json.loads(f.read_text())
+    rows = {int(f.parent.name.split("_")[0]): json.loads(f.read_text())
             for f in sweep.glob("*/summary.json")}
     assert [rows[i]["status"] for i in range(5)] == [
         "ok", "oom", "diverged", "error", "interrupted"]
@@ -136,5 +136,5 @@ def test_sweep_continues_counts_and_relaunch_resumes(in_tmp):
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "memtrain: 5 jobs: ok 2, oom 1, diverged 1, error 1 (1 skipped: already done)" \
         in p2.stdout, p2.stdout[-2000:]
-    final = json.loads((sweep / "4" / "summary.json").read_text())
+    final = json.loads((job_dir(sweep, 4) / "summary.json").read_text())
     assert final["status"] == "ok" and final["resumed_at_step"] == 2

@@ -9,7 +9,7 @@ the single stderr line and the missing traceback.
 import json
 
 import pytest
-from conftest import run_memtrain
+from conftest import job_dir, run_memtrain
 
 from memtrain import api, cli
 from memtrain.errors import ConfigError
@@ -92,7 +92,7 @@ def test_bad_value_in_a_multirun_is_that_jobs_row(in_tmp):
     p = run_memtrain("-m", *TINY, "trainer.batch_size=0,8", "hydra.sweep.dir=sw", cwd=in_tmp,
                      timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    rows = [json.loads((in_tmp / "sw" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    rows = [json.loads((job_dir(in_tmp / "sw", i) / "summary.json").read_text()) for i in (0, 1)]
     assert rows[0]["status"] == "error"
     assert rows[0]["error"] == "trainer.batch_size must be in [1, inf], got 0"
     assert rows[1]["status"] == "ok"

@@ -332,7 +332,11 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory,
     }
     made, why = [], {}
     for name, (make, reason) in makers.items():
-        p = make()
+        try:
+            p = make()
+        except KeyError as e:  # e.g. every job failed before its timed steps: no throughput
+            why[name] = f"no {e.args[0]} column in any run"
+            continue
         if p is None:
             why[name] = reason
         else:

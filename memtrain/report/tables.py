@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain.record import DRIVING_OPTIONS, SKIPPED
+
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
@@ -54,11 +56,13 @@ def find_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 
 def find_unfinished(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Hydra job folders (they hold .hydra/) below `paths` that never wrote a summary.json."""
+    """Hydra job folders (they hold .hydra/) below `paths` that never wrote a summary.json (nor
+    a skip marker: a job skipped by trainer.skip_done has its row elsewhere)."""
     out = []
     for p in map(Path, paths):
         for h in p.rglob(".hydra"):
-            if h.is_dir() and not (h.parent / SUMMARY).exists():
+            done = (h.parent / SUMMARY).exists() or (h.parent / SKIPPED).exists()
+            if h.is_dir() and not done:
                 out.append(h.parent.resolve())
     return sorted(set(out))
 
@@ -67,7 +71,7 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tu
     """(runs, skipped): one row per readable summary.json, and (folder, reason) for the rest:
     a corrupt summary.json or a job folder without one."""
     paths = list(paths)
-    rows, skipped = [], []
+    rows, files, skipped = [], [], []
     for d in find_run_dirs(paths):
         try:
             with open(d / SUMMARY, encoding="utf-8") as f:
@@ -80,10 +84,18 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tu
             continue
         row["run_dir"] = str(d)
         rows.append(row)
+        files.append(d / SUMMARY)
+    from memtrain.report import screen  # it reads CONFIG_PREFIXES from here
+
+    rows, bad = screen.check_rows(rows, files)
+    df, superseded = screen.latest_per_run(screen.as_numbers(pd.DataFrame(rows)))
+    for d, why in bad + superseded:
+        skipped.append((d, why))
+        log.warning("skipped %s: %s", d, why)
     for d in find_unfinished(paths):
         skipped.append((d, "no summary.json (job never finished)"))
         log.warning("skipped %s: no summary.json", d)
-    return pd.DataFrame(rows), skipped
+    return df, skipped
 
 
 def load_metrics(run_dirs: Iterable[str | os.PathLike]) -> pd.DataFrame:
@@ -147,9 +159,15 @@ def config_columns(df: pd.DataFrame) -> list[str]:
     return [c for c in df.columns if c in CHOICES or c.startswith(CONFIG_PREFIXES)]
 
 
+# Options that drive a run without changing what it computes (left out of run_id): a relaunch
+# with trainer.resume=true is the same setting.
+DRIVING = tuple(f"trainer.{k}" for k in DRIVING_OPTIONS)
+
+
 def setting_columns(df: pd.DataFrame, seed: str = SEED) -> list[str]:
-    """The config columns that tell one setting from another (all of them but the seed)."""
-    return [c for c in config_columns(df) if c != seed]
+    """The config columns that tell one setting from another: all of them but the seed and the
+    options left out of run_id (DRIVING)."""
+    return [c for c in config_columns(df) if c != seed and c not in DRIVING]
 
 
 def _varying(df: pd.DataFrame, cols: Sequence[str]) -> list[str]:
@@ -225,6 +243,12 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     df["baseline_run_dir"] = None
     for i, row in df.iterrows():
         cand = base.loc[[i]] if ok[i] else groups.get(_key(row, match))
+        if cand is not None and not ok[i]:
+            cand, why = _same_device(row, cand)
+            if why:
+                warnings.append(f"no {baseline} baseline for {method_label(row)} on its device: "
+                                f"{why}; relative columns are NaN")
+                continue
         if cand is None:
             if not row["is_baseline"]:
                 warnings.append(f"no {baseline} baseline for {method_label(row)} "
@@ -244,6 +268,29 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     for w in warnings:
         log.warning(w)
     return df, warnings
+
+
+# A ratio is only drawn between runs measured alike: the device kind (cpu, cuda) and where the
+# peak came from (cuda allocator or live-tensor tracker).
+DEVICE_KEYS = ("device", "mem_peak_source")
+
+
+def _device_key(row: pd.Series) -> tuple[str, str]:
+    kind = row.get("device")
+    kind = None if _isna(kind) else str(kind).split(":")[0]
+    return fmt_value(kind), fmt_value(row.get("mem_peak_source"))
+
+
+def _same_device(row: pd.Series, cand: pd.DataFrame) -> tuple[pd.DataFrame | None, str]:
+    """The candidates measured like `row` (see DEVICE_KEYS), or (None, why not)."""
+    mine = _device_key(row)
+    theirs = cand.apply(_device_key, axis=1)
+    same = cand[theirs.map(lambda k: k == mine)]
+    if len(same):
+        return same, ""
+    other = ", ".join(sorted({f"device {d}, peak from {p}" for d, p in theirs}))
+    return None, (f"the matching runs were measured on {other}, this one on device {mine[0]}, "
+                  f"peak from {mine[1]}")
 
 
 def _num(v):
