@@ -37,8 +37,13 @@ OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
 
 def _job_run_id(*, _root_: DictConfig) -> str:
     """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
-    sweeps (or a relaunch with other values) in one folder never share a job folder."""
-    return run_id(_root_)
+    sweeps (or a relaunch with other values) in one folder never share a job folder. A value
+    that cannot be resolved (an unset `${oc.env:...}`) hashes as written: that job still gets a
+    folder, and its row says what is missing."""
+    try:
+        return run_id(_root_)
+    except Exception:  # omegaconf's resolution errors have no common public base
+        return run_id(_root_, resolve=False)
 
 
 OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)

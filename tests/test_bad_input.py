@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import run_memtrain
+from conftest import job_dir, run_memtrain
 
 from memtrain import api, cli, data, imagefolder, resume
 from memtrain.errors import ConfigError
@@ -153,7 +153,7 @@ def test_unset_env_in_a_sweep_is_that_jobs_row(in_tmp):
                      cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
-    rows = [json.loads((in_tmp / "sw" / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    rows = [json.loads((job_dir(in_tmp / "sw", i) / "summary.json").read_text()) for i in (0, 1)]
     assert rows[0]["status"] == "ok"
     assert rows[1]["status"] == "error"
     assert "MEMTRAIN_TEST_UNSET_15" in rows[1]["error"] and "not found" in rows[1]["error"]
