@@ -9,7 +9,7 @@ ARGS   ?=
 QUICK_DIR := runs/quick/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast lint sweep report clean
+.PHONY: help install run test test-fast test-compat lint sweep report clean
 
 help: ## show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -30,6 +30,18 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode)
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) $(ARGS)
+
+# The oldest torch the project supports (what GPU boxes have: torch 2.11, torchvision 0.26, Triton
+# 3.6), in a second virtual environment; pyproject's torch range names exactly these two ends.
+COMPAT       ?= .venv-compat
+COMPAT_TORCH ?= torch==2.11.0 torchvision==0.26.0
+$(COMPAT)/.installed: pyproject.toml
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install -q $(COMPAT_TORCH) -e '.[dev]'
+	touch $@
+
+test-compat: $(COMPAT)/.installed ## the test suite again on torch 2.11 + torchvision 0.26 + Triton 3.6 (.venv-compat)
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(COMPAT)/bin/python -m pytest -q -n $(JOBS) $(ARGS)
 
 test-fast: $(STAMP) ## the tests without those marked slow
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not slow" $(ARGS)

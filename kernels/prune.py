@@ -102,7 +102,11 @@ def _bsr_grad_weight_kernel(
     hi = tl.minimum(end, lo + chunk)
     acc = tl.zeros((BLOCK_N, B), dtype=tl.float32)
     v_ptrs = val_ptr + lo.to(tl.int64) * B * B + offs[:, None] * B + offs[None, :]
-    for j in range(lo, hi):  # only the kept blocks of this column
+    # Only the kept blocks of this column. A `while` rather than `for j in range(lo, hi)`: bounds
+    # loaded from memory are fine for compiled Triton, but Triton 3.6's interpreter converts them
+    # with int() on a 1-element array, which NumPy >= 2.4 refuses (triton-lang/triton#9171).
+    j = lo
+    while j < hi:
         r = tl.load(rows_ptr + j).to(tl.int64)
         offs_m = r * B + offs
         g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn,
@@ -116,6 +120,7 @@ def _bsr_grad_weight_kernel(
             acc += tl.dot(tl.trans(g), v, input_precision="ieee")
         else:
             acc += tl.dot(tl.trans(g), v)
+        j += 1
     offs_k = c * B + offs
     ptrs = w_ptr + s * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
     tl.store(ptrs, acc.to(w_ptr.dtype.element_ty),

@@ -1,0 +1,76 @@
+"""Compile every Triton kernel ahead of time for NVIDIA targets, without a GPU.
+
+`python -m memtrain.kernels.aot` lowers each kernel (the dtypes and constexprs memtrain launches)
+through Triton's whole pipeline to a cubin for sm_80 (A100) and sm_90 (H100) with the ptxas that
+ships in the Triton wheel, and prints the sizes. It catches what the interpreter cannot: a
+construct compiled Triton of the installed version rejects. It must run with TRITON_INTERPRET
+unset (the interpreter replaces `triton.jit` functions), so the test runs it in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ARCHS = (80, 90)
+
+
+def _prune_specs(prune) -> list:
+    specs = []
+    for dt in ("fp32", "bf16", "fp16"):
+        specs.append((prune._block_score_kernel,
+                      {"a_ptr": f"*{dt}", "score_ptr": "*fp32", "M": "i32", "K": "i32",
+                       "stride_am": "i32", "stride_ak": "i32", "n_col_blocks": "i32",
+                       "B": "constexpr", "L1": "constexpr"}, {"B": 32, "L1": False}))
+        specs.append((prune._block_compact_kernel,
+                      {"a_ptr": f"*{dt}", "rows_ptr": "*i32", "cols_ptr": "*i32",
+                       "val_ptr": f"*{dt}", "M": "i32", "K": "i32", "stride_am": "i32",
+                       "stride_ak": "i32", "B": "constexpr"}, {"B": 32}))
+        for split, out in ((1, dt), (4, "fp32")):
+            sig = {"g_ptr": f"*{dt}", "val_ptr": f"*{dt}", "rows_ptr": "*i32",
+                   "colptr_ptr": "*i32", "w_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32",
+                   "stride_gm": "i32", "stride_gn": "i32", "stride_ws": "i32",
+                   "stride_wn": "i32", "stride_wk": "i32", "SPLIT": "constexpr",
+                   "B": "constexpr", "BLOCK_N": "constexpr", "IEEE": "constexpr",
+                   "UPCAST": "constexpr"}
+            specs.append((prune._bsr_grad_weight_kernel, sig,
+                          {"SPLIT": split, "B": 32, "BLOCK_N": 64, "IEEE": dt == "fp32",
+                           "UPCAST": False}))
+    return specs
+
+
+def _bitmask_specs(bitmask) -> list:
+    pack, masked = bitmask._kernels()
+    specs = []
+    for dt in ("fp32", "bf16", "fp16"):
+        specs.append((pack, {"x_ptr": f"*{dt}", "bits_ptr": "*u8", "n": "i32", "n_bytes": "i32",
+                             "BLOCK": "constexpr"}, {"BLOCK": bitmask.BLOCK_BYTES}))
+        specs.append((masked, {"grad_ptr": f"*{dt}", "bits_ptr": "*u8", "out_ptr": f"*{dt}",
+                               "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": bitmask.BLOCK_ELEMS}))
+    return specs
+
+
+def compile_all(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, int, int]]:
+    """(kernel name, arch, cubin bytes) for every kernel and dtype memtrain launches."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
+    import triton
+    from memtrain.kernels import bitmask, prune
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    done = []
+    for fn, sig, consts in _prune_specs(prune) + _bitmask_specs(bitmask):
+        for arch in archs:
+            kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32))
+            done.append((fn.__name__, arch, len(kernel.asm["cubin"])))
+    return done
+
+
+if __name__ == "__main__":
+    import triton
+
+    rows = compile_all()
+    for name, arch, size in rows:
+        print(f"{name:>26} sm_{arch}: cubin {size} bytes")
+    print(f"triton {triton.__version__}: {len(rows)} kernels compiled", file=sys.stderr)
