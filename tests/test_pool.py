@@ -138,7 +138,8 @@ def test_efficientnet_b0_depthwise_runs_and_saves_less():
     saved = measure.SavedBytes(measure.alive_before_step(net1, x, y))
     with saved:
         loss = F.cross_entropy(net1(x), y)
-    assert saved.bytes / base < 0.9, saved.bytes / base
+    # the stem's input is the batch (left alone, counted nowhere): 0.90 of none at 32 px
+    assert saved.bytes / base < 0.95, saved.bytes / base
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in net1.parameters())
 
@@ -241,6 +242,9 @@ def test_pool_study_variants_compose_to_the_intended_methods():
         if variant == "none":
             assert choices["method"] == "none"
             continue
+        if variant == "compaction_only":  # no pooling: only the exact add-ons
+            assert cfg.method.kernel_size == 1 and cfg.method.relu_mask == "bits"
+            continue
         k, mode = variant[1:].split("_")
         assert choices["method"] == "pool"
         assert (cfg.method.kernel_size, cfg.method.mode) == (int(k), mode)
@@ -255,3 +259,34 @@ def test_pool_smoke_run_records_options_and_saves_less(in_tmp):
     assert row["method.kernel_size"] == 4 and row["method.mode"] == "pooled"
     assert row["mem_act_saved_bytes"] < 0.8 * base["mem_act_saved_bytes"]
     assert row["mem_peak_act_bytes"] < base["mem_peak_act_bytes"]
+
+
+def _saved_and_act_peak(net, x, y):
+    """(saved bytes, tracked activation peak) of one training step after a warm-up step."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(saved=None):
+        with measure.maybe(saved, saved is not None):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    saved = measure.SavedBytes(measure.alive_before_step(net, x, y))
+    with measure.PeakTracker(net, opt, x, y) as tracker:
+        step(saved)
+    return saved.bytes, tracker.act_peak_bytes
+
+
+@pytest.mark.slow
+def test_compression_temporaries_do_not_set_the_activation_peak():
+    """resnet18, 64 px (ImageNet stem, with its max-pool), batch 16: pool's activation-peak ratio
+    vs none is within 0.1 of its saved-bytes ratio (the packing and max-pool index temporaries
+    once put it 0.2 above), and the stem's conv, whose input is the batch, pools nothing."""
+    net0, x, y = _build("resnet18", 64, "method=none", batch=16)
+    s0, a0 = _saved_and_act_peak(net0, x, y)
+    net1, _, _ = _build("resnet18", 64, "method=pool", batch=16)
+    s1, a1 = _saved_and_act_peak(net1, x, y)
+    assert s1 / s0 < 0.7
+    assert abs(a1 / a0 - s1 / s0) <= 0.1, (s1 / s0, a1 / a0)
