@@ -105,9 +105,9 @@ def _ratios(model, size, targets):
     return out
 
 
-# Measured on this repository's CPU run (batch 2, k=2, relu_mask=bits, min_size=4):
-#   resnet18 224 px: conv 0.570, conv+bn 0.236    32 px (small stem): conv 0.681, conv+bn 0.289
-#   resnet50 224 px: conv 0.660, conv+bn 0.273    32 px (small stem): conv 0.689, conv+bn 0.285
+# Measured on the CPU (batch 2, k=2, relu_mask=bits, min_size=4; the batch excluded, README):
+#   resnet18 224 px: conv 0.579, conv+bn 0.235    32 px (small stem): conv 0.682, conv+bn 0.289
+#   resnet50 224 px: conv 0.662, conv+bn 0.273    32 px (small stem): conv 0.689, conv+bn 0.285
 LIMITS = {("resnet18", 224): {"conv": 0.80, "conv+bn": 0.45},
           ("resnet18", 32): {"conv": 0.72, "conv+bn": 0.32},
           ("resnet50", 32): {"conv": 0.72, "conv+bn": 0.32},
