@@ -15,6 +15,7 @@ The eager oracle (numpy) lives in kernels/reference.py.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -113,13 +114,34 @@ def _weights(device: torch.device) -> torch.Tensor:
     return _BIT_WEIGHTS[device]
 
 
+PACK_CHUNKS = 16  # pack_torch works on ~1/16 of a tensor at a time
+
+
 def pack_torch(x: torch.Tensor) -> torch.Tensor:
-    """Packed `x > 0` with plain torch ops (any device)."""
-    m = (x > 0).reshape(-1)
+    """Packed `x > 0` with plain torch ops (any device). Its temporaries (a bool and a uint8
+    copy of the mask, 2 bytes per element) are made one slice of the batch at a time, so they
+    stay a fraction of the packed tensor's input rather than setting the activation peak."""
+    n = x.numel()
+    bits = torch.empty(n_bytes(n), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return bits
+    rows = x.reshape(1, *x.shape) if x.dim() == 0 else x
+    per_row = n // rows.shape[0]
+    step = 8 // math.gcd(per_row, 8)  # rows per chunk a multiple of this: chunks start on a byte
+    size = max(step, -(-rows.shape[0] // PACK_CHUNKS) // step * step)
+    for start in range(0, rows.shape[0], size):
+        part = _pack_flat(rows[start:start + size].reshape(-1))  # a copy only of a strided slice
+        first = start * per_row // 8
+        bits[first:first + part.numel()] = part
+    return bits
+
+
+def _pack_flat(flat: torch.Tensor) -> torch.Tensor:
+    m = flat > 0
     pad = (-m.numel()) % 8
     if pad:
         m = torch.cat([m, m.new_zeros(pad)])
-    return (m.view(-1, 8).to(torch.uint8) * _weights(x.device)).sum(1, dtype=torch.uint8)
+    return (m.view(-1, 8).to(torch.uint8) * _weights(flat.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_torch(bits: torch.Tensor, n: int) -> torch.Tensor:

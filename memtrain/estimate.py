@@ -71,7 +71,7 @@ def estimate_peak(make_model: Callable[[], nn.Module],
         x, y = random_batch(batch_size, input_shape, num_classes, dev)
         model.train()
         training_step(model, optimizer, x, y, precision)  # warm-up: optimizer state exists
-        saved = FakeSavedBytes(list(model.parameters()) + list(model.buffers()))
+        saved = FakeSavedBytes(measure.alive_before_step(model, x, y))
         with measure.PeakTracker(model, optimizer, x, y) as tracker:
             training_step(model, optimizer, x, y, precision, saved)
     out: dict[str, int | str] = {

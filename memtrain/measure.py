@@ -2,7 +2,8 @@
 
 Three independent instruments, each usable alone:
 - `SavedBytes`: bytes packed for backward by `saved_tensors_hooks` in one step, counted once per
-  storage, parameters excluded. Works on any device.
+  storage; what was alive before the step (parameters, buffers, the batch: `alive_before_step`)
+  is excluded, as the tracker's activation peak excludes it. Works on any device.
 - `PeakTracker`: live-tensor tracking through one step (torch's MemTracker), giving the peak,
   its breakdown at that moment and the peak of activation memory (recomputation included). This
   is the CPU's peak (`mem_peak_source=tracker`) and the breakdown on CUDA.
@@ -31,8 +32,19 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), s.data_ptr())
 
 
+def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[torch.Tensor]:
+    """What a training step finds alive and does not create: parameters, buffers and the batch
+    (input and targets). Saved-bytes counts exclude these storages: the loop keeps them for the
+    whole step anyway, so a layer that saves them costs nothing, and a compressed copy of them
+    is memory on top (`mem_peak_act_bytes` excludes them for the same reason: the tracker files
+    the batch as "other", not as an activation)."""
+    return [*model.parameters(), *model.buffers(),
+            *(t for t in batch if isinstance(t, torch.Tensor))]
+
+
 class SavedBytes:
-    """Counts bytes saved for backward, once per storage, parameters (and their views) excluded.
+    """Counts bytes saved for backward, once per storage, `exclude` (and views of it) left out:
+    pass `alive_before_step(model, x, y)` so only what the step creates counts.
 
     Use as a context manager around the forward pass; `bytes` holds the count afterwards.
     Tensors a method keeps for backward must go through `ctx.save_for_backward` (or any
@@ -77,8 +89,9 @@ class SavedBytes:
 
 
 def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor, loss_fn=None) -> int:
-    """Saved-for-backward bytes of one forward pass of `model` (no backward is run)."""
-    counter = SavedBytes(exclude=list(model.parameters()) + list(model.buffers()))
+    """Saved-for-backward bytes of one forward pass of `model` (no backward is run); the
+    inputs, parameters and buffers are not counted (`alive_before_step`)."""
+    counter = SavedBytes(exclude=alive_before_step(model, *inputs))
     with counter:
         out = model(*inputs)
         if loss_fn is not None:

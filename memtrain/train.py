@@ -195,8 +195,8 @@ def train(
                 if channels_last and x.ndim == 4:
                     x = x.contiguous(memory_format=torch.channels_last)
                 accounting = account_memory and step == account_step
-                saved = measure.SavedBytes(exclude=list(model.parameters())
-                                           + list(model.buffers())) if accounting else None
+                saved = measure.SavedBytes(measure.alive_before_step(model, x, y)) \
+                    if accounting else None
                 tracker = measure.PeakTracker(model, optimizer, x, y) if accounting else None
                 timed = step >= warmup_steps and not accounting
                 if timed:

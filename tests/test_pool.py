@@ -46,11 +46,12 @@ def test_kernel_size_1_gives_the_baseline_gradients_exactly(stem, opts):
 
 def test_kernel_size_2_changes_only_conv_weight_gradients():
     """targets=conv: grad_input stays exact everywhere, so BN and fc gradients are the
-    baseline's; conv weights get the approximate gradient (min_size=1: every map pooled)."""
+    baseline's; conv weights get the approximate gradient (min_size=1: every map pooled), but
+    the stem's, whose input is the batch (left alone: exact)."""
     net0, x, y = _build("resnet18", 16, "method=none")
     net1, _, _ = _build("resnet18", 16, "method=pool", "method.min_size=1")
     g0, g1 = _param_grads(net0, x, y), _param_grads(net1, x, y)
-    conv = {n for n, m in net1.named_modules() if isinstance(m, PooledConv2d)}
+    conv = {n for n, m in net1.named_modules() if isinstance(m, PooledConv2d)} - {"conv1"}
     for n in g0:
         if n.rpartition(".")[0] in conv:
             assert not torch.allclose(g0[n], g1[n]), n
@@ -104,9 +105,9 @@ def _ratios(model, size, targets):
     return out
 
 
-# Measured on this repository's CPU run (batch 2, k=2, relu_mask=bits, min_size=4):
-#   resnet18 224 px: conv 0.570, conv+bn 0.236    32 px (small stem): conv 0.681, conv+bn 0.289
-#   resnet50 224 px: conv 0.660, conv+bn 0.273    32 px (small stem): conv 0.689, conv+bn 0.285
+# Measured on the CPU (batch 2, k=2, relu_mask=bits, min_size=4; the batch excluded, README):
+#   resnet18 224 px: conv 0.579, conv+bn 0.235    32 px (small stem): conv 0.682, conv+bn 0.289
+#   resnet50 224 px: conv 0.662, conv+bn 0.273    32 px (small stem): conv 0.689, conv+bn 0.285
 LIMITS = {("resnet18", 224): {"conv": 0.80, "conv+bn": 0.45},
           ("resnet18", 32): {"conv": 0.72, "conv+bn": 0.32},
           ("resnet50", 32): {"conv": 0.72, "conv+bn": 0.32},
@@ -134,10 +135,11 @@ def test_efficientnet_b0_depthwise_runs_and_saves_less():
     net1, _, _ = _build("efficientnet_b0", 16, "method=pool", "method.min_size=2")
     depthwise = [m for m in net1.modules() if isinstance(m, PooledConv2d) and m.groups > 1]
     assert depthwise
-    saved = measure.SavedBytes(exclude=list(net1.parameters()) + list(net1.buffers()))
+    saved = measure.SavedBytes(measure.alive_before_step(net1, x, y))
     with saved:
         loss = F.cross_entropy(net1(x), y)
-    assert saved.bytes / base < 0.9, saved.bytes / base
+    # the stem's input is the batch (left alone, counted nowhere): 0.90 of none at 32 px
+    assert saved.bytes / base < 0.95, saved.bytes / base
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in net1.parameters())
 
@@ -223,7 +225,7 @@ def test_training_converges_like_none_at_equal_epochs():
     assert acc["pool"] >= acc["none"] - 0.03, acc
 
 
-STUDY = ["none", "k2_upsample", "k2_pooled", "k4_upsample", "k4_pooled"]
+STUDY = ["none", "compaction_only", "k2_upsample", "k2_pooled", "k4_upsample", "k4_pooled"]
 
 
 def test_pool_study_variants_compose_to_the_intended_methods():
@@ -240,6 +242,9 @@ def test_pool_study_variants_compose_to_the_intended_methods():
         if variant == "none":
             assert choices["method"] == "none"
             continue
+        if variant == "compaction_only":  # no pooling: only the exact add-ons
+            assert cfg.method.kernel_size == 1 and cfg.method.relu_mask == "bits"
+            continue
         k, mode = variant[1:].split("_")
         assert choices["method"] == "pool"
         assert (cfg.method.kernel_size, cfg.method.mode) == (int(k), mode)
@@ -254,3 +259,34 @@ def test_pool_smoke_run_records_options_and_saves_less(in_tmp):
     assert row["method.kernel_size"] == 4 and row["method.mode"] == "pooled"
     assert row["mem_act_saved_bytes"] < 0.8 * base["mem_act_saved_bytes"]
     assert row["mem_peak_act_bytes"] < base["mem_peak_act_bytes"]
+
+
+def _saved_and_act_peak(net, x, y):
+    """(saved bytes, tracked activation peak) of one training step after a warm-up step."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(saved=None):
+        with measure.maybe(saved, saved is not None):
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    saved = measure.SavedBytes(measure.alive_before_step(net, x, y))
+    with measure.PeakTracker(net, opt, x, y) as tracker:
+        step(saved)
+    return saved.bytes, tracker.act_peak_bytes
+
+
+@pytest.mark.slow
+def test_compression_temporaries_do_not_set_the_activation_peak():
+    """resnet18, 64 px (ImageNet stem, with its max-pool), batch 16: pool's activation-peak ratio
+    vs none is within 0.1 of its saved-bytes ratio (the packing and max-pool index temporaries
+    once put it 0.2 above), and the stem's conv, whose input is the batch, pools nothing."""
+    net0, x, y = _build("resnet18", 64, "method=none", batch=16)
+    s0, a0 = _saved_and_act_peak(net0, x, y)
+    net1, _, _ = _build("resnet18", 64, "method=pool", batch=16)
+    s1, a1 = _saved_and_act_peak(net1, x, y)
+    assert s1 / s0 < 0.7
+    assert abs(a1 / a0 - s1 / s0) <= 0.1, (s1 / s0, a1 / a0)

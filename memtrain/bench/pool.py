@@ -71,7 +71,7 @@ def measure_one(model_name, size, batch, precision, variant, device, steps, warm
     try:
         for _ in range(warmup):
             _step(net, opt, x, y, dtype)
-        saved = measure.SavedBytes(exclude=list(net.parameters()) + list(net.buffers()))
+        saved = measure.SavedBytes(measure.alive_before_step(net, x, y))
         with saved, torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             out = net(x)
         del out

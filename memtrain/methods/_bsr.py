@@ -34,6 +34,7 @@ class PruneSpec:
     criterion: str = "l2"
     backend: str = "auto"
     prune_shared: bool = False  # also prune inputs their producer keeps anyway (adds memory)
+    compress_input: bool = False  # also prune the batch itself (alive anyway: adds memory)
 
 
 class BlockSparse(NamedTuple):

@@ -249,7 +249,7 @@ class _Recorder(measure.SavedBytes):
     packed it."""
 
     def __init__(self, model: nn.Module, segments: list[Segment], x: torch.Tensor, device):
-        super().__init__(exclude=[*model.parameters(), *model.buffers(), x])
+        super().__init__(exclude=measure.alive_before_step(model, x))
         self.device = device
         self.saved: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (bytes, segment or -1)
         # Autocast's copy of a weight: same shape as one of the segment's parameters, another

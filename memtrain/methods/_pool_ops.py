@@ -124,7 +124,8 @@ class PooledBatchNormFn(torch.autograd.Function):
         shape = (1, -1, 1, 1)
         # pooling commutes with the per-channel affine map x -> (x - mean) * rstd (rstd > 0)
         acc = torch.promote_types(x.dtype, torch.float32)  # statistics precision, at least fp32
-        xhat_p = (pool(x, k, pool_type).to(acc) - mean.view(shape)) * rstd.view(shape)
+        xhat_p = pool(x, k, pool_type).to(acc)  # a new tensor (k > 1): normalised in place
+        xhat_p.sub_(mean.view(shape)).mul_(rstd.view(shape))
         ctx.k, ctx.size, ctx.x_dtype = k, x.shape[-2:], x.dtype
         ctx.save_for_backward(xhat_p.to(x.dtype), weight, rstd)
         return out
@@ -186,15 +187,21 @@ class CompactMaxPool2dFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kernel_size, stride, padding, dilation, ceil_mode):
-        out, idx = F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode,
-                                return_indices=True)
-        row, col = _window_origin(out.shape[-2:], stride, padding, x.device)
-        w = x.shape[-1]
-        # flat index -> (r, c); offset in the dilated window, in units of dilation
-        r, c = idx // w - row, idx % w - col
-        local = (r // dilation[0]) * kernel_size[1] + c // dilation[1]
+        # aten's int64 indices and the index arithmetic would cost several bytes per output
+        # element at once (they set pool's activation peak in the stem): work in CHUNKS slices
+        # of the batch (or channels), int32 and in place, so they stay ~1 byte per element.
+        out = local = None
+        for sl in _slices(x.shape[:2]):
+            o, idx = F.max_pool2d(x[sl], kernel_size, stride, padding, dilation, ceil_mode,
+                                  return_indices=True)
+            if out is None:
+                out = torch.empty(x.shape[:2] + o.shape[2:], dtype=o.dtype, device=o.device,
+                                  memory_format=_memory_format(x))
+                local = torch.empty(out.shape, dtype=torch.uint8, device=x.device)
+            out[sl] = o
+            local[sl] = _offsets(idx, x.shape[-1], kernel_size, stride, padding, dilation)
         ctx.conf = (x.shape, kernel_size, stride, padding, dilation)
-        ctx.save_for_backward(local.to(torch.uint8))
+        ctx.save_for_backward(local)
         return out
 
     @staticmethod
@@ -202,13 +209,42 @@ class CompactMaxPool2dFn(torch.autograd.Function):
         (local,) = ctx.saved_tensors
         x_shape, kernel_size, stride, padding, dilation = ctx.conf
         row, col = _window_origin(grad_out.shape[-2:], stride, padding, grad_out.device)
-        local = local.long()
-        r = row + (local // kernel_size[1]) * dilation[0]
-        c = col + (local % kernel_size[1]) * dilation[1]
-        flat = (r * x_shape[-1] + c).flatten(-2)
         gx = grad_out.new_zeros(*x_shape[:-2], x_shape[-2] * x_shape[-1])
-        gx.scatter_add_(-1, flat, grad_out.flatten(-2))
+        for sl in _slices(x_shape[:2]):  # int64 flat indices (scatter_add_ wants them) per slice
+            off = local[sl].long()
+            r = row + (off // kernel_size[1]) * dilation[0]
+            c = col + (off % kernel_size[1]) * dilation[1]
+            gx[sl].scatter_add_(-1, (r * x_shape[-1] + c).flatten(-2), grad_out[sl].flatten(-2))
         return gx.view(x_shape), None, None, None, None, None
+
+
+CHUNKS = 8  # slices of a max-pool's (N, C) planes processed at a time
+
+
+def _slices(nc: torch.Size) -> list[tuple[slice, slice]]:
+    """About CHUNKS (batch, channel) slices covering nc: batch first, channels when N is small."""
+    n, c = nc
+    nb = min(n, CHUNKS)
+    cb = min(c, -(-CHUNKS // nb))
+    return [(slice(i * n // nb, (i + 1) * n // nb), slice(j * c // cb, (j + 1) * c // cb))
+            for i in range(nb) for j in range(cb)]
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    cl = not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def _offsets(idx: torch.Tensor, w: int, kernel_size, stride, padding, dilation) -> torch.Tensor:
+    """aten's flat argmax (row * w + col in the input plane) -> the offset inside its dilated
+    window, in units of dilation, computed in int32 in place (a plane has < 2^31 elements)."""
+    row, col = _window_origin(idx.shape[-2:], stride, padding, idx.device)
+    c = idx.to(torch.int32)
+    del idx
+    r = torch.div(c, w, rounding_mode="floor")
+    c.remainder_(w).sub_(col.to(torch.int32)).div_(dilation[1], rounding_mode="floor")
+    r.sub_(row.to(torch.int32)).div_(dilation[0], rounding_mode="floor").mul_(kernel_size[1])
+    return r.add_(c)
 
 
 def _window_origin(out_hw, stride, padding, device):

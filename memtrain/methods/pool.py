@@ -5,6 +5,9 @@ stays exact, grad_weight is approximate); with `targets=conv+bn` BatchNorm keeps
 too (its whole backward becomes approximate). The pitfall (PAPERS.md): a conv input is usually a
 ReLU output that the ReLU saves as well, so ReLUs keep a 1-bit (or bool) mask instead; max-pools
 keep uint8 window offsets instead of their input and int64 indices. Both of those are exact.
+A layer whose input is data from outside the autograd graph (the batch, or a view of it: it
+needs no gradient) is left alone unless `compress_input=true`: the loop keeps the batch for the
+whole step, so a compressed copy adds memory and only degrades the first layer's gradient.
 
     memtrain method=pool method.kernel_size=4 method.mode=pooled method.targets=conv+bn
 """
@@ -38,21 +41,25 @@ class PoolMethod:
     name = "pool"
 
     def __init__(self, kernel_size: int = 2, pool_type: str = "avg", mode: str = "upsample",
-                 min_size: int = 4, relu_mask: str = "bits", targets: str = "conv"):
+                 min_size: int = 4, relu_mask: str = "bits", targets: str = "conv",
+                 compress_input: bool = False):
         check_range("method.kernel_size", kernel_size, 1, 16)
         check_choice("method.pool_type", pool_type, POOL_TYPES)
         check_choice("method.mode", mode, MODES)
         check_range("method.min_size", min_size, 1)
         check_choice("method.relu_mask", relu_mask, RELU_MASKS)
         check_choice("method.targets", targets, TARGETS)
+        check_choice("method.compress_input", compress_input, (True, False))
         if not isinstance(kernel_size, int) or not isinstance(min_size, int):
             raise ConfigError(f"method.kernel_size and method.min_size must be integers, got "
                               f"{kernel_size!r} and {min_size!r}")
         self.kernel_size, self.pool_type, self.mode = kernel_size, pool_type, mode
         self.min_size, self.relu_mask, self.targets = min_size, relu_mask, targets
+        self.compress_input = compress_input
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size)
+        pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size,
+                       compress_input=self.compress_input)
         swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
                      lambda _, m: _recast(m, PooledConv2d, mode=self.mode, **pooling))
         if self.targets == "conv+bn":
@@ -76,8 +83,10 @@ def _recast(module: nn.Module, cls: type, **attrs) -> nn.Module:
 
 
 def _compress(module: nn.Module, x: torch.Tensor) -> bool:
-    """Pool this call's saved map: training with autograd on, k > 1, the map not too small."""
+    """Pool this call's saved map: training with autograd on, k > 1, the map not too small, and
+    x made by the step (x needs a gradient; the batch does not) unless compress_input."""
     return (module.training and torch.is_grad_enabled() and module.k > 1
+            and (x.requires_grad or module.compress_input)
             and min(x.shape[-2:]) >= module.min_size and x.dim() == 4)
 
 
@@ -88,6 +97,7 @@ class PooledConv2d(nn.Conv2d):
     pool_type: str
     mode: str
     min_size: int
+    compress_input: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         padding = self.padding
@@ -117,6 +127,7 @@ class PooledBatchNorm2d(nn.BatchNorm2d):
     k: int
     pool_type: str
     min_size: int
+    compress_input: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _compress(self, x):

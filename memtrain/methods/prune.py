@@ -7,10 +7,13 @@ b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole mat
 as values [nnz, b, b] plus int32 block indices (memtrain/methods/_bsr.py, kernels/prune.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
-Two cases keep the dense input (and so an exact gradient), because blocks would only add memory:
+Three cases keep the dense input (and so an exact gradient), because blocks would only add memory:
 a matrix whose kept blocks (padding included) take at least as much as the matrix itself (tiny
-matrices, e.g. squeeze-excitation convs on 1x1 maps), and an input whose producer keeps that same
-tensor for its own backward anyway (a ReLU's output: ResNet's 1x1 convs, mlp6's hidden layers).
+matrices, e.g. squeeze-excitation convs on 1x1 maps), an input whose producer keeps that same
+tensor for its own backward anyway (a ReLU's output: ResNet's 1x1 convs, mlp6's hidden layers),
+and the network's input: data from outside the autograd graph (the batch or a view of it, told
+at run time by needing no gradient), which the loop keeps for the whole step
+(`method.compress_input=true` prunes it anyway, for accuracy studies).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_m
         return
     k = weight.shape[1]  # in_features / C_in: A's columns
     if _bsr.compressed_elements(m, k, spec) >= m * k or (
-            not spec.prune_shared and kept_by_producer(x)):
+            not spec.prune_shared and kept_by_producer(x)) or (
+            not spec.compress_input and not ctx.needs_input_grad[0]):
         ctx.save_for_backward(weight, x)
         return
     bs = _bsr.compress(to_matrix(x.detach()), spec)
@@ -213,13 +217,15 @@ class PruneMethod:
             default: its input is a small pooled feature matrix, and its gradient feeds all else.
         prune_shared: also prune inputs that their producer keeps for its own backward (ReLU
             outputs); off by default since the blocks then add memory; on for accuracy studies.
+        compress_input: also prune a layer's input that is the batch (needs no gradient: data
+            from outside the graph, alive for the whole step); off by default, as prune_shared.
     """
 
     name = "prune"
 
     def __init__(self, sparsity: float = 0.5, block_size: int = 32, criterion: str = "l2",
                  layers: str = "both", backend: str = "auto", prune_head: bool = False,
-                 prune_shared: bool = False):
+                 prune_shared: bool = False, compress_input: bool = False):
         check_range("method.sparsity", sparsity, 0, 1, hi_open=True)
         check_choice("method.block_size", block_size, BLOCK_SIZES)
         check_choice("method.criterion", criterion, _bsr.CRITERIA)
@@ -227,11 +233,12 @@ class PruneMethod:
         check_choice("method.backend", backend, _bsr.BACKENDS)
         check_choice("method.prune_head", prune_head, (True, False))
         check_choice("method.prune_shared", prune_shared, (True, False))
+        check_choice("method.compress_input", compress_input, (True, False))
         if backend == "triton" and not _bsr.triton_available():
             raise ConfigError("method.backend=triton but triton is not installed; use "
                               "method.backend=auto or torch")
         self.spec = _bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend,
-                                   prune_shared)
+                                   prune_shared, compress_input)
         self.layers, self.prune_head = layers, prune_head
         self.pruned: list[str] = []
 

@@ -36,10 +36,13 @@ def _delta(r: pd.Series, col: str) -> str:
 
 
 def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
-    """One markdown table of the settings of a model and dataset."""
+    """One markdown table of the settings of a model and dataset. Saved bytes and the
+    activation peak vs the baseline are always both shown: a saving in one column and a loss in
+    the other must be visible."""
     act = mem.col != "mem_peak_alloc_bytes"  # a second memory column when figures plot another
     head = ["setting", "seeds", f"peak GiB ({peak_src})", f"peak vs {baseline}",
             *([f"{mem_short(mem)} MiB", f"{mem_short(mem)} vs {baseline}"] if act else []),
+            f"saved act. vs {baseline}", f"act. peak vs {baseline}",
             f"throughput vs {baseline}", "test acc %", "Δ acc (pts)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
@@ -47,6 +50,7 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
                  _cell(r, "mem_peak_alloc_bytes", "{:.3g}", 2**-30),
                  _ratio(r, "mem_peak_rel"),
                  *([_cell(r, mem.col, "{:.3g}", 2**-20), _ratio(r, mem.rel)] if act else []),
+                 _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_rel"),
                  _ratio(r, "throughput_rel"),
                  _cell(r, "test_acc", "{:.1f}", 100), _delta(r, "test_acc_delta"),
                  r["status"]]

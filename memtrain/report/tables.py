@@ -129,8 +129,17 @@ def fmt_value(v) -> str:
     return str(v)
 
 
+# Settings with a name of their own: (method, column, value) -> label. pool with kernel_size 1
+# pools nothing: only the exact add-ons (ReLU bit masks, max-pool offsets) act.
+NAMED = {("pool", "method.kernel_size", "1"): "pool compaction only"}
+
+
 def method_label(row: pd.Series, skip: Iterable[str] = ()) -> str:
-    """'pool kernel_size=2 mode=upsample': the method and its parameters (but `skip`)."""
+    """'pool kernel_size=2 mode=upsample': the method and its parameters (but `skip`), or the
+    setting's name (NAMED)."""
+    for (method, col, value), name in NAMED.items():
+        if row.get("method") == method and fmt_value(row.get(col)) == value:
+            return name
     parts = [str(row.get("method", ""))]
     for k, v in row.items():
         if isinstance(k, str) and k.startswith("method.") and k not in skip and not _isna(v):
@@ -360,6 +369,8 @@ COMPACT = {
     "mem_peak_source": "source",
     "mem_act_saved_bytes": "act_saved_MiB",
     "mem_peak_rel": "peak_rel",
+    "mem_saved_rel": "saved_rel",
+    "mem_act_rel": "act_peak_rel",
     "throughput_samples_s": "samples_s",
     "test_acc": "test_acc",
 }
