@@ -273,3 +273,21 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
                      "trainer.resume=true"], out_dir=tmp_path / "p")
     assert again["status"] == "ok" and again["resumed_at_step"] > 0
     assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
+
+
+def test_same_profile_gives_the_same_plan():
+    """Clock noise must not change the plan: profile twice with very different timings."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    plans = []
+    for slow in (1.0, 5.0):
+        m = CheckpointMethod(strategy="budget", budget_fraction=0.5, dry_run=True)
+        m.wrap(model)
+        m.prepare(model, x, y)
+        m.profile.time = [t * (slow if i % 2 else 1) for i, t in enumerate(m.profile.time)]
+        plans.append(planner.plan_budget(m.profile, 0.5 * m.profile.baseline_peak).groups)
+        assert m.profile.flops and all(f > 0 for f in m.profile.flops)
+    assert plans[0] == plans[1]
