@@ -121,6 +121,9 @@ class Checkpointer:
         self.resume, self.search, self.stop = resume, list(search or []), stop
         self.resumed_from: Path | None = None
         self.warning: str | None = None  # a checkpoint that could not be read (the row says so)
+        # What a method decided before training and must keep on resume (the checkpoint
+        # method's plan): saved with every checkpoint, read back with `load()["carry"]`.
+        self.carry: dict[str, Any] = {}
 
     def path(self, prefix: str = "", run_dir: Path | None = None) -> Path:
         name = f"resume{'_' + prefix.strip('_/.') if prefix else ''}.pt"
@@ -159,6 +162,7 @@ class Checkpointer:
         if stop or (self.every and step % self.every == 0):
             state = snapshot()
             state["run_id"] = self.run_id
+            state["carry"] = self.carry
             atomic_save(state, self.path(prefix))
             log.info("checkpoint at step %d -> %s", step, self.path(prefix))
         return stop

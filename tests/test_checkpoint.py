@@ -224,3 +224,70 @@ def test_compile_strategy_matches_none():
     for frac in (0.0, 1.0):
         got, _, tensors = _checkpointed(base, "compile", x, y, budget_fraction=frac or 1e-3)
         _assert_same_step(ref, ref_loss, got, tensors, x, y, f"compile {frac}")
+
+
+# ---------------------------------------------------------------- state_dict and resume
+
+CKPT_RUN = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
+            "method=checkpoint", "method.strategy=budget", "method.budget_fraction=0.7"]
+
+
+def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
+    from memtrain import api
+
+    row = api.run([*CKPT_RUN, "trainer.save_weights=true"], out_dir=tmp_path / "r")
+    assert row["status"] == "ok" and row["plan_groups"]  # something is recomputed
+    _, plain, _ = api.build(["model=mlp6", "dataset.image_size=8"])
+    state = torch.load(tmp_path / "r" / "weights.pt", weights_only=True)
+    plain.load_state_dict(state, strict=True)  # raises on any renamed or missing key
+    assert set(state) == set(plain.state_dict())
+
+
+def test_every_plan_keeps_the_plain_state_dict_keys():
+    from torchvision.models import resnet18
+
+    from memtrain.methods._segments import apply_groups, discover
+
+    model = resnet18(num_classes=10)
+    keys = list(model.state_dict())
+    segs = discover(model)
+    apply_groups(model, segs, [(0, 2), (4, 4), (5, len(segs) - 1)])
+    assert list(model.state_dict()) == keys
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()  # and it still trains
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
+    from memtrain import api
+    from memtrain.methods import _ckpt_plan
+
+    args = [*CKPT_RUN, "trainer.max_steps=6"]
+    part = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2"],
+                   out_dir=tmp_path / "p")
+    assert part["status"] == "interrupted"
+    # a new profile that would plan differently (noise on a shared machine): recompute all
+    monkeypatch.setattr(_ckpt_plan, "plan_budget",
+                        lambda p, b, g=None: _ckpt_plan.make_plan(p, [(0, p.n - 1)]))
+    again = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2",
+                     "trainer.resume=true"], out_dir=tmp_path / "p")
+    assert again["status"] == "ok" and again["resumed_at_step"] > 0
+    assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
+
+
+def test_same_profile_gives_the_same_plan():
+    """Clock noise must not change the plan: profile twice with very different timings."""
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    plans = []
+    for slow in (1.0, 5.0):
+        m = CheckpointMethod(strategy="budget", budget_fraction=0.5, dry_run=True)
+        m.wrap(model)
+        m.prepare(model, x, y)
+        m.profile.time = [t * (slow if i % 2 else 1) for i, t in enumerate(m.profile.time)]
+        plans.append(planner.plan_budget(m.profile, 0.5 * m.profile.baseline_peak).groups)
+        assert m.profile.flops and all(f > 0 for f in m.profile.flops)
+    assert plans[0] == plans[1]

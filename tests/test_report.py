@@ -278,3 +278,22 @@ def test_multirun_leaves_report_in_sweep_folder(in_tmp):
     drawn = pd.read_csv(sweep / "figures" / "tradeoff.csv")
     assert sorted(drawn["y"]) == pytest.approx(sorted(settings["test_acc"] * 100))
     assert json.loads((job_dir(sweep, 0) / "summary.json").read_text())["status"] == "ok"
+
+
+def test_budget_figure_draws_one_series_per_strategy(study):
+    _, _, settings = study
+    ck = settings["method"] == "checkpoint"
+    comp = settings[ck].assign(**{"method.strategy": "compile", "label": lambda d: d["label"]
+                                  + " compile", "step_time_rel": lambda d: d["step_time_rel"] + 1})
+    strategy = pd.Series("budget", index=settings.index).where(ck)
+    agg = pd.concat([settings.assign(**{"method.strategy": strategy}), comp], ignore_index=True)
+    bud = plots.budget(agg, style.memory_metric(agg))
+    ax = next(a for a in bud.fig.axes if a.get_title() == "resnet18")
+    lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in ("_budget",
+                                                                               "_compile")}
+    assert set(lines) == {"_budget", "_compile"}  # never one curve through both
+    for name, rows in (("_budget", settings[ck]), ("_compile", comp)):
+        r = rows[rows["model"] == "resnet18"].sort_values("method.budget_fraction")
+        np.testing.assert_allclose(lines[name].get_xdata(), (r["step_time_rel"] - 1) * 100)
+    assert any(t.get_text().startswith("amb=") for t in ax.texts)
+    plots.plt.close(bud.fig)

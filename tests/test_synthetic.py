@@ -104,7 +104,8 @@ def test_partitions_compose_to_the_model(build, shape, k):
 @pytest.mark.parametrize("kwargs,msg", [
     ({"partitions": 1}, "method.partitions must be in [2, inf], got 1"),
     ({"right_input": "right"}, "method.right_input must be one of left, synthetic, got 'right'"),
-    ({"parallel": True}, "method.parallel=true needs method.right_input=synthetic"),
+    ({"parallel": True, "right_input": "left"},
+     "method.parallel=true needs method.right_input=synthetic"),
     ({"cuts": [2, 4]}, "method.cuts lists 2 boundaries, so it needs method.partitions=3, got 2"),
     ({"kappa": 0}, "method.kappa must be in (0, inf], got 0"),
     ({"noise": -1}, "method.noise must be in [0, inf], got -1"),

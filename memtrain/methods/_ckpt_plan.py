@@ -12,9 +12,10 @@ segment is kept. The peak model, in bytes of activation memory (what the CPU tra
   and the tail are freed by then) + the group's inner bytes + its internal boundaries + its
   output when the group's last op saves it.
 
-The peak is the largest of these. The planner minimises the recomputed forward time subject to
-peak <= budget as a 0-1 program (scipy.optimize.milp, HiGHS): one variable per kept segment, one
-per candidate group, each segment covered once, the recompute constraints made linear with a
+The peak is the largest of these. The planner minimises the recomputed forward FLOPs
+(deterministic; times when no FLOPs were profiled) subject to peak <= budget as a 0-1
+program (scipy.optimize.milp, HiGHS): one variable per kept segment, one per candidate group,
+each segment covered once, the recompute constraints made linear with a
 big-M on the group's variable.
 """
 
@@ -49,6 +50,9 @@ class Profile:
     tail: int = 0
     step_time: float = float("nan")
     cast: list[int] = field(default_factory=list)  # autocast copies of weights, within inner
+    # forward multiply-adds x 2 of the segment's convolutions and linear layers: the planner's
+    # cost (deterministic, unlike a clock on a shared machine); empty: the measured times
+    flops: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -110,6 +114,11 @@ def peak_bytes(p: Profile, groups: list[Group]) -> int:
     return max(peaks)
 
 
+def recompute_cost(p: Profile) -> list[float]:
+    """What the planner minimises per segment: its FLOPs when profiled, else its time."""
+    return [float(f) for f in p.flops] if any(p.flops) else list(p.time)
+
+
 def recompute_time(p: Profile, groups: list[Group]) -> float:
     return sum(sum(p.time[a:e + 1]) for a, e in groups)
 
@@ -157,7 +166,9 @@ def _program(p: Profile, max_group: int):
         consts.append(const)
         big.append(inner[:a].sum() + const)
     cost = np.zeros(nv)
-    cost[n:] = [sum(p.time[a:e + 1]) for a, e in groups]
+    seg_cost = recompute_cost(p)
+    cost[n:] = [sum(seg_cost[a:e + 1]) for a, e in groups]
+    cost[n:] /= max(cost[n:].max(), 1e-30)  # well scaled for HiGHS
     return groups, cover, fwd, fwd_const, np.array(rows), np.array(consts), np.array(big), cost, mib
 
 
@@ -187,7 +198,9 @@ def _solve(p: Profile, budget: float | None, max_group: int) -> list[Group] | No
     integrality = np.append(np.ones(nv), 0) if free_b else np.ones(nv)
     lo = np.zeros(width)
     hi = np.append(np.ones(nv), np.inf) if free_b else np.ones(width)
-    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lo, hi))
+    # mip_rel_gap=0: the optimum, not whichever plan within HiGHS's default 0.01% gap it met first
+    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(lo, hi),
+               options={"mip_rel_gap": 0.0})
     if res.x is None:
         return None
     return sorted(groups[g] for g in range(len(groups)) if res.x[n + g] > 0.5)
@@ -223,10 +236,13 @@ def brute_force(p: Profile, budget: float, max_group: int | None = None) -> Plan
     """Exhaustive search over every plan (tests: small n only)."""
     max_group = max_group or p.n
     best: Plan | None = None
+    seg_cost = recompute_cost(p)
+    best_cost = float("inf")
     for groups in _all_plans(p.n, 0, max_group):
         plan = make_plan(p, groups)
-        if plan.peak <= budget and (best is None or plan.recompute_s < best.recompute_s):
-            best = plan
+        cost = sum(sum(seg_cost[a:e + 1]) for a, e in groups)
+        if plan.peak <= budget and cost < best_cost:
+            best, best_cost = plan, cost
     return best
 
 
@@ -262,10 +278,20 @@ class _Recorder(measure.SavedBytes):
         self.current = -1
         self._t0 = 0.0
         self.handles = []
+        self.flops = [0] * len(segments)
         for i, seg in enumerate(segments):
             mods = seg.modules()
             self.handles.append(mods[0].register_forward_pre_hook(self._enter(i)))
             self.handles.append(mods[-1].register_forward_hook(self._leave(i)))
+            for m in (m for top in mods for m in top.modules()):
+                if isinstance(m, nn.Conv2d | nn.Linear):
+                    self.handles.append(m.register_forward_hook(self._count(i)))
+
+    def _count(self, i: int):
+        def hook(mod, _args, out):
+            w = mod.weight  # conv: out [N, Co, H, W] x (Ci/groups * kh * kw); linear: x in
+            self.flops[i] += 2 * out.numel() * (w[0].numel())
+        return hook
 
     def _enter(self, i: int):
         def hook(_mod, _args):
@@ -327,6 +353,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
                 rec.close()
             per_seg.append(rec.times)
         result = _attribute(rec, segments)
+        result.flops = list(rec.flops)
         del out
     with torch.no_grad():
         for b in model.buffers():
@@ -336,7 +363,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     result.step_time = statistics.median(steps[1:] or steps) * scale
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
-    for k in ("inner", "out", "cast"):
+    for k in ("inner", "out", "cast", "flops"):
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
     result.tail = int(result.tail * scale)
     return result

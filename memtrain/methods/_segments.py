@@ -3,13 +3,15 @@
 A segment is a run of sibling modules (`parent.<attr>` for each attr) that the model's forward
 calls one after the other; the discovered segments of a model form a pure chain: segment i's
 output is segment i+1's input and nothing else happens in between. That invariant lets a group
-of consecutive segments run inside one checkpoint: the first segment's slot gets a
-`CheckpointGroup` running every module of the group, the other slots get `nn.Identity`.
+of consecutive segments run inside one checkpoint: the group's first module runs every module of
+the group (`CheckpointGroup`), the others pass their input through; no module moves, so the
+state_dict keys are the plain model's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +20,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memtrain.errors import ConfigError
-from memtrain.methods._swap import swap_modules
 
 
 @dataclass(frozen=True)
@@ -124,20 +125,43 @@ def batchnorms(modules: list[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm
             if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-class CheckpointGroup(nn.Module):
-    """Runs `body` (one or more consecutive segments) under non-reentrant checkpointing.
+class CheckpointGroup:
+    """Runs a group of consecutive modules (one or more segments) under non-reentrant
+    checkpointing, without moving them: every module stays where the model registered it, so
+    parameter and buffer names (the state_dict) are the plain model's under any plan.
 
-    Only the input is kept; the body's activations are recomputed in backward with the RNG state
-    of the first forward (dropout and stochastic depth match) and BatchNorm shielded.
-    `policy` switches to selective checkpointing: a `torch.utils.checkpoint` policy function
-    deciding per op what to save and what to recompute.
+    The first module's `forward` (an instance attribute over its class's) runs the whole group
+    inside one checkpoint; the others' pass their input through outside it and run their own
+    forward inside it (module hooks still fire). Only the group's input is kept; the body's
+    activations are recomputed in backward with the RNG state of the first forward (dropout and
+    stochastic depth match) and BatchNorm shielded. `policy` switches to selective
+    checkpointing: a `torch.utils.checkpoint` policy deciding per op what to save.
     """
 
     def __init__(self, body: list[nn.Module], policy: Callable | None = None):
-        super().__init__()
-        self.body = nn.Sequential(*body)
+        self.modules = body
+        self.forwards = [m.forward for m in body]  # the modules' own forwards
         self._policy = policy
         self._bns = batchnorms(body)
+        self._inside = False
+        body[0].forward = self.forward
+        for i, m in enumerate(body[1:], 1):
+            m.forward = functools.partial(self._member, i)
+
+    def _member(self, i: int, *args, **kwargs):
+        if self._inside:
+            return self.forwards[i](*args, **kwargs)
+        return args[0]  # already computed by the group's first module
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        self._inside = True
+        try:
+            x = self.forwards[0](x)
+            for m in self.modules[1:]:
+                x = m(x)
+            return x
+        finally:
+            self._inside = False
 
     def _contexts(self):
         shield = shield_batchnorm(self._bns)
@@ -150,9 +174,16 @@ class CheckpointGroup(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
-            return self.body(x)
-        return checkpoint(self.body, x, use_reentrant=False, preserve_rng_state=True,
+            return self._body(x)
+        return checkpoint(self._body, x, use_reentrant=False, preserve_rng_state=True,
                           context_fn=self._contexts)
+
+
+def group_of(module: nn.Module) -> CheckpointGroup | None:
+    """The CheckpointGroup whose first module `module` is, if any."""
+    fwd = module.__dict__.get("forward")
+    owner = getattr(fwd, "__self__", None)
+    return owner if isinstance(owner, CheckpointGroup) else None
 
 
 @contextlib.contextmanager
@@ -162,13 +193,8 @@ def _both(a, b):
 
 
 def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
-                 policy: Callable | None = None) -> None:
-    """Checkpoint each group (first, last) of consecutive segment indices, in place."""
-    names = {id(m): n for n, m in model.named_modules()}
-    swaps: dict[str, nn.Module] = {}
-    for first, last in groups:
-        segs = segments[first:last + 1]
-        slots = [f"{names[id(s.parent)]}.{a}".lstrip(".") for s in segs for a in s.attrs]
-        swaps[slots[0]] = CheckpointGroup([m for s in segs for m in s.modules()], policy)
-        swaps.update((slot, nn.Identity()) for slot in slots[1:])
-    swap_modules(model, lambda name, _m: name in swaps, lambda name, _m: swaps[name])
+                 policy: Callable | None = None) -> list[CheckpointGroup]:
+    """Checkpoint each group (first, last) of consecutive segment indices, in place; module
+    names, parameters and buffers are unchanged."""
+    return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy)
+            for first, last in groups]

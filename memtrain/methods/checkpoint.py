@@ -104,9 +104,10 @@ class CheckpointMethod:
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                autocast=None) -> dict[str, Any]:
-        """Profile the segments on `x` (its device), choose the groups, checkpoint them in
-        place; returns the plan's summary columns. Planned strategies only."""
+                autocast=None, groups: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+        """Profile the segments on `x` (its device), choose the groups (or take `groups`, a
+        resumed run's plan), checkpoint them in place; returns the plan's summary columns.
+        Planned strategies only."""
         pb = self.profile_batch
         scale = 1.0
         if pb is not None and pb < x.shape[0]:
@@ -115,7 +116,9 @@ class CheckpointMethod:
                                               lambda out: F.cross_entropy(out.float(), y),
                                               autocast, self.profile_repeats, scale)
         n = prof.n
-        if self.strategy == "uniform":
+        if groups is not None:
+            plan = planner.make_plan(prof, [tuple(g) for g in groups])
+        elif self.strategy == "uniform":
             plan = planner.make_plan(prof, planner.uniform_groups(n, self.every))
         elif self.strategy == "sqrt":
             plan = planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
@@ -179,7 +182,7 @@ class CheckpointMethod:
     # ------------------------------------------------------------ training
 
     def fit(self, model: nn.Module, data, optimizer, scheduler, **train_kwargs):
-        from memtrain.train import TrainResult, autocast_factory, train
+        from memtrain.train import RunFailed, TrainResult, autocast_factory, train
 
         extra: dict[str, Any] = {}
         if self.strategy in PLANNED:
@@ -191,7 +194,10 @@ class CheckpointMethod:
                 model.to(memory_format=torch.channels_last)
                 x = x.contiguous(memory_format=torch.channels_last)
             autocast = autocast_factory(device.type, train_kwargs.get("precision", "fp32"))
-            extra = self.prepare(model, x, y, autocast)
+            ck = train_kwargs.get("checkpointer")
+            extra = self.prepare(model, x, y, autocast, groups=_resumed_plan(ck))
+            if ck is not None:  # a resumed run keeps this plan, whatever a new profile says
+                ck.carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
             log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
             if self.dry_run:
                 print(self.table())
@@ -200,7 +206,19 @@ class CheckpointMethod:
             print(f"checkpoint strategy {self.strategy} has no plan to show; "
                   f"{len(self.segments)} segments")
             return TrainResult({"dry_run": True, "steps": 0}, [])
-        result = train(model, data, optimizer, scheduler, **train_kwargs)
+        try:
+            result = train(model, data, optimizer, scheduler, **train_kwargs)
+        except RunFailed as e:  # a failed or interrupted row still says what was planned
+            e.summary.update(extra)
+            raise
         result.summary.update(extra)
         return result
 
+
+
+def _resumed_plan(ck) -> list[tuple[int, int]] | None:
+    """The plan saved with the checkpoint a resumed run continues from, if any. Weights load
+    under any plan (names never change), but the recompute schedule is part of the run."""
+    state = ck.load() if ck is not None else None
+    groups = (state or {}).get("carry", {}).get("checkpoint_plan")
+    return None if groups is None else [tuple(int(v) for v in g) for g in groups]

@@ -62,8 +62,9 @@ class Synthetic:
         cuts: explicit boundaries as unit indices (K-1 of them, increasing); null picks the cuts
             that balance parameter counts.
         kappa: scale of the synthetic labels, S = kappa * U(0, 1).
-        right_input: `left` (a partition learns from the frozen earlier partitions' outputs) or
-            `synthetic` (from the previous cut's synthetic label plus noise).
+        right_input: `synthetic` (the paper's scheme: a partition learns from the previous cut's
+            synthetic label plus noise, independently of the others) or `left` (a variant: from
+            the frozen earlier partitions' outputs, in order).
         noise: standard deviation of the Gaussian noise on synthetic inputs, as a fraction of kappa.
         epochs_per_partition: epochs of each partition; null = trainer.epochs - recovery_epochs,
             so every layer gets trainer.epochs epochs of updates in all (matched with none).
@@ -76,7 +77,7 @@ class Synthetic:
     name = "synthetic"
 
     def __init__(self, partitions: int = 2, cuts: list[int] | None = None, kappa: float = 1.0,
-                 right_input: str = "left", noise: float = 0.1,
+                 right_input: str = "synthetic", noise: float = 0.1,
                  epochs_per_partition: int | None = None, recovery_epochs: int = 0,
                  parallel: bool = False, seed: int | None = None):
         check_range("method.partitions", partitions, 2)

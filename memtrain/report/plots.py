@@ -241,18 +241,25 @@ def curves(agg: pd.DataFrame, metrics: pd.DataFrame) -> Plot | None:
 
 # ---------------------------------------------------------------- 5. checkpoint budget curve
 
+# strategy -> the annotation of its fraction
+SERIES = {"budget": "b", "compile": "amb"}
+
 
 @style.styled
 def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none") -> Plot | None:
-    """Memory against step-time overhead: the checkpoint budget runs joined in budget order,
-    every other setting of the same model as a point on the same axes.
+    """Memory against step-time overhead: one series per strategy whose fraction means
+    something, joined in fraction order (budget: `b=` the planner's fraction of the activation
+    peak, solid; compile: `amb=` torch's activation_memory_budget, 0 = recompute everything,
+    1 = the default partitioner, dotted), every other setting of the model as a point.
 
     Applies when runs with method=checkpoint and a method.budget_fraction exist.
     """
     col = "method.budget_fraction"
     if col not in agg:
         return None
-    is_b = (agg["method"] == "checkpoint") & agg[col].notna()
+    # Runs without a strategy column predate the other strategies: the planner's budget.
+    strategies = agg.get("method.strategy", pd.Series("budget", index=agg.index)).fillna("budget")
+    is_b = (agg["method"] == "checkpoint") & agg[col].notna() & strategies.isin(list(SERIES))
     if not is_b.any():
         return None
     agg = agg.assign(overhead_pct=(agg["step_time_rel"] - 1) * 100,
@@ -263,14 +270,17 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none") -> Plot | Non
     for ax, (title, g) in zip(axes, ps):
         ok = _ok(g)
         drawn += _points(ax, ok, "overhead_pct", mem.rel, styles, title)
-        b = ok[is_b.loc[ok.index]].sort_values(col)
-        b = b[b["overhead_pct"].notna() & b[mem.rel].notna()]
-        ax.plot(b["overhead_pct"], b[mem.rel], color=style.method_color("checkpoint"),
-                linewidth=0.8, zorder=2, label="_budget")
-        for _, r in b.iterrows():
-            ax.annotate(f"b={r[col]:g}", (r["overhead_pct"], r[mem.rel]), fontsize=5,
-                        textcoords="offset points", xytext=(3, 2),
-                        color=style.method_color("checkpoint"))
+        for strategy, tag in SERIES.items():  # the two fractions mean different things
+            b = ok[is_b.loc[ok.index] & (strategies.loc[ok.index] == strategy)].sort_values(col)
+            b = b[b["overhead_pct"].notna() & b[mem.rel].notna()]
+            if b.empty:
+                continue
+            color = style.method_color("checkpoint")
+            ax.plot(b["overhead_pct"], b[mem.rel], color=color, linewidth=0.8, zorder=2,
+                    label=f"_{strategy}", linestyle="-" if strategy == "budget" else ":")
+            for _, r in b.iterrows():
+                ax.annotate(f"{tag}={r[col]:g}", (r["overhead_pct"], r[mem.rel]), fontsize=5,
+                            textcoords="offset points", xytext=(3, 2), color=color)
         _note(ax, _failed_lines(g))
         ax.set(title=title, xlabel=f"step-time overhead vs {baseline} (%)",
                ylabel=mem.axis(baseline))
