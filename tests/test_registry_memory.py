@@ -6,6 +6,7 @@ import pytest
 from conftest import conf_options
 
 from memtrain import api
+from memtrain.errors import ConfigError
 
 TINY = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=16",
         "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=2", "trainer.batch_size=8",
@@ -30,7 +31,11 @@ def _run(tmp_path, model: str, method: str) -> dict:
 def test_a_saving_in_saved_bytes_is_no_loss_in_activation_peak(tmp_path, model, method):
     if model not in _BASE:  # one baseline per model for the whole parametrisation
         _BASE[model] = _run(tmp_path, model, "none")
-    base, row = _BASE[model], _run(tmp_path, model, method)
+    try:
+        row = _run(tmp_path, model, method)
+    except ConfigError as e:  # the method refuses this model up front (synthetic: EfficientNet)
+        pytest.skip(f"{method} does not apply to {model}: {e}")
+    base = _BASE[model]
     saved = row["mem_act_saved_bytes"] / base["mem_act_saved_bytes"]
     act = row["mem_peak_act_bytes"] / base["mem_peak_act_bytes"]
     if saved < 1:
