@@ -7,6 +7,7 @@ setting, `<col>` the mean over seeds and `<col>_std` the standard deviation (the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -15,6 +16,10 @@ from matplotlib.figure import Figure
 
 from memtrain.report import style
 from memtrain.report.style import Memory, byte_unit, order_settings, panels, setting_styles
+
+# fontTools reports every glyph table it subsets at INFO; under Hydra's logging that is ~160
+# lines per PDF report. Its warnings still show.
+logging.getLogger("fontTools").setLevel(logging.WARNING)
 
 BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer state"),
              ("act", "activations"), ("other", "other"))
