@@ -1,8 +1,8 @@
 """1-bit activation masks: pack `x > 0` into bytes, and apply the packed mask to a gradient.
 
 Used by `method=pool` so that a ReLU keeps 1 bit per element for its backward instead of its
-full-size output (PAPERS.md, the pool pitfall). Bit j of byte b holds element 8*b + j (little
-bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
+full-size output (the pool pitfall, docs/ARCHITECTURE.md). Bit j of byte b holds element 8*b + j
+(little bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
 
 Three implementations with one signature each:
 - Triton kernels (`_pack_kernel`, `_masked_grad_kernel`) behind `pack_triton`, `masked_grad_triton`:

@@ -88,18 +88,6 @@ class SavedBytes:
         self._ctx.__exit__(*exc)
 
 
-def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor, loss_fn=None) -> int:
-    """Saved-for-backward bytes of one forward pass of `model` (no backward is run); the
-    inputs, parameters and buffers are not counted (`alive_before_step`)."""
-    counter = SavedBytes(exclude=alive_before_step(model, *inputs))
-    with counter:
-        out = model(*inputs)
-        if loss_fn is not None:
-            out = loss_fn(out)
-    del out
-    return counter.bytes
-
-
 class PeakTracker:
     """Tracks live tensors through one training step with torch's MemTracker.
 

@@ -1,6 +1,6 @@
 """Benchmark of method=pool against method=none in the same process: memory and speed.
 
-GPU (the issue's benchmark): resnet50 at 224 px, batch 64 and 128, bf16 and fp32; peak allocated
+GPU (the paper's setting): resnet50 at 224 px, batch 64 and 128, bf16 and fp32; peak allocated
 memory (`torch.cuda.max_memory_allocated` over timed training steps, optimizer state included)
 and throughput (CUDA events) of pool (k=2, upsample and pooled) over none. Goals: peak ratio
 <= 0.71 (the paper's -29%), better <= 0.60; throughput ratio >= 0.90.
