@@ -143,6 +143,20 @@ class Checkpointer:
         log.info("trainer.resume: no checkpoint for run_id %s; starting from step 0", self.run_id)
         return None
 
+    def carried(self) -> dict[str, Any]:
+        """What a method kept in `carry` in the checkpoint this run resumes from ({} if none)."""
+        state = self.load()
+        return dict((state or {}).get("carry", {}))
+
+    def columns(self) -> dict[str, str]:
+        """Summary columns: where the run resumed from, and an unreadable checkpoint's warning."""
+        out = {}
+        if self.resumed_from is not None:
+            out["resumed_from"] = str(self.resumed_from)
+        if self.warning is not None:
+            out["resume_warning"] = self.warning
+        return out
+
     def step_done(self, step: int, snapshot: Callable[[], dict], prefix: str = "") -> str | None:
         """Save when due; returns the signal name when the run must stop now (already saved)."""
         stop = self.stop.requested if self.stop is not None else None

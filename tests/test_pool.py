@@ -206,6 +206,7 @@ def test_training_converges_like_none_at_equal_epochs():
 
     from memtrain.data import synthetic
     from memtrain.optim import build_optimizer, build_scheduler
+    from memtrain.schema import Trainer
     from memtrain.train import train
 
     data = synthetic(image_size=16, train_size=2048, test_size=1000)
@@ -217,9 +218,9 @@ def test_training_converges_like_none_at_equal_epochs():
         if name == "pool":
             net = PoolMethod().wrap(net)
         opt = build_optimizer(net, lr=0.05)
-        result = train(net, data, opt, build_scheduler(opt, 12 * 32), device=CPU,
-                       batch_size=64, epochs=12, warmup_steps=1, progress=False,
-                       account_memory=False, eval_every=0)  # evaluate once, at the end
+        t = Trainer(batch_size=64, epochs=12, warmup_steps=1, progress=False,
+                    account_memory=False, eval_every=0)  # evaluate once, at the end
+        result = train(net, data, opt, build_scheduler(opt, 12 * 32), trainer=t, device=CPU)
         acc[name] = result.summary["test_acc"]
     assert acc["none"] > 0.8, acc  # the task is learnt at all
     assert acc["pool"] >= acc["none"] - 0.03, acc
