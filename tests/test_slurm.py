@@ -185,3 +185,26 @@ def test_scancel_leaves_rows_and_the_continue_command_resumes_on_slurm(cluster, 
     new = [t for t in _ended(cluster, sweep) if t["ArrayJobId"] != array]
     assert sorted(t["ArrayTaskId"] for t in new) == ["0", "1", "2"]  # on SLURM, three jobs
     assert {t["JobState"] for t in new} == {"COMPLETED"}
+
+
+def test_relaunch_with_skip_done_submits_only_what_is_not_done(cluster, in_tmp):
+    """A finished sweep of two, relaunched with a third value and skip_done: the two done jobs
+    are skipped in the launching process (their rows untouched), one task goes to SLURM."""
+    sweep = in_tmp / "sw"
+    common = ["-m", "hydra/launcher=slurm", *TINY, NO_REPORT, f"hydra.sweep.dir={sweep}"]
+    p = _memtrain(cluster, *common, "trainer.seed=0,1", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first = {t["JobId"] for t in _ended(cluster, sweep)}
+    before = _rows(sweep)
+    p = _memtrain(cluster, *common, "trainer.seed=0,1,2", "trainer.skip_done=true", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "memtrain: 3 jobs: ok 3 (2 skipped: already done)" in p.stdout, p.stdout[-2000:]
+    rows = _rows(sweep)
+    assert [rows[i]["trainer.seed"] for i in range(3)] == [0, 1, 2]
+    assert [rows[i]["status"] for i in range(3)] == ["ok"] * 3
+    for i in (0, 1):  # not run again
+        assert rows[i]["finished_at"] == before[i]["finished_at"]
+    new = [t for t in _ended(cluster, sweep) if t["JobId"] not in first]
+    # one job: submitit submits it alone, not as an array
+    assert len(new) == 1 and new[0]["JobState"] == "COMPLETED", new
+    assert (job_dir(sweep, 2) / "memtrain.log").is_file()
