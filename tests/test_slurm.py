@@ -39,12 +39,16 @@ def cluster():
         yield c
 
 
-def _env(cluster, **extra: str) -> dict[str, str]:
-    return {**cluster.env, **CPU_ONLY, **extra}
+def _env(cluster, cwd, **extra: str) -> dict[str, str]:
+    # temporary files of memtrain and its jobs in the test's folder: a memtrain killed by a
+    # failing test leaves nothing in /tmp
+    tmp = cwd / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return {**cluster.env, **CPU_ONLY, "TMPDIR": str(tmp), **extra}
 
 
 def _memtrain(cluster, *args: str, cwd, env=None, timeout: float = 600):
-    return run_memtrain(*args, cwd=cwd, env=_env(cluster, **(env or {})), timeout=timeout)
+    return run_memtrain(*args, cwd=cwd, env=_env(cluster, cwd, **(env or {})), timeout=timeout)
 
 
 def _popen(cluster, *args: str, cwd, env=None) -> subprocess.Popen:
@@ -52,7 +56,7 @@ def _popen(cluster, *args: str, cwd, env=None) -> subprocess.Popen:
     manager it is killed if the test fails first."""
     return _Killed([sys.executable, "-m", "memtrain", *args], cwd=cwd, text=True,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                   env={**_env(cluster, **(env or {})), "PYTHONUNBUFFERED": "1"})
+                   env={**_env(cluster, cwd, **(env or {})), "PYTHONUNBUFFERED": "1"})
 
 
 class _Killed(subprocess.Popen):
