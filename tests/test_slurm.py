@@ -89,12 +89,14 @@ def _ended(cluster, sweep) -> list[dict[str, str]]:
     return cluster.wait_for("the sweep's jobs to end", closed, timeout=120)
 
 
-def test_sweep_of_three_one_invalid(cluster, in_tmp):
+def test_sweep_of_three_one_invalid_then_relaunched_with_skip_done(cluster, in_tmp):
     """Three jobs, one invalid: three rows with their statuses, the closing count, report.md;
-    every job ran as a task of one SLURM array and ended COMPLETED (a failed run is a row)."""
+    every job ran as a task of one SLURM array and ended COMPLETED (a failed run is a row).
+    Relaunched with a fourth value and skip_done: the two done jobs are skipped in the launching
+    process (rows untouched), only the invalid one and the new one go to SLURM."""
     sweep = in_tmp / "sw"
-    p = _memtrain(cluster, "-m", "hydra/launcher=slurm", *TINY, "trainer.batch_size=8,16,0",
-                  f"hydra.sweep.dir={sweep}", cwd=in_tmp)
+    common = ["-m", "hydra/launcher=slurm", *TINY, f"hydra.sweep.dir={sweep}"]
+    p = _memtrain(cluster, *common, "trainer.batch_size=8,16,0", cwd=in_tmp)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = _rows(sweep)
     assert [rows[i]["status"] for i in range(3)] == ["ok", "ok", "error"]
@@ -106,6 +108,21 @@ def test_sweep_of_three_one_invalid(cluster, in_tmp):
     assert len({t["ArrayJobId"] for t in tasks}) == 1
     assert sorted(t["ArrayTaskId"] for t in tasks) == ["0", "1", "2"]
     assert {t["JobState"] for t in tasks} == {"COMPLETED"}
+
+    first = {t["JobId"] for t in tasks}
+    p = _memtrain(cluster, *common, "trainer.batch_size=8,16,0,32", "trainer.skip_done=true",
+                  NO_REPORT, cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "memtrain: 4 jobs: ok 3, error 1 (2 skipped: already done)" in p.stdout, p.stdout
+    again = _rows(sweep)
+    assert [again[i]["status"] for i in range(4)] == ["ok", "ok", "error", "ok"]
+    assert again[3]["trainer.batch_size"] == 32
+    for i in (0, 1):  # not run again
+        assert again[i]["finished_at"] == rows[i]["finished_at"]
+    assert again[2]["finished_at"] > rows[2]["finished_at"]  # not done: run again
+    new = [t for t in _ended(cluster, sweep) if t["JobId"] not in first]
+    assert sorted(t["ArrayTaskId"] for t in new) == ["0", "1"], new  # two jobs on SLURM
+    assert {t["JobState"] for t in new} == {"COMPLETED"}
 
 
 def test_time_limit_requeues_and_resumes_bit_for_bit(cluster, in_tmp):
@@ -190,25 +207,3 @@ def test_scancel_leaves_rows_and_the_continue_command_resumes_on_slurm(cluster, 
     assert sorted(t["ArrayTaskId"] for t in new) == ["0", "1", "2"]  # on SLURM, three jobs
     assert {t["JobState"] for t in new} == {"COMPLETED"}
 
-
-def test_relaunch_with_skip_done_submits_only_what_is_not_done(cluster, in_tmp):
-    """A finished sweep of two, relaunched with a third value and skip_done: the two done jobs
-    are skipped in the launching process (their rows untouched), one task goes to SLURM."""
-    sweep = in_tmp / "sw"
-    common = ["-m", "hydra/launcher=slurm", *TINY, NO_REPORT, f"hydra.sweep.dir={sweep}"]
-    p = _memtrain(cluster, *common, "trainer.seed=0,1", cwd=in_tmp)
-    assert p.returncode == 0, p.stderr[-3000:]
-    first = {t["JobId"] for t in _ended(cluster, sweep)}
-    before = _rows(sweep)
-    p = _memtrain(cluster, *common, "trainer.seed=0,1,2", "trainer.skip_done=true", cwd=in_tmp)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "memtrain: 3 jobs: ok 3 (2 skipped: already done)" in p.stdout, p.stdout[-2000:]
-    rows = _rows(sweep)
-    assert [rows[i]["trainer.seed"] for i in range(3)] == [0, 1, 2]
-    assert [rows[i]["status"] for i in range(3)] == ["ok"] * 3
-    for i in (0, 1):  # not run again
-        assert rows[i]["finished_at"] == before[i]["finished_at"]
-    new = [t for t in _ended(cluster, sweep) if t["JobId"] not in first]
-    # one job: submitit submits it alone, not as an array
-    assert len(new) == 1 and new[0]["JobState"] == "COMPLETED", new
-    assert (job_dir(sweep, 2) / "memtrain.log").is_file()
