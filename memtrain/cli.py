@@ -77,6 +77,9 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("-")]
     if {"-m", "--multirun"} & set(sys.argv[1:]):  # SIGTERM stops every job, leaving rows
         faults.SweepStop.install_main()
+        from hydra_plugins import memtrain_launcher
+
+        memtrain_launcher.register()  # hydra/launcher=slurm, local
     try:
         runner.check_overrides(args)
     except ConfigError as e:

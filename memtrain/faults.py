@@ -1,9 +1,10 @@
 """Failures as data: injected faults (a testing aid), graceful stop on SIGTERM/Ctrl-C, and torch's
 CUDA memory snapshot.
 
-`trainer.fault=oom|nan|error|sigterm` with `trainer.fault_step=N` makes step N fail the way a real
-run would (a CUDA out-of-memory error, a NaN loss, an exception, a SIGTERM sent to this process),
-so every failure path of a sweep can be tested on a CPU. It is not meant for studies.
+`trainer.fault=oom|nan|error|sigterm|hang` with `trainer.fault_step=N` makes step N fail the way a
+real run would (a CUDA out-of-memory error, a NaN loss, an exception, a SIGTERM sent to this
+process, a run that outlives its time limit), so every failure path of a sweep can be tested on a
+CPU. It is not meant for studies.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("oom", "nan", "error", "sigterm")
+FAULTS = ("oom", "nan", "error", "sigterm", "hang")
+HANG_LIMIT_S = 900
 SNAPSHOT = "memory_snapshot.pickle"
 
 
@@ -34,7 +37,10 @@ class Fault:
         self.fired = False
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`."""
+        """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`;
+        for `hang`, waits until the run is told to stop (SIGTERM, Ctrl-C, a SLURM time limit),
+        as a run too long for its time limit does, and the step then ends with its checkpoint;
+        after HANG_LIMIT_S without one it raises (a job nobody stops ends)."""
         if step != self.step or self.fired:
             return loss
         self.fired = True
@@ -46,6 +52,13 @@ class Fault:
             raise RuntimeError(f"injected failure (trainer.fault=error at step {step})")
         if self.kind == "sigterm":  # a real signal, through the real handler
             os.kill(os.getpid(), signal.SIGTERM)
+            return loss
+        if self.kind == "hang":
+            deadline = time.monotonic() + HANG_LIMIT_S  # an orphaned test job ends after all
+            while not (StopSignals.active and StopSignals.active.requested):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"trainer.fault=hang: no stop signal in {HANG_LIMIT_S} s")
+                time.sleep(0.05)
             return loss
         return loss * float("nan")
 
@@ -122,6 +135,7 @@ class StopSignals:
     """
 
     SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+    active: StopSignals | None = None  # the run in progress in this process
 
     def __init__(self):
         self.requested: str | None = SweepStop.stopped()  # the sweep was stopped before us
@@ -130,11 +144,16 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = self.SIGNALS.get(signum, str(signum))
-        log.warning("%s received: stopping after this step (Ctrl-C again to abort now)",
-                    self.requested)
+        self.request(self.SIGNALS.get(signum, str(signum)))
+
+    def request(self, name: str, why: str = "") -> None:
+        """Stop at the end of the current step (a signal, or a launcher that caught one)."""
+        self.requested = name
+        log.warning("%s received%s: stopping after this step (Ctrl-C again to abort now)",
+                    name, why)
 
     def __enter__(self) -> StopSignals:
+        StopSignals.active = self
         try:
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
@@ -146,6 +165,7 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old.clear()
+        StopSignals.active = None
 
 
 

@@ -178,18 +178,25 @@ class Checkpointer:
 # ---------------------------------------------------------------- finished runs
 
 
-def find_done(root: Path, run_id: str) -> Path | None:
-    """A folder under `root` whose summary.json has this run_id and status ok, else None."""
+def done_runs(root: Path) -> dict[str, Path]:
+    """run_id -> the first folder under `root` whose summary.json has it with status ok: one
+    pass over the folder for a whole sweep (the launcher checks every job against it)."""
+    found: dict[str, Path] = {}
     if not root.is_dir():
-        return None
-    for f in sorted(root.rglob("summary.json")):
+        return found
+    for f in sorted(root.rglob(record.SUMMARY)):
         try:
             s = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(s, dict) and s.get("run_id") == run_id and s.get("status") == "ok":
-            return f.parent
-    return None
+        if isinstance(s, dict) and s.get("status") == "ok" and isinstance(s.get("run_id"), str):
+            found.setdefault(s["run_id"], f.parent)
+    return found
+
+
+def find_done(root: Path, run_id: str) -> Path | None:
+    """A folder under `root` whose summary.json has this run_id and status ok, else None."""
+    return done_runs(root).get(run_id)
 
 
 def find_checkpoints(root: Path) -> list[Path]:

@@ -1,16 +1,18 @@
 """Failures as rows, interrupted runs that resume bit for bit, sweeps that skip finished jobs."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 from conftest import job_dir, run_memtrain
 
-from memtrain import api
+from memtrain import api, faults
 from memtrain.hydra_callbacks import count_statuses, format_counts
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
@@ -63,6 +65,33 @@ def test_sigterm_then_resume_equals_uninterrupted(in_tmp):
     _assert_same_weights(in_tmp / "full" / "weights.pt", in_tmp / "p" / "weights.pt")
     assert again["train_loss"] == full["train_loss"]
     assert again["mem_act_saved_bytes"] == full["mem_act_saved_bytes"]  # carried over
+
+
+def test_hang_waits_for_the_stop_signal_then_resumes_past_it(in_tmp, monkeypatch):
+    """trainer.fault=hang (a run longer than its time limit): step 2 waits for a signal, then
+    ends with its checkpoint; the resumed run goes on past it. With no signal it gives up."""
+    args = [*TINY, "trainer.max_steps=5", "trainer.fault=hang", "trainer.fault_step=2"]
+    log = in_tmp / "r" / "memtrain.log"
+    monkeypatch.setattr(faults, "HANG_LIMIT_S", 120)  # a failing test fails in minutes
+
+    def signal_once_hanging():  # SIGTERM to this process only while the run waits in step 2
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if log.is_file() and "injecting fault hang" in log.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.05)
+
+    sender = threading.Thread(target=signal_once_hanging)
+    sender.start()
+    row = api.run(args, out_dir=in_tmp / "r")
+    sender.join()
+    assert row["status"] == "interrupted" and row["failed_step"] == 3, row
+    again = api.run([*args, "trainer.resume=true"], out_dir=in_tmp / "r")
+    assert again["status"] == "ok" and again["resumed_at_step"] == 3
+    monkeypatch.setattr(faults, "HANG_LIMIT_S", 0.2)
+    row = api.run(args, out_dir=in_tmp / "nobody")
+    assert row["status"] == "error" and "no stop signal in 0.2 s" in row["error"]
 
 
 def test_resume_finds_the_checkpoint_in_another_folder(in_tmp):
