@@ -6,6 +6,7 @@ from torch import nn
 from torchvision import models as tvm
 
 from memtrain.errors import ConfigError
+from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 SMALL_INPUT_MAX = 32  # images of 32 px and below get the CIFAR-style stem
 
@@ -56,3 +57,28 @@ def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout
         model.features[0][0] = nn.Conv2d(c, old.out_channels, old.kernel_size, old.stride,
                                          old.padding, bias=False)
     return model
+
+
+# ---------------------------------------------------------------- chains (memtrain.models.chain)
+
+
+@chain_rule("torchvision.models.resnet.ResNet")
+def resnet_chain(model: nn.Module) -> Chain:
+    """Stem (conv1, bn1, relu, maxpool), every residual block; head: pooling and fc."""
+    segs = [Segment("stem", model, ("conv1", "bn1", "relu", "maxpool"))]
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        segs += children(stage, getattr(model, stage))
+    return Chain(segs, head=nn.Sequential(model.avgpool, nn.Flatten(1), model.fc))
+
+
+@chain_rule("torchvision.models.efficientnet.EfficientNet")
+def efficientnet_chain(model: nn.Module) -> Chain:
+    """features[0] (stem), every MBConv block of features[1..-2], features[-1] (the 1x1 head
+    convolution); head: pooling and classifier."""
+    f = model.features
+    n = len(f)
+    segs = [Segment("features.0", f, ("0",))]
+    for i in range(1, n - 1):
+        segs += children(f"features.{i}", f[i])
+    segs.append(Segment(f"features.{n - 1}", f, (str(n - 1),)))
+    return Chain(segs, head=nn.Sequential(model.avgpool, nn.Flatten(1), model.classifier))
