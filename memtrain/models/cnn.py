@@ -46,12 +46,18 @@ def resnet50(num_classes: int, input_shape: tuple[int, int, int], small_input: b
 
 def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout: float = 0.2,
                     stochastic_depth_prob: float = 0.2) -> nn.Module:
-    """EfficientNet-B0 (torchvision); the stem takes the data's channel count."""
+    """EfficientNet-B0 (torchvision); the stem takes the data's channel count, the classifier
+    nn.Linear's init (see below)."""
     c, h, w = input_shape
     if min(h, w) < 8:
         raise ConfigError(f"model efficientnet_b0 needs images of >= 8 px, got {h}x{w}")
     model = tvm.efficientnet_b0(num_classes=num_classes, dropout=dropout,
                                 stochastic_depth_prob=stochastic_depth_prob)
+    # torchvision draws the classifier from U(+-1/sqrt(num_classes)), a range made for 1000
+    # classes: with 10 the first logits are ~10x too large (measured: initial loss ~15 instead
+    # of ln 10 and a model that stayed at chance). nn.Linear's own init scales with its 1280
+    # inputs instead.
+    model.classifier[-1].reset_parameters()
     if c != 3:
         old = model.features[0][0]
         model.features[0][0] = nn.Conv2d(c, old.out_channels, old.kernel_size, old.stride,
