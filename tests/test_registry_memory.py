@@ -33,7 +33,7 @@ def test_a_saving_in_saved_bytes_is_no_loss_in_activation_peak(tmp_path, model, 
         _BASE[model] = _run(tmp_path, model, "none")
     try:
         row = _run(tmp_path, model, method)
-    except ConfigError as e:  # the method refuses this model up front (synthetic: EfficientNet)
+    except ConfigError as e:  # a method may refuse a model up front (none does today)
         pytest.skip(f"{method} does not apply to {model}: {e}")
     base = _BASE[model]
     saved = row["mem_act_saved_bytes"] / base["mem_act_saved_bytes"]

@@ -1,5 +1,6 @@
-"""Pieces of the `synthetic` method: cutting a model into sequential partitions, the synthetic
-label matrices, and one partition's training phase (a thin adapter around `train.train`).
+"""Pieces of the `synthetic` method: the synthetic label matrices, the loss against them, and
+one partition's training phase (a thin adapter around `train.train`). Where the model is cut:
+`_cuts.py`.
 
 Kept apart from `synthetic.py` so that a phase is a plain picklable description (`Phase`) that a
 worker process can run as well as the parent.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,140 +25,9 @@ from memtrain.train import evaluate, train
 # A dense S of shape (cut width, classes) is held on the device; refuse sizes that would rival
 # the activations it is meant to save (1 GiB of fp32).
 MAX_LABEL_ENTRIES = 2**28
-# Automatic cuts accept a largest partition this much above the least possible one, for evenness.
-BALANCE_SLACK = 0.02
-
-
-# ---------------------------------------------------------------- cutting a model into units
-
-
-class MixerHead(nn.Module):
-    """timm MlpMixer's norm + forward_head as one module, so the head can end a partition."""
-
-    def __init__(self, mixer: nn.Module):
-        super().__init__()
-        self.norm, self.head_drop, self.head = mixer.norm, mixer.head_drop, mixer.head
-        self.global_pool = mixer.global_pool
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, C] -> [B, classes]
-        x = self.norm(x)
-        if self.global_pool == "avg":
-            x = x.mean(dim=1)
-        return self.head(self.head_drop(x))
-
-
-class LabelStandardize(nn.Module):
-    """Fixed (x - kappa/2) / (kappa/sqrt(12)): a partition after a cut sees its input centred
-    and of unit variance, as the synthetic labels' entries are kappa * U(0, 1). Parameter-free
-    and affine, so the composed model's function class is unchanged; without it plain SGD on the
-    all-positive, off-centre inputs often kills every ReLU of mlp6's right part in a few steps.
-    """
-
-    def __init__(self, kappa: float):
-        super().__init__()
-        self.kappa = kappa
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - 0.5 * self.kappa) * (12**0.5 / self.kappa)
-
-    def extra_repr(self) -> str:
-        return f"kappa={self.kappa}"
-
-
-def units(model: nn.Module) -> list[nn.Module]:
-    """The model as a list of modules whose composition is its forward: the cut candidates.
-
-    mlp6 (nn.Sequential): Flatten, 5 Linear-ReLU blocks, classifier. torchvision ResNet: stem,
-    each residual block of layer1..layer4 (stages are runs of blocks; blocks balance better than
-    stages, layer4 alone holds ~3/4 of ResNet-18), head (avgpool, flatten, fc). timm MlpMixer
-    (resmlp): stem, each block, head (norm, token mean, fc).
-    """
-    from timm.models.mlp_mixer import MlpMixer
-    from torchvision.models import ResNet
-
-    if isinstance(model, ResNet):
-        stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
-        head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
-        blocks = [b for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
-                  for b in layer]
-        return [stem, *blocks, head]
-    if isinstance(model, MlpMixer):
-        return [model.stem, *model.blocks, MixerHead(model)]
-    if isinstance(model, nn.Sequential):
-        return list(model.children())
-    raise ConfigError(f"method synthetic cuts nn.Sequential models (mlp6), torchvision ResNets "
-                      f"and timm MlpMixers (resmlp12/24); got {type(model).__name__}")
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def _best_split(prefix: list[int], k: int, cost) -> tuple[float, tuple[int, ...]]:
-    """Minimise `cost(group sizes)` over splits of units into k contiguous groups with
-    parameters; `cost` folds group by group: cost(size, rest_cost) (optimal substructure)."""
-    n = len(prefix) - 1
-
-    @cache
-    def best(start: int, parts: int) -> tuple[float, tuple[int, ...]]:
-        if parts == 1:
-            total = prefix[n] - prefix[start]
-            return (cost(total, None) if total > 0 else float("inf")), ()
-        options = []
-        for end in range(start + 1, n - parts + 2):
-            group = prefix[end] - prefix[start]
-            if group > 0:
-                rest, cuts = best(end, parts - 1)
-                options.append((cost(group, rest), (end, *cuts)))
-        return min(options, default=(float("inf"), ()))
-
-    return best(0, k)
-
-
-def balanced_cuts(sizes: list[int], k: int) -> list[int]:
-    """Boundaries (unit indices, partition j = units[cuts[j-1]:cuts[j]]) splitting `sizes` into
-    k contiguous groups, each with parameters: the largest group as small as possible (within
-    BALANCE_SLACK), then, among those, the most even split (least sum of squares), so that no
-    partition is needlessly tiny (ResNet-18's 5k-parameter head alone, say)."""
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    largest, _ = _best_split(prefix, k, lambda g, rest: max(g, rest or 0))
-    if largest == float("inf"):
-        have = sum(1 for s in sizes if s > 0)
-        raise ConfigError(f"method.partitions={k} is more than this model allows (at most {have} "
-                          f"partitions with parameters)")
-    inf = float("inf")
-    cap = largest * (1 + BALANCE_SLACK)
-    _, cuts = _best_split(prefix, k, lambda g, rest: inf if g > cap else g * g + (rest or 0))
-    return list(cuts)
-
-
-def check_cuts(cuts: list[int], sizes: list[int]) -> None:
-    n = len(sizes)
-    bounds = [0, *cuts, n]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])) or cuts[0] < 1 or cuts[-1] > n - 1:
-        raise ConfigError(f"method.cuts must be strictly increasing unit indices in [1, {n - 1}] "
-                          f"for this model ({n} units), got {cuts}")
-    empty = [j for j, (a, b) in enumerate(zip(bounds, bounds[1:])) if sum(sizes[a:b]) == 0]
-    if empty:
-        raise ConfigError(f"method.cuts={cuts} leaves partition {empty[0]} without parameters; "
-                          f"move its boundary")
-
-
-@torch.no_grad()
-def cut_shapes(parts: nn.Sequential, input_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Per-sample output shape of every partition but the last (a probe forward in eval mode)."""
-    device = next(parts.parameters()).device
-    was = parts.training
-    parts.eval()
-    x = torch.zeros(1, *input_shape, device=device)
-    shapes = []
-    for part in list(parts)[:-1]:
-        x = part(x)
-        shapes.append(tuple(x.shape[1:]))
-    parts.train(was)
-    return shapes
+# The label loss's forward works on 1/LOSS_CHUNKS of the batch at a time, so its temporaries stay
+# a small fraction of the partition's output (a [B, D] gather and difference set part0's peak).
+LOSS_CHUNKS = 16
 
 
 # ---------------------------------------------------------------- synthetic labels
@@ -192,9 +62,42 @@ class NearestColumn(nn.Module):
         return -dist / f.shape[1]  # [B, classes]
 
 
+class _MSEToLabel(torch.autograd.Function):
+    """mean((out - targets[y])^2) over every element, with what the step needs and nothing more.
+
+    `F.mse_loss(out, targets[y])` materialises the gathered targets (saved for backward) and the
+    difference, two tensors of the output's size on top of the output: on mlp6 (batch 128)
+    they put part0's activation peak 22% above the whole model's. Here the forward gathers and
+    squares ~1/LOSS_CHUNKS of the rows at a time and saves only `out` (which the partition's
+    last op usually saves anyway) and `y` (the batch's labels); the backward builds the gradient,
+    which autograd needs anyway, in one gathered tensor, in place.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = max(1, out.shape[0] // LOSS_CHUNKS)
+        total = torch.zeros((), dtype=torch.float32, device=out.device)
+        for i in range(0, out.shape[0], rows):
+            d = targets.index_select(0, y[i:i + rows]).view(-1, *out.shape[1:])  # fp32 rows
+            total += d.sub_(out[i:i + rows]).pow_(2).sum()
+            del d  # freed before the next chunk's gather
+        ctx.save_for_backward(out, y)
+        ctx.targets = targets  # a constant of the phase, alive before the step: not saved
+        return total / out.numel()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, y = ctx.saved_tensors
+        g = ctx.targets.index_select(0, y).view(out.shape)  # [B, ...] fp32
+        g.sub_(out).mul_(grad * (-2.0 / out.numel()))  # 2 (out - t) / N * grad
+        return g.to(out.dtype), None, None
+
+
 def mse_to_label(out: torch.Tensor, y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """MSE of a partition's output [B, ...] against its class targets (rows of S^T)."""
-    return F.mse_loss(out.flatten(1).float(), targets[y])
+    """MSE of a partition's output [B, ...] against its class targets (rows of S^T, [classes,
+    D] in fp32): `F.mse_loss(out.flatten(1).float(), targets[y])` without its [B, D]
+    temporaries (`_MSEToLabel`)."""
+    return _MSEToLabel.apply(out, y, targets)
 
 
 def evaluate_decoded(model, split, device, batch_size, autocast, max_batches=None,
@@ -318,9 +221,9 @@ def run_phase(phase: Phase, data: Data):
     device = phase.train_kwargs["device"]
     hooks: dict[str, Any] = {}
     if phase.s_out is not None:
-        s = phase.s_out.to(device)
-        hooks["loss_fn"] = partial(mse_to_label, targets=s.t().contiguous())
-        hooks["evaluate_fn"] = partial(evaluate_decoded, s=s)
+        targets = phase.s_out.t().contiguous().to(device)  # [classes, D]: one copy on the device
+        hooks["loss_fn"] = partial(mse_to_label, targets=targets)
+        hooks["evaluate_fn"] = partial(evaluate_decoded, s=targets.t())
     optimizer = build_optimizer(phase.optim, phase.module)
     scheduler = None
     if phase.factors is not None:

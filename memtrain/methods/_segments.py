@@ -1,11 +1,11 @@
 """Checkpoint segments: where a model can be cut, and the wrapper that recomputes a group.
 
 A segment is a run of sibling modules (`parent.<attr>` for each attr) that the model's forward
-calls one after the other; the discovered segments of a model form a pure chain: segment i's
-output is segment i+1's input and nothing else happens in between. That invariant lets a group
-of consecutive segments run inside one checkpoint: the group's first module runs every module of
-the group (`CheckpointGroup`), the others pass their input through; no module moves, so the
-state_dict keys are the plain model's.
+calls one after the other; a model's segments (its chain, `memtrain/models/chain.py`) form a
+pure chain: segment i's output is segment i+1's input and nothing else happens in between. That
+invariant lets a group of consecutive segments run inside one checkpoint: the group's first
+module runs every module of the group (`CheckpointGroup`), the others pass their input through;
+no module moves, so the state_dict keys are the plain model's.
 """
 
 from __future__ import annotations
@@ -13,82 +13,20 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memtrain.errors import ConfigError
+from memtrain.models.chain import Segment, chain_of
 
-
-@dataclass(frozen=True)
-class Segment:
-    """`parent.<attrs[0]>`, ..., `parent.<attrs[-1]>` called in sequence by the model."""
-
-    name: str
-    parent: nn.Module
-    attrs: tuple[str, ...]
-
-    def modules(self) -> list[nn.Module]:
-        return [getattr(self.parent, a) for a in self.attrs]
-
-
-def _children(name: str, seq: nn.Module) -> list[Segment]:
-    return [Segment(f"{name}.{k}", seq, (k,)) for k, _ in seq.named_children()]
-
-
-def _resnet(model: nn.Module) -> list[Segment]:
-    # The stem (conv1, bn1, relu, maxpool) is one segment; avgpool + fc (the head) stay kept.
-    segs = [Segment("stem", model, ("conv1", "bn1", "relu", "maxpool"))]
-    for stage in ("layer1", "layer2", "layer3", "layer4"):
-        segs += _children(stage, getattr(model, stage))
-    return segs
-
-
-def _mixer(model: nn.Module) -> list[Segment]:
-    # timm MlpMixer / ResMLP: stem (patch embedding), then the residual blocks; norm + head kept.
-    return [Segment("stem", model, ("stem",))] + _children("blocks", model.blocks)
-
-
-def _efficientnet(model: nn.Module) -> list[Segment]:
-    # features[0] is the stem, features[1..-2] stages of MBConv blocks, features[-1] the 1x1 head
-    # convolution; avgpool + classifier stay kept.
-    f = model.features
-    n = len(f)
-    segs = [Segment("features.0", f, ("0",))]
-    for i in range(1, n - 1):
-        segs += _children(f"features.{i}", f[i])
-    return segs + [Segment(f"features.{n - 1}", f, (str(n - 1),))]
-
-
-def _mlp(model: nn.Module) -> list[Segment]:
-    # memtrain's MLP: Flatten, Linear-ReLU blocks, classifier; each block is a segment.
-    return [Segment(str(k), model, (k,)) for k, m in model.named_children()
-            if isinstance(m, nn.Sequential)]
+__all__ = ["CheckpointGroup", "Segment", "apply_groups", "discover", "group_of"]
 
 
 def discover(model: nn.Module) -> list[Segment]:
-    """The model's checkpointable segments, in forward order; ConfigError for unknown models."""
-    from torchvision.models import EfficientNet, ResNet
-
-    from memtrain.models.mlp import MLP
-
-    rules: list[tuple[Callable[[nn.Module], bool], Callable]] = [
-        (lambda m: isinstance(m, ResNet), _resnet),
-        (lambda m: type(m).__name__ == "MlpMixer", _mixer),
-        (lambda m: isinstance(m, EfficientNet), _efficientnet),
-        (lambda m: isinstance(m, MLP), _mlp),
-    ]
-    for match, rule in rules:
-        if match(model):
-            segs = rule(model)
-            if not segs:
-                break
-            return segs
-    raise ConfigError(f"method checkpoint has no segment rule for model type "
-                      f"{type(model).__name__}; supported: ResNet, MlpMixer (ResMLP), "
-                      f"EfficientNet, MLP")
+    """The model's checkpointable segments, in forward order: its chain's
+    (`memtrain.models.chain_of`); ConfigError for a model type without a chain rule."""
+    return chain_of(model, "method checkpoint").segments
 
 
 # ---------------------------------------------------------------- BatchNorm during recompute

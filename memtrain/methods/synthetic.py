@@ -9,6 +9,10 @@ order) or S_{j-1}[:, y] plus Gaussian noise (`right_input=synthetic`: the partit
 on each other and may train in parallel processes). Optional end-to-end recovery epochs follow.
 The composed model predicts argmax right(...(left(x))).
 
+The cuts fall between the units of the model's chain (`memtrain.models.chain_of`); automatic
+cuts balance the partitions' activation memory on the run's first batch (`_cuts.py`). The
+partitioned model keeps the plain model's parameter names under any cuts.
+
 Each phase is one call of `train.train` (its loss_fn / evaluate_fn / metric_prefix hooks); only
 one partition's parameters, gradients, optimizer state and activations are alive in a phase.
 """
@@ -26,19 +30,23 @@ from torch import nn
 
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.methods._partition import (
-    LabelStandardize,
-    Phase,
-    _numel,
+from memtrain.methods._cuts import (
+    PROFILE_BATCH,
+    Partitioned,
     balanced_cuts,
     check_cuts,
     cut_shapes,
+    numel,
+    profile_units,
+)
+from memtrain.methods._partition import (
+    Phase,
     label_matrix,
     lr_factors,
     optimizer_spec,
     run_phase,
-    units,
 )
+from memtrain.models import chain_of
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
@@ -49,20 +57,14 @@ RIGHT_INPUTS = ("left", "synthetic")
 TOP_FROM_LARGEST = ("step_time_s_median", "step_time_s_p90", "throughput_samples_s")
 
 
-class Partitioned(nn.Sequential):
-    """The composed model: partitions applied in order; `unit_bounds` says which units each holds
-    (partition j = units[unit_bounds[j]:unit_bounds[j+1]])."""
-
-    unit_bounds: list[int]
-
-
 class Synthetic:
     """Method `synthetic`; the keyword arguments are conf/method/synthetic.yaml's keys.
 
     Args:
         partitions: K >= 2 sequential partitions.
-        cuts: explicit boundaries as unit indices (K-1 of them, increasing); null picks the cuts
-            that balance parameter counts.
+        cuts: explicit boundaries as unit indices (K-1 of them, increasing); null picks, when
+            training starts, the cuts that balance the partitions' activation memory (profiled
+            on the run's device and first batch; kept with the resumable state).
         kappa: scale of the synthetic labels, S = kappa * U(0, 1).
         right_input: `synthetic` (the paper's scheme: a partition learns from the previous cut's
             synthetic label plus noise, independently of the others) or `left` (a variant: from
@@ -102,25 +104,47 @@ class Synthetic:
         self.epochs_per_partition, self.recovery_epochs = epochs_per_partition, recovery_epochs
         self.parallel, self.seed = bool(parallel), seed
         self.labels: list[torch.Tensor] = []  # S_j per cut, set by fit
+        self.profile = None  # the UnitProfile automatic cuts were chosen from
 
     # ------------------------------------------------------------ surgery
 
     def wrap(self, model: nn.Module) -> Partitioned:
-        """Cut the model into `partitions` sequential parts: the same parameters; the forward
-        gains only the fixed `LabelStandardize` at each cut."""
-        us = units(model)
-        sizes = [_numel(u) for u in us]
+        """The model as `Partitioned` (same parameters and names; the forward gains only the
+        fixed `LabelStandardize` at each cut). Explicit cuts apply now; automatic ones when
+        `plan` sees the data (a model type without a chain rule is refused here)."""
+        units = chain_of(model, "method synthetic").units()
+        parts = Partitioned(model, units, self.kappa)
+        params = [numel(u) for u in units]
+        have = sum(1 for p in params if p > 0)
+        if self.partitions > have:
+            raise ConfigError(f"method.partitions={self.partitions} is more than this model "
+                              f"allows (at most {have} partitions with parameters)")
         if self.cuts is not None:
-            check_cuts(self.cuts, sizes)
-            cuts = self.cuts
-        else:
-            cuts = balanced_cuts(sizes, self.partitions)
-        bounds = [0, *cuts, len(us)]
-        # every partition after a cut starts with the fixed standardisation of its input
-        parts = Partitioned(*[nn.Sequential(*([LabelStandardize(self.kappa)] if a else []),
-                                            *us[a:b]) for a, b in zip(bounds, bounds[1:])])
-        parts.unit_bounds = bounds
+            check_cuts(self.cuts, params)
+            parts.cut(self.cuts)
         return parts
+
+    def choose_cuts(self, model: Partitioned, x: torch.Tensor, autocast=None) -> list[int]:
+        """The cuts that balance the partitions' modelled activation memory on `x` (`_cuts`)."""
+        prof = profile_units(model, x, autocast)
+        self.profile = prof
+        return balanced_cuts([numel(u) for u in model.units], self.partitions,
+                             prof.partition_bytes)
+
+    def _cut(self, model: Partitioned, data: Data, trainer: Trainer, device: torch.device,
+             ck=None) -> None:
+        """Apply the explicit cuts, a resumed run's, or the activation-balanced ones; the
+        resumable state (`ck`, the run's Checkpointer) keeps them (a resumed phase's state must
+        find the same partitions)."""
+        cuts = self.cuts or _resumed_cuts(ck, self.partitions)
+        if cuts is None:
+            model.to(device)
+            n = min(trainer.batch_size, PROFILE_BATCH, len(data.train))
+            x, _ = next(iter(data.train.batches(n, device)))
+            cuts = self.choose_cuts(model, x, autocast_factory(device.type, trainer.precision)())
+        model.cut(list(cuts))
+        if ck is not None:
+            ck.carry["synthetic_cuts"] = list(cuts)
 
     # ------------------------------------------------------------ training
 
@@ -161,7 +185,9 @@ class Synthetic:
 
     def plan(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
              *, trainer: Trainer, device: torch.device, **loop: Any) -> list[Phase]:
-        """The label matrices (in `self.labels`) and one Phase per partition, in order."""
+        """Cut the model (`_cut`), then the label matrices (in `self.labels`) and one Phase per
+        partition, in order."""
+        self._cut(model, data, trainer, device, loop.get("checkpointer"))
         seed = self.seed if self.seed is not None else trainer.seed
         shapes = cut_shapes(model, data.input_shape)
         self.labels = [label_matrix(seed, j, math.prod(s), data.num_classes, self.kappa)
@@ -215,8 +241,10 @@ class Synthetic:
             metrics += res.metrics
             if name.startswith("part"):
                 j = int(name[4:])
-                summary[f"{name}.params"] = _numel(model[j])
+                summary[f"{name}.params"] = numel(model[j])
                 summary[f"{name}.units"] = f"{bounds[j]}-{bounds[j + 1] - 1}"
+                summary[f"{name}.mem_labels_bytes"] = self._label_bytes(j, len(model))
+        summary["synthetic_cuts"] = ";".join(map(str, model.cuts))
         if not done:
             return summary, metrics
         key = "mem_peak_alloc_bytes"
@@ -231,6 +259,14 @@ class Synthetic:
         summary["epochs_done"] = max(r.summary.get("epochs_done", 0) for _, r in done)
         return summary, metrics
 
+    def _label_bytes(self, j: int, k: int) -> int:
+        """Bytes of the label matrices partition j holds on its device (its own S and, with
+        synthetic inputs, the previous cut's): constants beside the parameters, which the CPU
+        tracker's columns do not see (a CUDA peak does)."""
+        used = ([self.labels[j]] if j < k - 1 else []) + \
+            ([self.labels[j - 1]] if j > 0 and self.right_input == "synthetic" else [])
+        return sum(s.numel() * s.element_size() for s in used)
+
     def _evaluate(self, model, data, t: Trainer, device, metrics, step) -> dict[str, float]:
         """Test accuracy of the composed model: argmax of the last partition's logits."""
         model.to(device)
@@ -241,6 +277,17 @@ class Synthetic:
             metrics.append({"step": step, "epoch": -1, "split": "test", "name": k, "value": v})
         log.info("synthetic: composed model test_acc %.4f", res["acc"])
         return {f"test_{k}": v for k, v in res.items()}
+
+
+def _resumed_cuts(ck, k: int) -> list[int] | None:
+    """The cuts saved with the checkpoint a resumed run continues from, if any."""
+    if ck is None or not ck.resume:
+        return None
+    for prefix in [*(f"part{j}." for j in range(k)), "recovery."]:
+        cuts = ((ck.load(prefix) or {}).get("carry") or {}).get("synthetic_cuts")
+        if cuts is not None:
+            return [int(c) for c in cuts]
+    return None
 
 
 def _failing(phases: list[Phase], done) -> str:

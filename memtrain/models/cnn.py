@@ -6,6 +6,7 @@ from torch import nn
 from torchvision import models as tvm
 
 from memtrain.errors import ConfigError
+from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 SMALL_INPUT_MAX = 32  # images of 32 px and below get the CIFAR-style stem
 
@@ -45,14 +46,45 @@ def resnet50(num_classes: int, input_shape: tuple[int, int, int], small_input: b
 
 def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout: float = 0.2,
                     stochastic_depth_prob: float = 0.2) -> nn.Module:
-    """EfficientNet-B0 (torchvision); the stem takes the data's channel count."""
+    """EfficientNet-B0 (torchvision); the stem takes the data's channel count, the classifier
+    nn.Linear's init (see below)."""
     c, h, w = input_shape
     if min(h, w) < 8:
         raise ConfigError(f"model efficientnet_b0 needs images of >= 8 px, got {h}x{w}")
     model = tvm.efficientnet_b0(num_classes=num_classes, dropout=dropout,
                                 stochastic_depth_prob=stochastic_depth_prob)
+    # torchvision draws the classifier from U(+-1/sqrt(num_classes)), a range made for 1000
+    # classes: with 10 the first logits are ~10x too large (measured: initial loss ~15 instead
+    # of ln 10 and a model that stayed at chance). nn.Linear's own init scales with its 1280
+    # inputs instead.
+    model.classifier[-1].reset_parameters()
     if c != 3:
         old = model.features[0][0]
         model.features[0][0] = nn.Conv2d(c, old.out_channels, old.kernel_size, old.stride,
                                          old.padding, bias=False)
     return model
+
+
+# ---------------------------------------------------------------- chains (memtrain.models.chain)
+
+
+@chain_rule("torchvision.models.resnet.ResNet")
+def resnet_chain(model: nn.Module) -> Chain:
+    """Stem (conv1, bn1, relu, maxpool), every residual block; head: pooling and fc."""
+    segs = [Segment("stem", model, ("conv1", "bn1", "relu", "maxpool"))]
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        segs += children(stage, getattr(model, stage))
+    return Chain(segs, head=nn.Sequential(model.avgpool, nn.Flatten(1), model.fc))
+
+
+@chain_rule("torchvision.models.efficientnet.EfficientNet")
+def efficientnet_chain(model: nn.Module) -> Chain:
+    """features[0] (stem), every MBConv block of features[1..-2], features[-1] (the 1x1 head
+    convolution); head: pooling and classifier."""
+    f = model.features
+    n = len(f)
+    segs = [Segment("features.0", f, ("0",))]
+    for i in range(1, n - 1):
+        segs += children(f"features.{i}", f[i])
+    segs.append(Segment(f"features.{n - 1}", f, (str(n - 1),)))
+    return Chain(segs, head=nn.Sequential(model.avgpool, nn.Flatten(1), model.classifier))

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError
+from memtrain.models.chain import Chain, Segment, chain_rule
 
 
 class MLP(nn.Sequential):
-    """Flatten, then Linear-ReLU blocks, then a Linear classifier; `blocks` lists the stages so
-    that methods can cut or checkpoint it at layer boundaries."""
+    """Flatten, then Linear-ReLU blocks, then a Linear classifier (`mlp_chain`: the blocks are
+    its segments, so methods can cut or checkpoint it at layer boundaries)."""
 
     def __init__(self, in_features: int, widths: list[int], num_classes: int, dropout: float = 0.0):
         layers: list[nn.Module] = [nn.Flatten()]
@@ -25,6 +26,14 @@ class MLP(nn.Sequential):
             prev = width
         layers.append(nn.Linear(prev, num_classes))
         super().__init__(*layers)
+        # He (Kaiming) normal init for the ReLU layers, as torchvision's ResNet does for its
+        # convolutions. nn.Linear's default (uniform, variance 1/(3 fan_in)) shrinks the signal's
+        # second moment ~6x per Linear-ReLU layer: after five of them the logits barely depend on
+        # the input and SGD sat at chance for the first ~100 steps (measured: mlp6, 16 px,
+        # batch 32, 64 steps at lr 0.01: 0.09-0.15 test accuracy; with this init 0.59-0.67).
+        for block in list(self)[1:-1]:
+            nn.init.kaiming_normal_(block[0].weight, nonlinearity="relu")
+            nn.init.zeros_(block[0].bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, C, H, W] -> [B, classes]
         return super().forward(x)
@@ -39,3 +48,11 @@ def mlp6(num_classes: int, input_shape: tuple[int, int, int],
         raise ConfigError(f"model.widths must list 5 positive hidden widths (6 linear layers), "
                           f"got {widths}")
     return MLP(math.prod(input_shape), widths, num_classes, dropout)
+
+
+@chain_rule("memtrain.models.mlp.MLP")
+def mlp_chain(model: nn.Module) -> Chain:
+    """Each Linear-ReLU block is a segment; entry: Flatten; head: the classifier."""
+    kids = list(model.named_children())
+    segs = [Segment(k, model, (k,)) for k, m in kids if isinstance(m, nn.Sequential)]
+    return Chain(segs, entry=kids[0][1], head=kids[-1][1])

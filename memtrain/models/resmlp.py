@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 
 from memtrain.errors import ConfigError
+from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 
 def _resmlp(name: str, depth: int, init_values: float, num_classes: int,
@@ -45,3 +47,30 @@ def resmlp24(num_classes: int, input_shape: tuple[int, int, int], patch_size: in
     """ResMLP-24 (S24): 24 residual blocks, width 384."""
     return _resmlp("resmlp24", 24, 1e-5, num_classes, input_shape, patch_size, embed_dim,
                    drop_path_rate)
+
+
+# ---------------------------------------------------------------- chain (memtrain.models.chain)
+
+
+class MixerHead(nn.Module):
+    """timm MlpMixer's norm + forward_head as one module (the chain's head); shares the
+    model's modules."""
+
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.norm, self.head_drop, self.head = mixer.norm, mixer.head_drop, mixer.head
+        self.global_pool = mixer.global_pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, N, C] -> [B, classes]
+        x = self.norm(x)
+        if self.global_pool == "avg":
+            x = x.mean(dim=1)
+        return self.head(self.head_drop(x))
+
+
+@chain_rule("timm.models.mlp_mixer.MlpMixer")
+def mixer_chain(model: nn.Module) -> Chain:
+    """timm MlpMixer / ResMLP: the stem (patch embedding), every residual block; head: the
+    final norm, token mean and classifier."""
+    return Chain([Segment("stem", model, ("stem",)), *children("blocks", model.blocks)],
+                 head=MixerHead(model))

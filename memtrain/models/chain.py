@@ -1,0 +1,92 @@
+"""A model's chain of segments: the one place that says which parts of a forward run in sequence.
+
+timm's precedent is `checkpoint_seq(self.blocks, x)` behind `set_grad_checkpointing()`: the model
+itself knows which of its parts form a chain. Here each model family registers a rule beside its
+builder (`@chain_rule("torchvision.models.resnet.ResNet")` in cnn.py) that returns its `Chain`;
+the checkpoint method recomputes groups of consecutive segments, the synthetic method cuts the
+model between units. Adding a model = its builder with a chain rule beside it + its YAML.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from memtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`parent.<attrs[0]>`, ..., `parent.<attrs[-1]>` called in sequence by the model."""
+
+    name: str
+    parent: nn.Module
+    attrs: tuple[str, ...]
+
+    def modules(self) -> list[nn.Module]:
+        return [getattr(self.parent, a) for a in self.attrs]
+
+
+def children(name: str, seq: nn.Module) -> list[Segment]:
+    """One segment per child of `seq` (a stage of blocks), named `<name>.<child>`."""
+    return [Segment(f"{name}.{k}", seq, (k,)) for k, _ in seq.named_children()]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The model's forward as a pure chain: model(x) == head(s_n(...s_1(entry(x)))).
+
+    Segment i's output is segment i+1's only input and nothing else happens in between, so any
+    run of consecutive segments can be recomputed as one unit (checkpoint) and the model can be
+    cut between any two (synthetic). `entry` and `head` are the forward before the first and
+    after the last segment (None: nothing there), as modules that share the model's parameters.
+    """
+
+    segments: list[Segment]
+    entry: nn.Module | None = None
+    head: nn.Module | None = None
+
+    def units(self) -> list[nn.Module]:
+        """entry, each segment, head, each as one module: their composition is the forward
+        (a segment of several modules becomes an nn.Sequential of them; nothing moves)."""
+        segs = [m[0] if len(m) == 1 else nn.Sequential(*m)
+                for m in (s.modules() for s in self.segments)]
+        return [u for u in (self.entry, *segs, self.head) if u is not None]
+
+
+Rule = Callable[[nn.Module], Chain]
+_RULES: dict[str, Rule] = {}
+
+
+def chain_rule(*classes: str) -> Callable[[Rule], Rule]:
+    """Register `rule(model) -> Chain` for models of these classes, named "module.QualName"
+    (no import of the class needed); a subclass uses its nearest registered class's rule."""
+
+    def register(rule: Rule) -> Rule:
+        for c in classes:
+            _RULES[c] = rule
+        return rule
+
+    return register
+
+
+def chain_of(model: nn.Module, who: str = "this method") -> Chain:
+    """The model's chain; ConfigError naming `who` when its type has no rule."""
+    for cls in type(model).__mro__:
+        rule = _RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if rule is not None:
+            chain = rule(model)
+            if chain.segments:
+                return chain
+            break
+    known = ", ".join(sorted({c.rsplit(".", 1)[-1] for c in _RULES}))
+    raise ConfigError(f"{who} has no segment rule for model type {type(model).__name__}; "
+                      f"supported: {known} (memtrain/models: a chain rule beside the builder)")
+
+
+@chain_rule("torch.nn.modules.container.Sequential")
+def _sequential(model: nn.Module) -> Chain:
+    # Any nn.Sequential is a chain of its children.
+    return Chain([Segment(k, model, (k,)) for k, _ in model.named_children()])
