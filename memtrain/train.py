@@ -316,4 +316,5 @@ def _accounting(saved: measure.SavedBytes, tracker: measure.PeakTracker, model: 
         "mem_at_peak_optim_bytes": at["optim"],
         "mem_at_peak_act_bytes": at["act"],
         "mem_at_peak_other_bytes": at["buffers"] + at["other"],
+        **{f"mem_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()},
     }
