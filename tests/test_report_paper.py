@@ -39,6 +39,8 @@ def test_default_names_are_short():
     assert n.setting({"method": "pool", "method.kernel_size": 1.0, "method.targets": "conv"}) \
         == "pool compaction only conv"  # the name covers kernel_size only
     assert n.setting({"method": "prune", "method.prune_head": True}) == "prune head=true"
+    compile_ = {"method": "checkpoint", "method.strategy": "compile", "method.budget_fraction": .5}
+    assert n.setting(compile_) == "checkpoint compile amb=0.5"  # torch's budget, not b
     assert n.panel("mlp6", "fashion_mnist") == "MLP-6 / Fashion-MNIST"
     assert n.panel("mine", "data") == "mine / data"  # unknown names are kept
 

@@ -36,6 +36,9 @@ PARAMS = {
     "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
     "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
 }
+# A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
+# activation_memory_budget under strategy=compile, not the planner's budget.
+CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}
 # pool with kernel_size 1 pools nothing: only the exact add-ons (ReLU bit masks, max-pool
 # offsets) act.
 SETTINGS = ({"method": "pool", "kernel_size": 1, "name": "pool compaction only"},)
@@ -101,9 +104,13 @@ class Names:
         parts = [named[0] if named else str(row.get("method", ""))]
         covered = named[1] if named else set()
         skip = set(skip) | covered
+        context = {key: name for (col, value, key), name in CONTEXT_PARAMS.items()
+                   if fmt_value(row.get(f"method.{col}")) == value}
         for k, v in row.items():
             if isinstance(k, str) and k.startswith("method.") and k not in skip and not _isna(v):
-                parts.append(self.param(k.removeprefix("method."), v))
+                key = k.removeprefix("method.")
+                parts.append(f"{context[key]}={fmt_value(v)}" if key in context
+                             else self.param(key, v))
         return " ".join(parts)
 
     def relabel(self, label: str) -> str:

@@ -74,23 +74,24 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     for ax, (title, g) in zip(axes, ps):
         ok = ok_rows(g)
         pts = points(ax, ok, xcol, "test_acc", styles, title, xscale=xscale, yscale=0.01)
-        if pts:
-            idx = pareto_front(pd.Series([p["x"] for p in pts]), pd.Series([p["y"] for p in pts]))
+        idx = pareto_front(pd.Series([p["x"] for p in pts]), pd.Series([p["y"] for p in pts]))
+        if len(idx) > 1:  # a front of one point is no line
             ax.plot([pts[i]["x"] for i in idx], [pts[i]["y"] for i in idx], color="#999999",
                     drawstyle="steps-post", linestyle="--", linewidth=style.line_width(0.7),
                     zorder=1, label="_pareto")
-            for i, p in enumerate(pts):
-                p["pareto"] = i in idx
+        for i, p in enumerate(pts):
+            p["pareto"] = i in idx
         drawn += pts
         if rel:
             ax.axvline(1.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":",
                        zorder=0)
         skipped = [f"no baseline: {r.label}" for r in ok.itertuples()
                    if pd.isna(ok.at[r.Index, xcol])]
-        front = ax.plot([], [], color="#999999", linestyle="--", linewidth=style.line_width(0.7))
+        front = ax.plot([], [], color="#999999", linestyle="--",
+                        linewidth=style.line_width(0.7)) if len(idx) > 1 else []
         same = coincident(pts)
         note(ax, failed_lines(g) + skipped, (*front, *[_blank()] * len(same)),
-             ["Pareto front", *same])
+             ["Pareto front"] * len(front) + same)
         ax.set(title=title, xlabel=xlab, ylabel="test accuracy (%)")
     data = pd.DataFrame(drawn)
     finish(fig, styles, drawn_labels(data))
@@ -188,15 +189,16 @@ def curves(agg: pd.DataFrame, metrics: pd.DataFrame, names: Names = DEFAULT_NAME
             ax.fill_between(c["x"], y - e, y + e, color=st["color"], alpha=0.15, linewidth=0)
             drawn += [{"panel": title, "label": lb, "x": x, "y": v, "yerr": s, "n": n,
                        "axis": xname} for x, v, s, n in zip(c["x"], y, e, c["count"])]
-        no_curve = [f"no evaluation: {r.label} ({r.status})" for r in g.itertuples()
-                    if r.Index not in set(per["setting"]) and r.worst_status != "ok"]
+        has = set(per["setting"])
+        failed = [f"{'includes failed runs' if r.Index in has else 'no evaluation'}: {r.label} "
+                  f"({r.status})" for r in g.itertuples() if r.worst_status != "ok"]
         once = [lb for i, lb in g["label"].items()
                 if per.loc[per["setting"] == i, "final"].all() and (per["setting"] == i).any()]
         handles = [Line2D([], [], linestyle="none", color=styles[lb]["color"],
                           marker=styles[lb]["marker"], markersize=style.marker_size(0.6))
                    for lb in once]
         same = coincident([d for d in drawn if d["panel"] == title])
-        note(ax, no_curve, (*handles, *[_blank()] * len(same)),
+        note(ax, failed, (*handles, *[_blank()] * len(same)),
              [*(f"{lb}: evaluated after all phases" for lb in once), *same])
         ax.set(title=title, xlabel=xname, ylabel="test accuracy (%)")
         ax.xaxis.get_major_locator().set_params(integer=True)

@@ -120,24 +120,27 @@ def _budget_rows(agg: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     return strategies, is_b
 
 
-def _target_panel(ax, ok: pd.DataFrame, title: str, baseline: str) -> list[dict]:
-    """Measured activation peak (filled) and the planner's (hollow) against the budget (the
-    target, dashed diagonal), both relative to the baseline's activation peak."""
+def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: str
+                  ) -> list[dict]:
+    """Measured activation peak (filled) and the planner's (hollow, a size larger: a ring when
+    they agree) against the budget (the target, dashed diagonal), both relative to the
+    baseline's activation peak; `rows` are the budget settings, failed ones listed."""
+    ok = ok_rows(rows)
     color = style.method_color("checkpoint")
     lim = [0, max(1.05, *(ok[c].max() * 1.05 for c in ("mem_act_rel", "plan_peak_rel")
                           if c in ok and ok[c].notna().any()))]
     ax.plot(lim, lim, color="#888888", linestyle="--", linewidth=style.line_width(0.7), zorder=1)
     drawn = []
     for _, r in ok.sort_values(FRACTION).iterrows():
-        b = r[FRACTION]
+        b, marker = r[FRACTION], styles[r["label"]]["marker"]
         planned = r.get("plan_peak_rel")
         if planned is not None and pd.notna(planned):
-            ax.plot([b], [planned], linestyle="none", marker="o", zorder=3,
-                    markersize=style.marker_size(), **hollow({"color": color}))
-        ax.errorbar([b], [r["mem_act_rel"]], yerr=[r.get("mem_act_rel_std") or 0.0], fmt="o",
-                    color=color, markersize=style.marker_size(), markeredgecolor="white",
-                    markeredgewidth=0.4, elinewidth=style.line_width(0.6),
-                    capsize=style.marker_size(0.4), zorder=4)
+            ax.plot([b], [planned], linestyle="none", marker=marker, zorder=3,
+                    markersize=style.marker_size(1.6), **hollow({"color": color}))
+        ax.errorbar([b], [r["mem_act_rel"]], yerr=[r.get("mem_act_rel_std") or 0.0],
+                    fmt=marker, color=color, markersize=style.marker_size(),
+                    markeredgecolor="white", markeredgewidth=0.4,
+                    elinewidth=style.line_width(0.6), capsize=style.marker_size(0.4), zorder=4)
         drawn.append({"panel": title, "label": r["label"], "method": "checkpoint",
                       "x": b, "y": r["mem_act_rel"], "planned": planned, "target": b,
                       "kind": "target"})
@@ -145,12 +148,11 @@ def _target_panel(ax, ok: pd.DataFrame, title: str, baseline: str) -> list[dict]
            xlabel=f"budget (fraction of {baseline}'s activation peak)",
            ylabel=f"activation peak relative to {baseline}")
     h = (Line2D([], [], color="#888888", linestyle="--", linewidth=style.line_width(0.7)),
-         Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
+         Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(1.6),
                 **hollow({"color": color})),
          Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                 color=color, markeredgecolor="white"))
-    ax.legend(h, ["target (the budget)", "planned", "measured"], loc="upper left",
-              fontsize="x-small", frameon=True, framealpha=0.85, edgecolor="none")
+    note(ax, failed_lines(rows), h, ["target (the budget)", "planned", "measured"])
     return drawn
 
 
@@ -175,8 +177,9 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
             if mem.rel == "mem_act_rel" and pd.notna(r.get("plan_peak_rel")) and pd.notna(
                     r.get("plan_overhead_pct")):
                 ax.plot([r["plan_overhead_pct"]], [r["plan_peak_rel"]], linestyle="none",
-                        marker=styles[r["label"]]["marker"], markersize=style.marker_size(),
-                        zorder=3, label="_planned", **hollow({"color": color}))
+                        marker=styles[r["label"]]["marker"], zorder=3,
+                        markersize=style.marker_size(1.6), label="_planned",
+                        **hollow({"color": color}))
                 ax.plot([r["plan_overhead_pct"], r["overhead_pct"]],
                         [r["plan_peak_rel"], r[mem.rel]], color=color,
                         linewidth=style.line_width(0.4), linestyle=":", zorder=1,
@@ -208,18 +211,18 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                      overhead_pct_std=agg.get("step_time_rel_std", 0.0) * 100)
     styles = setting_styles(agg)
     ps = panels(agg[agg["model"].isin(agg.loc[is_b, "model"])], names)
-    planned = {title: ok_rows(g).loc[lambda d: is_b.loc[d.index]
-                                     & (strategies.loc[d.index] == "budget")] for title, g in ps}
-    two = any(len(p) for p in planned.values())
+    planned = {title: g[is_b.loc[g.index] & (strategies.loc[g.index] == "budget")]
+               for title, g in ps}
+    two = any(len(ok_rows(p)) for p in planned.values())
     look = style.current()
     fig, axes = plt.subplots(len(ps), 1 + two, figsize=((1 + two) * look.panel_w,
                                                         look.panel_h * len(ps)), squeeze=False)
     drawn = []
     for row, (title, g) in zip(axes, ps):
-        if two and planned[title].empty:
+        if two and ok_rows(planned[title]).empty:
             row[0].set_visible(False)
         elif two:
-            drawn += _target_panel(row[0], planned[title], title, baseline)
+            drawn += _target_panel(row[0], planned[title], styles, title, baseline)
         drawn += _overhead_panel(row[-1], g, strategies, is_b, mem, styles, title, baseline)
     data = pd.DataFrame(drawn)
     extra = ()
