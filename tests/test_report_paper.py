@@ -23,6 +23,11 @@ def _settings(folder, **kw):
     return analyse(raw, **kw)
 
 
+def _notes(fig) -> list[str]:
+    """Texts of the figure's legends (settings, then the notes under the panels)."""
+    return [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+
+
 def _by_label(settings):
     return settings.set_index("label")
 
@@ -143,7 +148,7 @@ def test_noisy_timing_is_flagged_in_table_figure_and_report(tmp_path):
     faces = {ln.get_label(): ln.get_markerfacecolor() for ln in ax.get_lines()
              if not ln.get_label().startswith("_")}
     assert faces["pool"] == "white" and faces["none"] != "white"
-    assert any("noisy" in x.get_text() for x in t.fig.legends[0].get_texts())
+    assert any("noisy" in x for x in _notes(t.fig))
     plots.plt.close(t.fig)
     make_report([r], tmp_path / "out", formats=["png"])
     md = (tmp_path / "out" / "report.md").read_text()
@@ -226,8 +231,7 @@ def test_budget_figure_shows_target_planned_and_measured(tmp_path):
     assert diag and np.allclose(diag[0].get_xdata(), diag[0].get_ydata())  # y = x: the target
     hollow = [ln for ln in target.get_lines() if ln.get_markerfacecolor() == "white"]
     assert sorted(ln.get_ydata()[0] for ln in hollow) == pytest.approx([0.48, 0.79])
-    cost = next(a for a in bud.fig.axes if a.get_title() == f"{PANEL}: cost")
-    assert any("error" in t.get_text() for t in cost.get_legend().get_texts())
+    assert "failed: checkpoint b=0.3 (error 1/1)" in _notes(bud.fig)
     plots.plt.close(bud.fig)
     # every budget run failed: no budget figure (the failures figure shows them)
     for d in ("a", "b"):
@@ -258,7 +262,7 @@ def test_composed_evaluation_is_placed_at_the_end_never_at_epoch_minus_one(tmp_p
     syn = c.data[c.data["label"] == "synthetic"]
     assert list(syn["x"]) == [3] and syn["y"].iloc[0] == pytest.approx(40.5)
     assert (c.data["x"] > 0).all() and set(c.data["axis"]) == {"epoch"}
-    assert any("after all phases" in t.get_text() for t in c.fig.axes[0].get_legend().get_texts())
+    assert "synthetic: evaluated after all phases" in _notes(c.fig)
     plots.plt.close(c.fig)
 
 
@@ -361,3 +365,20 @@ def test_callback_passes_style_and_names(tmp_path):
     ReportCallback(style="slide", names=names_cfg, formats=["png"]).on_multirun_end(cfg)
     assert set(pd.read_csv(r / "settings.csv")["label"]) == {"none", "Pool"}
     assert "## RN / CIFAR-10" in (r / "report.md").read_text()
+
+
+def test_notes_sit_under_the_panels_and_legend_hiding_no_data(tmp_path):
+    r = tmp_path / "runs"
+    for model in ("resnet18", "resmlp12"):
+        write_run(r / f"n{model}", model=model)
+        write_run(r / f"p{model}", model=model, method="pool", status="oom", test_acc=None)
+    runs, settings, _ = _settings(r)
+    p = plots.tradeoff(settings, style.memory_metric(runs))
+    renderer = p.fig.canvas.get_renderer()
+    legend, notes = (leg.get_window_extent(renderer) for leg in p.fig.legends)
+    lowest_axes = min(ax.get_tightbbox(renderer).y0 for ax in p.fig.axes)
+    assert notes.y1 <= legend.y0 + 1 and legend.y1 <= lowest_axes + 1  # pixels
+    assert all(ax.get_legend() is None for ax in p.fig.axes)
+    texts = _notes(p.fig)  # two panels: each note names its panel
+    assert f"{PANEL}: failed: pool (oom 1/1)" in texts
+    plots.plt.close(p.fig)

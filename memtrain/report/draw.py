@@ -1,5 +1,5 @@
-"""What every report figure shares: the Plot record, points with error bars, the in-panel note of
-settings a panel cannot show, the legend under the panels.
+"""What every report figure shares: the Plot record, points with error bars, the notes of
+settings a panel cannot show, the legends under the panels.
 
 Input of every figure is the seed-aggregated table (`tables.aggregate_seeds` after
 `add_baselines`): one row per setting, `<col>` the mean over seeds and `<col>_std` the standard
@@ -55,16 +55,39 @@ def coincident(drawn: list[dict], keys: tuple[str, ...] = ("x", "y")) -> list[st
     return [f"same values: {', '.join(g)}" for g in groups.values() if len(g) > 1]
 
 
-def note(ax, lines: list[str], handles: tuple = (), labels: tuple = ()) -> None:
-    """An in-panel legend (placed where no data is) with `handles` and the settings the panel
-    cannot show, in red: nothing is dropped silently."""
+def note(ax, lines: list[str], handles: tuple = (), labels: tuple = (),
+         panel: str | None = None) -> None:
+    """Record what a panel must say beside its data: `handles`/`labels` (e.g. the Pareto front,
+    settings drawn at the same place) and the settings it cannot show (`lines`, red): nothing is
+    dropped silently. `finish` draws them under the figure, where they hide no data."""
+    ax.memtrain_panel = panel or ax.get_title()
+    ax.memtrain_notes = [*zip(handles, labels, [False] * len(labels)),
+                         *((None, line, True) for line in lines)]
+
+
+def _notes_legend(fig, below) -> None:
+    """One legend of every panel's notes under `below` (a legend), prefixed by the panel when
+    the figure has several; failed settings in red."""
+    axes = [ax for ax in fig.axes if hasattr(ax, "memtrain_panel")]
+    several = len({ax.memtrain_panel for ax in axes}) > 1
     cross = Line2D([], [], linestyle="none", marker="x", color=FAILED_COLOR,
                    markersize=style.marker_size(0.75))
-    if lines or handles:
-        leg = ax.legend([*handles, *[cross] * len(lines)], [*labels, *lines], loc="best",
-                        frameon=True, framealpha=0.85, edgecolor="none", fontsize="x-small",
-                        handlelength=1.2)
-        for t in leg.get_texts()[len(handles):]:
+    entries: dict[str, tuple] = {}
+    for ax in axes:
+        for handle, text, red in getattr(ax, "memtrain_notes", []):
+            text = f"{ax.memtrain_panel}: {text}" if several else text
+            entries.setdefault(text, (cross if red else handle, red))
+    if not entries:
+        return
+    y = 0.0
+    if below is not None and not style.current().legend_right:
+        box = below.get_window_extent(fig.canvas.get_renderer())
+        y = box.transformed(fig.transFigure.inverted()).y0
+    leg = fig.legend([h for h, _ in entries.values()], list(entries), loc="upper center",
+                     bbox_to_anchor=(0.5, y), frameon=False, fontsize="small",
+                     handlelength=1.2)
+    for t, (_, red) in zip(leg.get_texts(), entries.values()):
+        if red:
             t.set_color(FAILED_COLOR)
 
 
@@ -108,6 +131,7 @@ def finish(fig, styles: dict, labels: list[str], extra: tuple = ()) -> None:
     """Tight layout, then the shared legend of the settings drawn (and `extra` entries)."""
     fig.tight_layout(pad=0.3, h_pad=1.2)
     style.shared_legend(fig, styles, labels, extra)
+    _notes_legend(fig, fig.legends[-1] if fig.legends else None)
 
 
 def drawn_labels(data: pd.DataFrame) -> list[str]:

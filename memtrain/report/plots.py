@@ -91,7 +91,7 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                         linewidth=style.line_width(0.7)) if len(idx) > 1 else []
         same = coincident(pts)
         note(ax, failed_lines(g) + skipped, (*front, *[_blank()] * len(same)),
-             ["Pareto front"] * len(front) + same)
+             ["Pareto front"] * len(front) + same, panel=title)
         ax.set(title=title, xlabel=xlab, ylabel="test accuracy (%)")
     data = pd.DataFrame(drawn)
     finish(fig, styles, drawn_labels(data))
@@ -119,7 +119,7 @@ def throughput(agg: pd.DataFrame, mem: Memory, names: Names = DEFAULT_NAMES) -> 
     for ax, (title, g) in zip(axes, ps):
         drawn += points(ax, ok_rows(g), mem.col, col, styles, title, xscale=div,
                         flag="timing_noisy")
-        note(ax, failed_lines(g))
+        note(ax, failed_lines(g), panel=title)
         ax.set(title=title, xlabel=mem.axis(unit=unit),
                ylabel="training throughput,\nend to end (samples/s)")
         ax.set_ylim(bottom=0)
@@ -199,7 +199,7 @@ def curves(agg: pd.DataFrame, metrics: pd.DataFrame, names: Names = DEFAULT_NAME
                    for lb in once]
         same = coincident([d for d in drawn if d["panel"] == title])
         note(ax, failed, (*handles, *[_blank()] * len(same)),
-             [*(f"{lb}: evaluated after all phases" for lb in once), *same])
+             [*(f"{lb}: evaluated after all phases" for lb in once), *same], panel=title)
         ax.set(title=title, xlabel=xname, ylabel="test accuracy (%)")
         ax.xaxis.get_major_locator().set_params(integer=True)
     data = pd.DataFrame(drawn)

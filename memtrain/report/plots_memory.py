@@ -152,7 +152,9 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
                 **hollow({"color": color})),
          Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                 color=color, markeredgecolor="white"))
-    note(ax, failed_lines(rows), h, ["target (the budget)", "planned", "measured"])
+    ax.legend(h, ["target (the budget)", "planned", "measured"], loc="upper left",
+              fontsize="x-small", frameon=True, framealpha=0.85, edgecolor="none")
+    note(ax, failed_lines(rows), panel=title)
     return drawn
 
 
@@ -184,7 +186,7 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
                         [r["plan_peak_rel"], r[mem.rel]], color=color,
                         linewidth=style.line_width(0.4), linestyle=":", zorder=1,
                         label="_planned to measured")
-    note(ax, failed_lines(g))
+    note(ax, failed_lines(g), panel=title)
     ax.axvline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":", zorder=0)
     ax.set(title=f"{title}: cost", xlabel=f"step-time overhead vs {baseline} (%)",
            ylabel=mem.axis(baseline))
