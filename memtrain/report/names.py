@@ -69,7 +69,8 @@ def fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _isna(v: Any) -> bool:
+def isna(v: Any) -> bool:
+    """None or NaN: a missing value of a summary column."""
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
@@ -107,7 +108,7 @@ class Names:
         context = {key: name for (col, value, key), name in CONTEXT_PARAMS.items()
                    if fmt_value(row.get(f"method.{col}")) == value}
         for k, v in row.items():
-            if isinstance(k, str) and k.startswith("method.") and k not in skip and not _isna(v):
+            if isinstance(k, str) and k.startswith("method.") and k not in skip and not isna(v):
                 key = k.removeprefix("method.")
                 parts.append(f"{context[key]}={fmt_value(v)}" if key in context
                              else self.param(key, v))

@@ -6,18 +6,8 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from memtrain.report import style
-from memtrain.report.draw import (
-    FAILED_COLOR,
-    Plot,
-    drawn_labels,
-    failed_lines,
-    finish,
-    hollow,
-    note,
-    ok_rows,
-    points,
-)
+from memtrain.report import draw, style
+from memtrain.report.draw import Plot
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names
 from memtrain.report.style import Memory, byte_unit, order_settings, panels, setting_styles
@@ -90,10 +80,10 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
         for yi, (_, r), h in zip(y, g.iterrows(), has):
             if not h:  # failed before the accounting step: nothing measured, said so
                 ax.text(0, yi, f" not measured ({r['status']})", va="center",
-                        fontsize="x-small", color=FAILED_COLOR)
+                        fontsize="x-small", color=draw.FAILED_COLOR)
             elif r["n_ok"] == 0:  # memory of the failed step, still shown, and said so
                 ax.text(left[r.name], yi, f" {r['status']}", va="center", fontsize="x-small",
-                        color=FAILED_COLOR)
+                        color=draw.FAILED_COLOR)
         ax.grid(axis="y", visible=False)
         ax.set(title=title, xlabel=f"memory {when}, {unit} ({_where(agg)})")
     fig.tight_layout(pad=0.3, h_pad=1.2)
@@ -125,7 +115,7 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
     """Measured activation peak (filled) and the planner's (hollow, a size larger: a ring when
     they agree) against the budget (the target, dashed diagonal), both relative to the
     baseline's activation peak; `rows` are the budget settings, failed ones listed."""
-    ok = ok_rows(rows)
+    ok = draw.ok_rows(rows)
     color = style.method_color("checkpoint")
     lim = [0, max(1.05, *(ok[c].max() * 1.05 for c in ("mem_act_rel", "plan_peak_rel")
                           if c in ok and ok[c].notna().any()))]
@@ -136,7 +126,7 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
         planned = r.get("plan_peak_rel")
         if planned is not None and pd.notna(planned):
             ax.plot([b], [planned], linestyle="none", marker=marker, zorder=3,
-                    markersize=style.marker_size(1.6), **hollow({"color": color}))
+                    markersize=style.marker_size(1.6), **draw.hollow({"color": color}))
         ax.errorbar([b], [r["mem_act_rel"]], yerr=[r.get("mem_act_rel_std") or 0.0],
                     fmt=marker, color=color, markersize=style.marker_size(),
                     markeredgecolor="white", markeredgewidth=0.4,
@@ -149,12 +139,12 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
            ylabel=f"activation peak relative to {baseline}")
     h = (Line2D([], [], color="#888888", linestyle="--", linewidth=style.line_width(0.7)),
          Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(1.6),
-                **hollow({"color": color})),
+                **draw.hollow({"color": color})),
          Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                 color=color, markeredgecolor="white"))
     ax.legend(h, ["target (the budget)", "planned", "measured"], loc="upper left",
               fontsize="x-small", frameon=True, framealpha=0.85, edgecolor="none")
-    note(ax, failed_lines(rows), panel=title)
+    draw.note(ax, draw.failed_lines(rows), panel=title)
     return drawn
 
 
@@ -162,8 +152,8 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
                     styles: dict, title: str, baseline: str) -> list[dict]:
     """Memory against step-time overhead: every setting a point, one line per strategy whose
     fraction means something, joined in fraction order, the planner's prediction hollow."""
-    ok = ok_rows(g)
-    drawn = points(ax, ok, "overhead_pct", mem.rel, styles, title)
+    ok = draw.ok_rows(g)
+    drawn = draw.points(ax, ok, "overhead_pct", mem.rel, styles, title)
     color = style.method_color("checkpoint")
     for strategy, tag in SERIES.items():  # the two fractions mean different things
         b = ok[is_b.loc[ok.index] & (strategies.loc[ok.index] == strategy)].sort_values(FRACTION)
@@ -181,12 +171,12 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
                 ax.plot([r["plan_overhead_pct"]], [r["plan_peak_rel"]], linestyle="none",
                         marker=styles[r["label"]]["marker"], zorder=3,
                         markersize=style.marker_size(1.6), label="_planned",
-                        **hollow({"color": color}))
+                        **draw.hollow({"color": color}))
                 ax.plot([r["plan_overhead_pct"], r["overhead_pct"]],
                         [r["plan_peak_rel"], r[mem.rel]], color=color,
                         linewidth=style.line_width(0.4), linestyle=":", zorder=1,
                         label="_planned to measured")
-    note(ax, failed_lines(g), panel=title)
+    draw.note(ax, draw.failed_lines(g), panel=title)
     ax.axvline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":", zorder=0)
     ax.set(title=f"{title}: cost", xlabel=f"step-time overhead vs {baseline} (%)",
            ylabel=mem.axis(baseline))
@@ -215,13 +205,13 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     ps = panels(agg[agg["model"].isin(agg.loc[is_b, "model"])], names)
     planned = {title: g[is_b.loc[g.index] & (strategies.loc[g.index] == "budget")]
                for title, g in ps}
-    two = any(len(ok_rows(p)) for p in planned.values())
+    two = any(len(draw.ok_rows(p)) for p in planned.values())
     look = style.current()
     fig, axes = plt.subplots(len(ps), 1 + two, figsize=((1 + two) * look.panel_w,
                                                         look.panel_h * len(ps)), squeeze=False)
     drawn = []
     for row, (title, g) in zip(axes, ps):
-        if two and ok_rows(planned[title]).empty:
+        if two and draw.ok_rows(planned[title]).empty:
             row[0].set_visible(False)
         elif two:
             drawn += _target_panel(row[0], planned[title], styles, title, baseline)
@@ -230,7 +220,7 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     extra = ()
     if "planned" in data and data["planned"].notna().any():
         h = Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
-                   **hollow({"color": "#666666"}))
+                   **draw.hollow({"color": "#666666"}))
         extra = ((h, "hollow: the planner's prediction"),)
-    finish(fig, styles, drawn_labels(data), extra)
+    draw.finish(fig, styles, draw.drawn_labels(data), extra)
     return Plot("budget", fig, data)

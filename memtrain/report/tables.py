@@ -16,7 +16,7 @@ import pandas as pd
 
 from memtrain.record import DRIVING_OPTIONS, SKIPPED
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
-from memtrain.report.names import Names, fmt_value
+from memtrain.report.names import Names, fmt_value, isna
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,6 @@ def load_metrics(run_dirs: Iterable[str | os.PathLike]) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------- labels
-
-
-def _isna(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
 def method_label(row: pd.Series, skip: Iterable[str] = (), names: Names = DEFAULT_NAMES) -> str:
@@ -247,7 +243,7 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
         df[col] = math.nan
     df["baseline_run_dir"] = None
     for i, row in df.iterrows():
-        if not ok[i] and all(_isna(row.get(c)) for c in RATIOS):
+        if not ok[i] and all(isna(row.get(c)) for c in RATIOS):
             continue  # nothing measured (e.g. refused before training): nothing to relate
         cand = base.loc[[i]] if ok[i] else groups.get(_key(row, match))
         if cand is not None and not ok[i]:
@@ -284,7 +280,7 @@ DEVICE_KEYS = ("device", "mem_peak_source")
 
 def _device_key(row: pd.Series) -> tuple[str, str]:
     kind = row.get("device")
-    kind = None if _isna(kind) else str(kind).split(":")[0]
+    kind = None if isna(kind) else str(kind).split(":")[0]
     return fmt_value(kind), fmt_value(row.get("mem_peak_source"))
 
 
