@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.record import DRIVING_OPTIONS, SKIPPED
+from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names, fmt_value, isna
 
@@ -25,7 +25,7 @@ METRICS = "metrics.csv"
 
 # The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI.
 CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
-CHOICES = ("method", "model", "dataset", "optim", "trainer", "experiment")
+CHOICES = GROUPS
 SEED = "trainer.seed"
 # A run's baseline: the `none` run that differs from it only in the method (the documented rule).
 DEFAULT_BASELINE = "method=none"
