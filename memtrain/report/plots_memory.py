@@ -81,8 +81,9 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
             if not h:  # failed before the accounting step: nothing measured, said so
                 ax.text(0, yi, f" not measured ({r['status']})", va="center",
                         fontsize="x-small", color=draw.FAILED_COLOR)
-            elif r["n_ok"] == 0:  # memory of the failed step, still shown, and said so
-                ax.text(left[r.name], yi, f" {r['status']}", va="center", fontsize="x-small",
+            elif r["worst_status"] != "ok":  # the failed step's memory, or the ok runs' mean
+                lost = f" {r['status']}" if r["n_ok"] == 0 else f" mean of ok runs ({r['status']})"
+                ax.text(left[r.name], yi, lost, va="center", fontsize="x-small",
                         color=draw.FAILED_COLOR)
         ax.grid(axis="y", visible=False)
         ax.set(title=title, xlabel=f"memory {when}, {unit} ({_where(agg)})")
