@@ -133,3 +133,29 @@ def test_report_md_names_where_the_peaks_came_from(tmp_path, sources, said):
     assert ("mixed" in md) == (said == "mixed")  # one source: the word never appears
     none = next(ln for ln in md.splitlines() if ln.startswith("| none |")).split(" | ")
     assert none[2] == "2.00"  # fixed precision: GiB with two decimals below 10
+
+
+def test_seeds_timed_under_different_load_are_flagged_noisy(tmp_path):
+    """Each run steady (p90 = 1.1 x median) but none's two seeds 2x apart: the load changed
+    between runs, so its times are flagged in the table, report.md and the budget's cost panel;
+    seeds 1.4x apart are not."""
+    r = tmp_path / "runs"
+    for seed, t in ((0, 0.1), (1, 0.2)):
+        write_run(r / f"n{seed}", seed=seed, step_time=t, throughput=128 / t,
+                  extra={"step_time_s_p90": 1.1 * t})
+    for seed, t in ((0, 0.1), (1, 0.14)):
+        write_run(r / f"c{seed}", method="checkpoint", seed=seed, step_time=t,
+                  throughput=128 / t, act=25 * MiB, extra={"step_time_s_p90": 1.1 * t},
+                  params={"strategy": "budget", "budget_fraction": 0.5})
+    runs, settings, _ = analyse(tables.load_runs([r])[0])
+    assert not runs["timing_noisy"].any()  # no run is noisy within itself
+    noisy = dict(zip(settings["label"], settings["timing_noisy"]))
+    assert noisy == {"none": True, "checkpoint": False}
+    bud = plots.budget(settings, style.memory_metric(runs))
+    assert any(t.endswith("noisy timing: none") for t in _texts(bud.fig))
+    assert not any("noisy timing: checkpoint" in t for t in _texts(bud.fig))
+    plots.plt.close(bud.fig)
+    make_report([r], tmp_path / "out", formats=["png"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "†" in next(ln for ln in md.splitlines() if ln.startswith("| none |"))
+    assert "seeds' step times that far apart" in md

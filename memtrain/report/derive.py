@@ -67,6 +67,14 @@ def end_to_end(row: pd.Series, names: list[str]) -> dict[str, float]:
             "steps_e2e": samples / batch if batch > 0 else math.nan, "timing_noise": noise}
 
 
+def spread_noisy(step_times: pd.Series) -> bool:
+    """Seeds of one setting whose step times lie more than NOISY_P90_OVER_MEDIAN apart: the
+    machine's load changed between runs (each run may be steady within itself), so comparing
+    their times with another setting's compares loads, not methods."""
+    t = pd.to_numeric(step_times, errors="coerce").dropna()
+    return len(t) > 1 and t.min() > 0 and t.max() / t.min() > NOISY_P90_OVER_MEDIAN
+
+
 def first_line(text) -> str:
     """The first non-empty line of an error message (the rest is a traceback or detail)."""
     if text is None or (isinstance(text, float) and math.isnan(text)):

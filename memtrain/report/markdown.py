@@ -127,7 +127,8 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         "- Throughput: samples/s of the timed steps, end to end for methods that train in "
         "phases (every phase's steps; `throughput_e2e_samples_s`). "
         f"{NOISY}: step times were noisy (p90 above {derive.NOISY_P90_OVER_MEDIAN:g}× the "
-        "median in a run).",
+        "median in a run, or the seeds' step times that far apart: the load changed between "
+        "runs), so ratios of times are not to be trusted.",
     ]
     if peak_src != "CUDA" and mem.col != "mem_peak_alloc_bytes":
         parts.append("- On the CPU there is no CUDA peak: the peak is the live-tensor tracker's, "

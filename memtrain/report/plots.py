@@ -128,7 +128,8 @@ def throughput(agg: pd.DataFrame, mem: Memory, names: Names = DEFAULT_NAMES) -> 
     if "timing_noisy" in data and data["timing_noisy"].any():
         h = Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                    **{k: v for k, v in hollow({"color": "#666666"}).items()})
-        extra = ((h, f"hollow: noisy timing (p90 > {derive.NOISY_P90_OVER_MEDIAN:g}× median)"),)
+        k = f"{derive.NOISY_P90_OVER_MEDIAN:g}×"
+        extra = ((h, f"hollow: noisy timing (p90 > {k} median, or seeds {k} apart)"),)
     finish(fig, styles, drawn_labels(data), extra)
     return Plot("throughput", fig, data)
 

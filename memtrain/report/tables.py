@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
+from memtrain.report import derive
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names, fmt_value, isna
 
@@ -315,7 +316,8 @@ def status_summary(statuses: pd.Series) -> str:
 def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                     names: Names = DEFAULT_NAMES) -> pd.DataFrame:
     """One row per setting (every config column but the seed): `n_runs`, `n_ok`, `status`
-    (see status_summary), `worst_status`, `timing_noisy` (any ok run's), `error_short` (the most
+    (see status_summary), `worst_status`, `timing_noisy` (any ok run's, or its seeds' step times
+    more than 1.5x apart: derive.spread_noisy), `error_short` (the most
     common reason among the failed runs), and for each numeric column its mean (same name) and
     standard deviation (`<name>_std`, ddof=1, NaN for one seed) over the runs that ended ok."""
     if df.empty:
@@ -334,7 +336,8 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                    seeds=",".join(sorted(g[seed].map(fmt_value))) if seed in g else "",
                    mem_peak_source=_sources(ok if len(ok) else g),
                    run_dirs=";".join(g["run_dir"].astype(str)) if "run_dir" in g else "",
-                   timing_noisy=bool(ok.get("timing_noisy", pd.Series(dtype=bool)).any()),
+                   timing_noisy=bool(ok.get("timing_noisy", pd.Series(dtype=bool)).any())
+                   or derive.spread_noisy(ok.get("step_time_e2e_s", pd.Series(dtype=float))),
                    error_short=_common(g.drop(ok.index).get("error_short")))
         for c in numeric:
             vals = ok[c].astype(float)
