@@ -20,7 +20,7 @@ BREAKDOWN_COLORS = ("#4c72b0", "#8da0cb", "#a6d854", "#fc8d62", "#d9d9d9")
 # The moment of the step a breakdown is taken at, best first: the activation peak is where
 # methods differ (the total peak of a small model is its optimizer step, the same for all).
 MOMENTS = (("mem_at_act_peak", "at the activation peak",
-            "other (buffers, the batch, backward temporaries)"),
+            "other (buffers, the batch,\nbackward temporaries)"),
            ("mem_at_peak", "at the peak of the step", "other (buffers, the batch)"))
 
 
@@ -86,7 +86,7 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
                 ax.text(left[r.name], yi, lost, va="center", fontsize="x-small",
                         color=draw.FAILED_COLOR)
         ax.grid(axis="y", visible=False)
-        ax.set(title=title, xlabel=f"memory {when}, {unit} ({_where(agg)})")
+        ax.set(title=title, xlabel=f"memory {when}, {unit}\n({_where(agg)})")
     fig.tight_layout(pad=0.3, h_pad=1.2)
     handles, labels = axes[0].get_legend_handles_labels()
     order = [labels.index(k) for k in (*kinds, "peak of the step") if k in labels]
