@@ -129,7 +129,7 @@ def throughput(agg: pd.DataFrame, mem: Memory, names: Names = DEFAULT_NAMES) -> 
         h = Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                    **{k: v for k, v in hollow({"color": "#666666"}).items()})
         k = f"{derive.NOISY_P90_OVER_MEDIAN:g}×"
-        extra = ((h, f"hollow: noisy timing (p90 > {k} median, or seeds {k} apart)"),)
+        extra = ((h, f"hollow: noisy timing (p90 > {k} median,\nor seeds {k} apart)"),)
     finish(fig, styles, drawn_labels(data), extra)
     return Plot("throughput", fig, data)
 

@@ -177,8 +177,9 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
                         [r["plan_peak_rel"], r[mem.rel]], color=color,
                         linewidth=style.line_width(0.4), linestyle=":", zorder=1,
                         label="_planned to measured")
-    noisy = [f"noisy timing: {r.label}" for r in ok.itertuples()
-             if draw.is_true(getattr(r, "timing_noisy", None))]
+    noisy = [f"noisy timing: {r.label}" + (", the baseline of every overhead here"
+                                             if r.label == baseline else "")
+             for r in ok.itertuples() if draw.is_true(getattr(r, "timing_noisy", None))]
     draw.note(ax, draw.failed_lines(g), (Line2D([], [], linestyle="none"),) * len(noisy), noisy,
               panel=title)
     ax.axvline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":", zorder=0)
