@@ -81,6 +81,7 @@ def estimate_peak(make_model: Callable[[], nn.Module],
         "mem_estimate_device": dev.type,
     }
     out.update({f"mem_estimate_at_peak_{k}_bytes": v for k, v in tracker.at_peak.items()})
+    out.update({f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()})
     return out
 
 

@@ -99,6 +99,8 @@ class PeakTracker:
     activations are the tensors made by module forwards, including forwards that a checkpointed
     segment re-runs during backward (MemTracker files those as activations too), so whatever
     recomputation brings back is counted. Backward temporaries (activation gradients) are not.
+    `at_act_peak`: the breakdown at the moment of that activation peak (params, grads, optim,
+    act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
 
     def __init__(self, *external):
@@ -108,6 +110,7 @@ class PeakTracker:
         self._mt = MemTracker()
         self._mt.track_external(*external)
         self.act_peak_bytes = 0
+        self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
         orig = self._mt._update_peak_stats
 
         # MemTracker keeps a breakdown at the total peak only; the peak of the activation part
@@ -115,7 +118,8 @@ class PeakTracker:
         def update(state):
             orig(state)
             for snap in self._mt._curr_mem_snap.values():
-                self.act_peak_bytes = max(self.act_peak_bytes, snap.get(_MemRefType.ACT, 0))
+                if snap.get(_MemRefType.ACT, 0) > self.act_peak_bytes:  # keep that moment too
+                    self.act_peak_bytes, self._act_snap = snap[_MemRefType.ACT], dict(snap)
 
         self._mt._update_peak_stats = update
 
@@ -139,6 +143,11 @@ class PeakTracker:
             "act": snap.get(T.ACT, 0) + snap.get(T.TEMP, 0),
             "other": snap.get(T.OTH, 0),
         }
+        # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
+        a = self._act_snap
+        self.at_act_peak = {"params": a.get(T.PARAM, 0), "grads": a.get(T.GRAD, 0),
+                            "optim": a.get(T.OPT, 0), "act": a.get(T.ACT, 0),
+                            "other": sum(a.get(k, 0) for k in (T.BUFFER, T.OTH, T.TEMP))}
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -322,6 +331,7 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
         "mem_at_peak_optim_bytes": at["optim"],
         "mem_at_peak_act_bytes": at["act"],
         "mem_at_peak_other_bytes": at["buffers"] + at["other"],
+        **{f"mem_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()},
     }
 
 

@@ -18,9 +18,12 @@ def write_run(folder: Path, *, method: str = "none", model: str = "resnet18",
               throughput: float = 1000.0, step_time: float | None = None,
               test_acc: float | None = 0.9, accs: list[float] | None = None,
               at_peak: dict[str, float] | None = None, source: str = "tracker",
+              at_act_peak: dict[str, float] | None = None,
               batch_size: int = 128, precision: str = "fp32", params: dict | None = None,
               extra: dict | None = None) -> Path:
-    """One run folder with a summary.json (and a metrics.csv when `accs` is given)."""
+    """One run folder with a summary.json (and a metrics.csv when `accs` is given; the breakdown
+    at the activation peak only when `at_act_peak` is given, as in summaries written before
+    the trainer recorded it)."""
     folder.mkdir(parents=True, exist_ok=True)
     at_peak = at_peak or {"params": peak * 0.2, "grads": peak * 0.2, "optim": peak * 0.2,
                           "act": peak * 0.3, "other": peak * 0.1}
@@ -33,6 +36,7 @@ def write_run(folder: Path, *, method: str = "none", model: str = "resnet18",
         "mem_params_bytes": at_peak["params"], "mem_grads_bytes": at_peak["grads"],
         "mem_optim_bytes": at_peak["optim"],
         **{f"mem_at_peak_{k}_bytes": v for k, v in at_peak.items()},
+        **{f"mem_at_act_peak_{k}_bytes": v for k, v in (at_act_peak or {}).items()},
         "throughput_samples_s": throughput,
         "step_time_s_median": step_time if step_time is not None else batch_size / throughput,
         "test_acc": test_acc, "test_acc5": None if test_acc is None else min(1.0, test_acc + .05),

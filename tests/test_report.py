@@ -16,8 +16,14 @@ from report_fixtures import MiB, fabricate_study, write_run
 from memtrain.report import plots, style, tables
 from memtrain.report.build import analyse, make_report
 from memtrain.report.cli import main as report_main
+from memtrain.report.names import DEFAULT as NAMES
 
 FIGURES = ("tradeoff", "breakdown", "throughput", "curves", "budget", "failures")
+RESNET, RESMLP = NAMES.panel("resnet18", "cifar10"), NAMES.panel("resmlp12", "cifar10")
+
+
+def _panel(fig, title):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
 
 
 @pytest.fixture
@@ -109,8 +115,7 @@ def test_labels_name_what_varies(tmp_path):
     write_run(r / "n1", extra={"optim.lr": 0.1})
     write_run(r / "n2", extra={"optim.lr": 0.2})
     _, settings, _ = _runs(r)
-    assert set(settings["label"]) == {"pool kernel_size=2", "pool kernel_size=4",
-                                      "none lr=0.1", "none lr=0.2"}
+    assert set(settings["label"]) == {"pool k=2", "pool k=4", "none lr=0.1", "none lr=0.2"}
     assert tables.constant_params(settings) == {"pool": {"method.mode": "upsample"}}
 
 
@@ -138,8 +143,10 @@ def test_figures_plot_the_table(study):
     root, runs, settings = study
     mem = style.memory_metric(runs)
     assert mem.col == "mem_peak_act_bytes" and "CPU, no CUDA peak" in mem.axis("none")
-    by = settings.set_index(["model", "label"])
+    by = settings.assign(panel=[NAMES.panel(m, "cifar10") for m in settings["model"]]
+                         ).set_index(["panel", "label"])
     p = plots.tradeoff(settings, mem)
+    assert {ax.get_title() for ax in p.fig.axes} == {RESNET, RESMLP}  # model and dataset
     for ax in p.fig.axes:
         for ln in ax.get_lines():
             if ln.get_label().startswith("_") or ln.get_label() == "Pareto front":
@@ -149,28 +156,29 @@ def test_figures_plot_the_table(study):
             assert x == pytest.approx(row["mem_act_rel"])
             assert y == pytest.approx(row["test_acc"] * 100)
     # the diverged setting is not a point: it is listed in the panel
-    resmlp = next(ax for ax in p.fig.axes if ax.get_title() == "resmlp12")
-    assert "prune sparsity=0.9" not in [ln.get_label() for ln in resmlp.get_lines()]
-    assert any("diverged" in t.get_text() for t in resmlp.get_legend().get_texts())
+    resmlp = _panel(p.fig, RESMLP)
+    assert "prune s=0.9" not in [ln.get_label() for ln in resmlp.get_lines()]
+    notes = [t.get_text() for leg in p.fig.legends for t in leg.get_texts()]
+    assert f"{RESMLP}: failed: prune s=0.9 (diverged 2/2)" in notes  # listed under the panels
     assert len(p.data) == (settings["n_ok"] > 0).sum()
 
     t = plots.throughput(settings, mem)
-    ax = next(a for a in t.fig.axes if a.get_title() == "resnet18")
-    x, y = _series(ax, "pool kernel_size=2")
-    row = by.loc[("resnet18", "pool kernel_size=2")]
+    ax = _panel(t.fig, RESNET)
+    x, y = _series(ax, "pool k=2")
+    row = by.loc[(RESNET, "pool k=2")]
     assert y == pytest.approx(row["throughput_samples_s"])
     assert x == pytest.approx(row[mem.col] / MiB)
 
     b = plots.breakdown(settings)
-    ax = next(a for a in b.fig.axes if a.get_title() == "resnet18")
+    ax = _panel(b.fig, RESNET)
     widths = sum(patch.get_width() for patch in ax.patches)
     peaks = settings.loc[settings["model"] == "resnet18", "mem_peak_alloc_bytes"].sum() / MiB
     assert widths == pytest.approx(peaks)  # the stacked parts add up to each peak
 
     bud = plots.budget(settings, mem)
-    ax = next(a for a in bud.fig.axes if a.get_title() == "resnet18")
+    ax = _panel(bud.fig, RESNET + ": cost")
     (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "_budget"]
-    ck = by.loc["resnet18"].loc[lambda d: d["method"] == "checkpoint"].sort_values(
+    ck = by.loc[RESNET].loc[lambda d: d["method"] == "checkpoint"].sort_values(
         "method.budget_fraction")
     np.testing.assert_allclose(curve.get_xdata(), (ck["step_time_rel"] - 1) * 100)
     np.testing.assert_allclose(curve.get_ydata(), ck["mem_act_rel"])
@@ -181,7 +189,7 @@ def test_figures_plot_the_table(study):
 def test_learning_curves_average_seeds(study):
     root, runs, settings = study
     c = plots.curves(settings, tables.load_metrics(runs["run_dir"]))
-    ax = next(a for a in c.fig.axes if a.get_title() == "resnet18")
+    ax = _panel(c.fig, RESNET)
     (line,) = [ln for ln in ax.get_lines() if ln.get_label() == "none"]
     none = runs[(runs["model"] == "resnet18") & (runs["method"] == "none")]
     m = tables.load_metrics(none["run_dir"]).query("split == 'test' and name == 'acc'")
@@ -201,11 +209,11 @@ def test_report_writes_every_figure_and_marks_failures(study, tmp_path):
         drawn = pd.read_csv(tmp_path / "out" / "figures" / f"{name}.csv")
         assert len(drawn) > 0
     fail = pd.read_csv(tmp_path / "out" / "figures" / "failures.csv").set_index(["panel", "label"])
-    assert fail.loc[("resmlp12", "prune sparsity=0.9"), "status"] == "diverged 2/2"
-    assert fail.loc[("resnet18", "pool kernel_size=4"), "text"] == "ok 2/2"
+    assert fail.loc[(RESMLP, "prune s=0.9"), "status"] == "diverged 2/2"
+    assert fail.loc[(RESNET, "pool k=4"), "text"] == "ok 2/2"
     assert len(fail) == len(settings)  # every setting is on the map, failed or not
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "## resnet18 / cifar10" in md and "diverged 2/2" in md
+    assert f"## {RESNET}" in md and "diverged 2/2" in md
     assert "pool: mode=upsample" in md and "checkpoint: strategy=budget" in md
     csv = pd.read_csv(tmp_path / "out" / "summary.csv")
     pq = pd.read_parquet(tmp_path / "out" / "summary.parquet")
@@ -290,7 +298,7 @@ def test_budget_figure_draws_one_series_per_strategy(study):
     strategy = pd.Series("budget", index=settings.index).where(ck)
     agg = pd.concat([settings.assign(**{"method.strategy": strategy}), comp], ignore_index=True)
     bud = plots.budget(agg, style.memory_metric(agg))
-    ax = next(a for a in bud.fig.axes if a.get_title() == "resnet18")
+    ax = _panel(bud.fig, RESNET + ": cost")
     lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in ("_budget",
                                                                                "_compile")}
     assert set(lines) == {"_budget", "_compile"}  # never one curve through both

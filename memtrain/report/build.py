@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
-from memtrain.report import markdown, tables
+from memtrain.report import derive, markdown, tables
+from memtrain.report.names import DEFAULT as DEFAULT_NAMES
+from memtrain.report.names import Names
 
 log = logging.getLogger(__name__)
 
@@ -45,54 +47,65 @@ def to_parquet(df: pd.DataFrame, path: Path) -> None:
 
 
 def analyse(runs: pd.DataFrame, baseline: str = tables.DEFAULT_BASELINE,
-            match: Sequence[str] = tables.DEFAULT_MATCH) -> tuple[pd.DataFrame, pd.DataFrame,
-                                                                   list[str]]:
-    """(runs with baseline columns and labels, settings aggregated over seeds, warnings)."""
-    runs, warnings = tables.add_baselines(runs, baseline, match)
-    runs = tables.add_labels(runs)
-    return runs, tables.aggregate_seeds(runs), warnings
+            match: Sequence[str] = tables.DEFAULT_MATCH, names: Names = DEFAULT_NAMES
+            ) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """(runs with derived and baseline columns and labels, settings aggregated over seeds,
+    warnings)."""
+    runs, warnings = tables.add_baselines(derive.add_columns(runs), baseline, match)
+    runs = tables.add_labels(runs, names=names)
+    return runs, tables.aggregate_seeds(runs, names=names), warnings
 
 
 def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None = None, *,
                 baseline: str = tables.DEFAULT_BASELINE,
                 match: Sequence[str] = tables.DEFAULT_MATCH,
                 formats: Sequence[str] = ("png", "pdf"), memory: str = "auto",
-                figures: bool = True) -> Report:
+                figures: bool = True, style: str = "paper",
+                names: Names | Mapping | str | os.PathLike | None = None,
+                labels: Mapping[str, str] | None = None) -> Report:
     """Load every run below `dirs` and write summary.csv, summary.parquet, settings.csv,
     report.md and figures/ into `out` (default: the first folder).
+
+    `style`: paper (a column of a two-column paper) or slide; `names`: display names (a mapping
+    or a YAML file, see report/names.py) and `labels` (label as drawn -> another) over them.
 
     Raises:
         FileNotFoundError: a folder does not exist.
         ValueError: no run below the folders, or a bad option.
     """
     from memtrain.record import atomic_write
-    from memtrain.report import plots, style
+    from memtrain.report import names as names_mod
+    from memtrain.report import plots
+    from memtrain.report import style as style_mod
 
     dirs = [Path(d) for d in dirs]
-    mem_choice = memory
     tables.parse_baseline(baseline)
-    if mem_choice not in style.MEMORY_CHOICES:
-        raise ValueError(f"--memory must be one of {', '.join(style.MEMORY_CHOICES)}, "
-                         f"got {mem_choice!r}")
+    if memory not in style_mod.MEMORY_CHOICES:
+        raise ValueError(f"--memory must be one of {', '.join(style_mod.MEMORY_CHOICES)}, "
+                         f"got {memory!r}")
+    if style not in style_mod.LOOKS:
+        raise ValueError(f"--style must be one of {', '.join(style_mod.LOOKS)}, got {style!r}")
+    disp = names_mod.load(names, labels)
     raw, skipped = tables.load_runs(dirs)
     if raw.empty:
         raise ValueError(f"no run folders (with summary.json) below {', '.join(map(str, dirs))}")
     out = Path(out or dirs[0])
     out.mkdir(parents=True, exist_ok=True)
-    runs, settings, warnings = analyse(raw, baseline, match)
+    runs, settings, warnings = analyse(raw, baseline, match, disp)
     rep = Report(runs, settings, out, skipped, warnings)
     atomic_write(out / "summary.csv", runs.to_csv(index=False))
     to_parquet(runs, out / "summary.parquet")
     atomic_write(out / "settings.csv", settings.to_csv(index=False))
-    mem = style.memory_metric(runs, mem_choice)
+    mem = style_mod.memory_metric(runs, memory)
     if figures:
         metrics = tables.load_metrics(runs["run_dir"])
         base_name = tables.parse_baseline(baseline).get("method", baseline)
-        made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name)
-        for p in made:
-            rep.figures[p.name] = plots.save(p, out / "figures", formats)
+        with style_mod.using(style):
+            made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name, disp)
+            for p in made:
+                rep.figures[p.name] = plots.save(p, out / "figures", formats)
     text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=dirs,
                            n_runs=len(runs), skipped=skipped, warnings=warnings,
-                           figures=rep.figures, not_drawn=rep.not_drawn, out=out)
+                           figures=rep.figures, not_drawn=rep.not_drawn, out=out, names=disp)
     atomic_write(out / "report.md", text)
     return rep

@@ -16,15 +16,24 @@ from hydra.experimental.callback import Callback
 log = logging.getLogger("memtrain.report")
 
 
+def _plain(node: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+
+
 class ReportCallback(Callback):
     """Runs `make_report(sweep dir)` in on_multirun_end; the keyword arguments are its options
     (see `memtrain-report --help`)."""
 
     def __init__(self, enabled: bool = True, baseline: str = "method=none",
                  match: list[str] | None = None, formats: list[str] | None = None,
-                 memory: str = "auto") -> None:
+                 memory: str = "auto", style: str = "paper",
+                 names: Any = None) -> None:
         self.enabled = enabled
-        self.options = {"baseline": baseline, "memory": memory}
+        self.options = {"baseline": baseline, "memory": memory, "style": style}
+        if names:  # a YAML file or a mapping (report/names.py); OmegaConf nodes become dicts
+            self.options["names"] = names if isinstance(names, str) else _plain(names)
         if match:
             self.options["match"] = list(match)
         self.options["formats"] = list(formats or ("png", "pdf"))

@@ -11,6 +11,37 @@ import pandas as pd
 
 from memtrain.report import tables
 
+# The terminal table: the few columns that fit a line.
+COMPACT = {
+    "model": "model",
+    "dataset": "dataset",
+    "trainer.batch_size": "batch",
+    "status": "status",
+    "mem_peak_alloc_bytes": "peak_MiB",
+    "mem_peak_source": "source",
+    "mem_act_saved_bytes": "act_saved_MiB",
+    "mem_peak_rel": "peak_rel",
+    "mem_saved_rel": "saved_rel",
+    "mem_act_rel": "act_peak_rel",
+    "throughput_e2e_samples_s": "samples_s",  # end to end (derive.py)
+    "test_acc": "test_acc",
+}
+
+
+def compact(df: pd.DataFrame) -> pd.DataFrame:
+    """The few columns a terminal table shows, memory in MiB."""
+    if df.empty:
+        return df
+    out = pd.DataFrame(index=df.index)
+    out["method"] = df["label"] if "label" in df else df["method"]
+    for col, name in COMPACT.items():
+        if col not in df:
+            continue
+        v = df[col]
+        out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if name.endswith("MiB") else v
+    sort = [c for c in ("model", "dataset", "method") if c in out]
+    return out.sort_values(sort).reset_index(drop=True)
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="memtrain-report", description=__doc__)
@@ -27,14 +58,28 @@ def parser() -> argparse.ArgumentParser:
                     help="memory the figures plot: auto = the CUDA peak where every run has "
                          "one, else activation memory (CPU); peak, act (saved + recomputed "
                          "activations), saved (saved for backward)")
+    ap.add_argument("--style", default="paper", choices=("paper", "slide"),
+                    help="figure look: paper (a 3.3 in column, 7 pt text) or slide (6 in "
+                         "panels, 14 pt text) (default: %(default)s)")
+    ap.add_argument("--names", metavar="FILE.yaml",
+                    help="display names: short parameter names, named settings, label renames, "
+                         "model and dataset names (see the README)")
+    ap.add_argument("--label", action="append", default=[], metavar="LABEL:NAME",
+                    help="draw the setting labelled LABEL as NAME (repeatable)")
     ap.add_argument("--no-figures", action="store_true", help="tables and report.md only")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from memtrain.report import names
     from memtrain.report.build import make_report
 
     args = parser().parse_args(argv)
+    try:  # a bad names file or --label is bad input: one line, exit 2, before any work
+        disp = names.load(args.names, dict(names.parse_label(x) for x in args.label))
+    except ValueError as e:
+        print(f"memtrain-report: error: {e}", file=sys.stderr)
+        return 2
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"memtrain-report: error: --out {args.out} is a file, not a folder", file=sys.stderr)
         return 2
@@ -42,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         rep = make_report(args.dirs, args.out, baseline=args.baseline,
                           match=[k.strip() for k in args.match.split(",") if k.strip()],
                           formats=[f.strip() for f in args.format.split(",") if f.strip()],
-                          memory=args.memory, figures=not args.no_figures)
+                          memory=args.memory, figures=not args.no_figures, style=args.style,
+                          names=disp)
     except FileNotFoundError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 2
@@ -58,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memtrain-report: warning: {w}", file=sys.stderr)
     with pd.option_context("display.max_rows", 200, "display.width", 200,
                            "display.max_columns", 20, "display.float_format", "{:.4g}".format):
-        print(tables.compact(rep.runs).to_string(index=False))
+        print(compact(rep.runs).to_string(index=False))
     figs = ", ".join(rep.figures) or "none"
     print(f"\n{len(rep.runs)} runs, {len(rep.settings)} settings -> {rep.out / 'report.md'}, "
           f"summary.csv, summary.parquet; figures: {figs}")

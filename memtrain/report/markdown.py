@@ -1,4 +1,9 @@
-"""report.md: per model and dataset, one row per method setting, relative to the baseline."""
+"""report.md: per model and dataset, one row per method setting, relative to the baseline.
+
+Numbers have a fixed precision per column: memory in the unit that suits the table (KiB, MiB or
+GiB) with the decimals its largest value needs, ratios (`x / none`) with two decimals, accuracy
+in % with one decimal, Δ in points with a sign; a spread over seeds takes its mean's decimals.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,47 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.report.style import Memory, order_settings
+from memtrain.report import derive
+from memtrain.report.draw import is_true
+from memtrain.report.names import DEFAULT as DEFAULT_NAMES
+from memtrain.report.names import Names
+from memtrain.report.style import Memory, byte_unit, order_settings
 from memtrain.report.tables import constant_params
 
+NOISY = "†"  # marks a throughput measured with noisy step times
 
-def pm(mean, std, fmt: str = "{:.3g}", scale: float = 1.0) -> str:
-    """'1.23 ± 0.04' (std over seeds), '1.23' for one seed, '–' when missing."""
+
+def pm(mean, std, decimals: int = 2, scale: float = 1.0, sign: bool = False) -> str:
+    """'1.23 ± 0.04' (std over seeds, same decimals), '1.23' for one seed, '–' when missing."""
     if mean is None or pd.isna(mean):
         return "–"
-    s = fmt.format(mean * scale)
+    s = f"{mean * scale:{'+' if sign else ''}.{decimals}f}"
     # float noise of identical seeds (1e-17) is no spread worth printing
     if std is not None and not pd.isna(std) and std > 1e-9 * abs(mean):
-        s += " ± " + fmt.replace("+", "").format(std * scale)
+        s += f" ± {std * scale:.{decimals}f}"
     return s
 
 
-def _cell(r: pd.Series, col: str, fmt: str = "{:.3g}", scale: float = 1.0) -> str:
-    return pm(r.get(col), r.get(f"{col}_std"), fmt, scale)
+def decimals_for(values: pd.Series) -> int:
+    """Decimals that give about three significant digits to the column's largest value."""
+    top = pd.to_numeric(values, errors="coerce").abs().max()
+    if pd.isna(top) or top >= 100:
+        return 0
+    return 1 if top >= 10 else 2
+
+
+def _cell(r: pd.Series, col: str, decimals: int = 2, scale: float = 1.0, sign: bool = False):
+    return pm(r.get(col), r.get(f"{col}_std"), decimals, scale, sign)
 
 
 def _ratio(r: pd.Series, col: str) -> str:
-    return _cell(r, col, "{:.2f}") + ("×" if not pd.isna(r.get(col)) else "")
+    return _cell(r, col)
 
 
-def _delta(r: pd.Series, col: str) -> str:
-    v = r.get(col)
-    return "–" if v is None or pd.isna(v) else _cell(r, col, "{:+.1f}", 100)
+def _bytes_col(g: pd.DataFrame, col: str) -> tuple[float, str, int]:
+    """(divisor, unit, decimals) of a memory column in this table."""
+    div, unit = byte_unit(g[col]) if col in g else (2**20, "MiB")
+    return div, unit, decimals_for(g[col] / div) if col in g else 1
 
 
 def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
@@ -40,37 +60,61 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     activation peak vs the baseline are always both shown: a saving in one column and a loss in
     the other must be visible."""
     act = mem.col != "mem_peak_alloc_bytes"  # a second memory column when figures plot another
-    head = ["setting", "seeds", f"peak GiB ({peak_src})", f"peak vs {baseline}",
-            *([f"{mem_short(mem)} MiB", f"{mem_short(mem)} vs {baseline}"] if act else []),
-            f"saved act. vs {baseline}", f"act. peak vs {baseline}",
-            f"throughput vs {baseline}", "test acc %", "Δ acc (pts)", "status"]
+    # its ratio, unless it is one of the two ratios every table shows
+    act_rel = act and mem.rel not in ("mem_saved_rel", "mem_act_rel")
+    pdiv, punit, pdec = _bytes_col(g, "mem_peak_alloc_bytes")
+    adiv, aunit, adec = _bytes_col(g, mem.col)
+    tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else \
+        "throughput_samples_s"
+    tdec = decimals_for(g[tput]) if tput in g else 0
+    head = ["setting", "seeds", f"peak {punit} ({peak_src})", f"peak / {baseline}",
+            *([f"{mem_short(mem)} {aunit}"] if act else []),
+            *([f"{mem_short(mem)} / {baseline}"] if act_rel else []),
+            f"saved act. / {baseline}", f"act. peak / {baseline}", "samples/s",
+            f"throughput / {baseline}", "test acc %", "Δ acc (pts)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
+        noisy = NOISY if is_true(r.get("timing_noisy")) else ""
         cells = [r["label"], str(r["n_runs"]),
-                 _cell(r, "mem_peak_alloc_bytes", "{:.3g}", 2**-30),
-                 _ratio(r, "mem_peak_rel"),
-                 *([_cell(r, mem.col, "{:.3g}", 2**-20), _ratio(r, mem.rel)] if act else []),
+                 _cell(r, "mem_peak_alloc_bytes", pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
+                 *([_cell(r, mem.col, adec, 1 / adiv)] if act else []),
+                 *([_ratio(r, mem.rel)] if act_rel else []),
                  _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_rel"),
-                 _ratio(r, "throughput_rel"),
-                 _cell(r, "test_acc", "{:.1f}", 100), _delta(r, "test_acc_delta"),
+                 _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
+                 _cell(r, "test_acc", 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
                  r["status"]]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
 
+def failed(g: pd.DataFrame) -> list[str]:
+    """'- pool k=2 (error 1/2): ValueError: ...' for each setting with a failed run."""
+    return [f"- {r['label']} ({r['status']}): {r.get('error_short') or 'no error message'}"
+            for _, r in order_settings(g).iterrows() if r["worst_status"] != "ok"]
+
+
 def mem_short(mem: Memory) -> str:
-    return {"mem_peak_act_bytes": "activations", "mem_act_saved_bytes": "saved act."}.get(
+    return {"mem_peak_act_bytes": "act. peak", "mem_act_saved_bytes": "saved act."}.get(
         mem.col, "peak")
+
+
+def peak_source(agg: pd.DataFrame) -> str:
+    """Where the peaks of the ok runs came from: CUDA, CPU tracker, or mixed (both)."""
+    src = set()
+    for v in agg.get("mem_peak_source", pd.Series(dtype=str)).dropna().astype(str):
+        src |= set(v.split(",")) - {""}
+    if not src:
+        return "not measured"
+    return "CUDA" if src == {"cuda"} else "CPU tracker" if src == {"tracker"} else "mixed"
 
 
 def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str],
            sources: Sequence[str], n_runs: int, skipped: list[tuple[Path, str]],
            warnings: list[str], figures: dict[str, list[Path]], not_drawn: dict[str, str],
-           out: Path) -> str:
+           out: Path, names: Names = DEFAULT_NAMES) -> str:
     """The whole report.md text; `baseline` is the --baseline spec (method=none)."""
     short = baseline.split(",")[0].partition("=")[2] or baseline
-    src = set(agg.get("mem_peak_source", pd.Series(dtype=str)).dropna().astype(str))
-    peak_src = "CUDA" if src == {"cuda"} else "CPU tracker" if src == {"tracker"} else "mixed"
+    peak_src = peak_source(agg)
     parts = [
         "# memtrain report", "",
         f"{n_runs} run{'s' * (n_runs != 1)} in {len(agg)} setting{'s' * (len(agg) != 1)} "
@@ -80,6 +124,11 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         f"per run, then averaged over seeds (mean ± std).",
         f"- Memory in the figures: {mem.what}, {mem.source} (`{mem.col}`).",
         f"- Peak: `mem_peak_alloc_bytes` ({peak_src}).",
+        "- Throughput: samples/s of the timed steps, end to end for methods that train in "
+        "phases (every phase's steps; `throughput_e2e_samples_s`). "
+        f"{NOISY}: step times were noisy (p90 above {derive.NOISY_P90_OVER_MEDIAN:g}× the "
+        "median in a run, or the seeds' step times that far apart: the load changed between "
+        "runs), so ratios of times are not to be trusted.",
     ]
     if peak_src != "CUDA" and mem.col != "mem_peak_alloc_bytes":
         parts.append("- On the CPU there is no CUDA peak: the peak is the live-tensor tracker's, "
@@ -92,7 +141,10 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         parts.append(f"- Shared by every setting of a method (left out of the labels): {shared}.")
     parts.append("")
     for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True):
-        parts += [f"## {model} / {dataset}", "", table(g, mem, short, peak_src), ""]
+        parts += [f"## {names.panel(model, dataset)}", "", table(g, mem, short, peak_src), ""]
+        if fail := failed(g):
+            parts += ["Failed runs (the reason is the first line of the run's `error`):", "",
+                      *fail, ""]
     if figures or not_drawn:
         parts += ["## Figures", ""]
         for name, paths in figures.items():

@@ -1,11 +1,16 @@
-"""Shared look of the report figures: paper column width, one colour per method, the memory axis.
+"""Shared look of the report figures: two looks (a paper column, a slide), one colour per
+method, the memory axis.
 
-Sizes are for a two-column paper: one panel is a column (3.3 in) wide and fonts are 7 pt, so a
-figure placed at its natural size needs no rescaling.
+`paper` (default): one panel is a column (3.3 in) wide and fonts are 7 pt, so a figure placed
+at its natural size in a two-column paper needs no rescaling. `slide`: one panel is 6 in wide
+with 14 pt text, for a 16:9 slide. Sizes inside figures are relative ("small", markers scaled
+from `lines.markersize`), so both looks come from the same code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -16,32 +21,83 @@ matplotlib.use("Agg")  # files only: never needs a display, safe inside a Hydra 
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-COLUMN_IN = 3.3
-PANEL_H_IN = 2.3
-RC = {
-    "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "xtick.labelsize": 6,
-    "ytick.labelsize": 6, "legend.fontsize": 6, "lines.markersize": 4, "lines.linewidth": 1.0,
-    "axes.linewidth": 0.6, "axes.grid": True, "grid.linewidth": 0.4, "grid.alpha": 0.4,
-    "axes.spines.top": False, "axes.spines.right": False, "savefig.dpi": 300,
+from memtrain.report.names import DEFAULT as DEFAULT_NAMES  # noqa: E402
+from memtrain.report.names import Names  # noqa: E402
+
+_BASE_RC = {
+    "axes.grid": True, "grid.alpha": 0.4, "axes.spines.top": False, "axes.spines.right": False,
     "savefig.bbox": "tight", "savefig.pad_inches": 0.02, "pdf.fonttype": 42,
 }
+
+
+@dataclass(frozen=True)
+class Look:
+    """Figure sizes and rcParams of one output medium."""
+
+    name: str
+    panel_w: float  # inches, one panel
+    panel_h: float
+    rc: dict
+    stacked: int  # panels stacked in one column up to this many, two columns beyond
+    legend_col_in: float  # width of one legend column, inches
+    legend_right: bool = False  # the settings' legend beside the panels (a slide is wide)
+
+
+PAPER = Look("paper", 3.3, 2.3, {
+    **_BASE_RC, "font.size": 7, "axes.titlesize": 7, "axes.labelsize": 7, "xtick.labelsize": 6,
+    "ytick.labelsize": 6, "legend.fontsize": 6, "lines.markersize": 4, "lines.linewidth": 1.0,
+    "axes.linewidth": 0.6, "grid.linewidth": 0.4, "savefig.dpi": 300}, 2, 1.6)
+SLIDE = Look("slide", 6.0, 4.0, {
+    **_BASE_RC, "font.size": 14, "axes.titlesize": 15, "axes.labelsize": 14,
+    "xtick.labelsize": 12, "ytick.labelsize": 12, "legend.fontsize": 12, "lines.markersize": 8,
+    "lines.linewidth": 2.0, "axes.linewidth": 1.0, "grid.linewidth": 0.6, "savefig.dpi": 200},
+    1, 3.2, legend_right=True)
+LOOKS = {"paper": PAPER, "slide": SLIDE}
+_current = [PAPER]
+
+
+def current() -> Look:
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def using(name: str):
+    """Draw the figures made inside the block in look `name` (paper or slide)."""
+    if name not in LOOKS:
+        raise ValueError(f"style must be one of {', '.join(LOOKS)}, got {name!r}")
+    _current.append(LOOKS[name])
+    try:
+        yield LOOKS[name]
+    finally:
+        _current.pop()
+
+
+def marker_size(scale: float = 1.0) -> float:
+    return current().rc["lines.markersize"] * scale
+
+
+def line_width(scale: float = 1.0) -> float:
+    return current().rc["lines.linewidth"] * scale
+
+
 # The seed papers' methods first, in the study's order, so a method keeps its colour everywhere.
 METHOD_ORDER = ("none", "pool", "prune", "checkpoint", "synthetic")
 METHOD_COLORS = {"none": "#222222", "pool": "#1f77b4", "prune": "#ff7f0e",
                  "checkpoint": "#2ca02c", "synthetic": "#9467bd"}
 SPARE_COLORS = ("#d62728", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 MARKERS = "osD^v<>pP*h"
-STATUS_COLORS = {"ok": "#c7e9c0", "oom": "#de2d26", "diverged": "#fd8d3c", "error": "#756bb1",
-                 "interrupted": "#fee391", "running": "#bdbdbd", "missing": "#f0f0f0"}
+# Light tints: the cell text (black) stays legible on every one of them.
+STATUS_COLORS = {"ok": "#c7e9c0", "oom": "#fc9272", "diverged": "#fdd0a2", "error": "#bcbddc",
+                 "interrupted": "#fee391", "running": "#e0e0e0", "missing": "#f5f5f5"}
 
 
 def styled(fn):
-    """Run a figure function under the report's rcParams: text takes its size when created."""
-    import functools
+    """Run a figure function under the current look's rcParams: text takes its size when
+    created."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with plt.rc_context(RC):
+        with plt.rc_context(current().rc):
             return fn(*args, **kwargs)
 
     return wrapper
@@ -67,34 +123,36 @@ def order_settings(agg: pd.DataFrame) -> pd.DataFrame:
 
 
 def setting_styles(agg: pd.DataFrame) -> dict[str, dict]:
-    """label -> matplotlib style: colour by method, marker by setting within the method."""
+    """label -> matplotlib style: colour by method, a marker of its own per setting (in study
+    order), so settings that coincide (a method that changes nothing) or a grey print still
+    tell apart; the baseline's marker is larger."""
     known = sorted(set(agg["method"].astype(str)))
-    styles, seen = {}, {}
+    styles: dict[str, dict] = {}
     for _, r in order_settings(agg).iterrows():
-        if r["label"] in styles:
-            continue
-        m = str(r["method"])
-        k = seen.get(m, 0)
-        seen[m] = k + 1
-        styles[r["label"]] = {"color": method_color(m, known), "marker": MARKERS[k % len(MARKERS)]}
+        if r["label"] not in styles:
+            # the baseline a size up: a setting that coincides with it shows inside its halo
+            size = marker_size(1.4 if method_rank(str(r["method"])) == 0 else 1.0)
+            styles[r["label"]] = {"color": method_color(str(r["method"]), known),
+                                  "marker": MARKERS[len(styles) % len(MARKERS)],
+                                  "markersize": size}
     return styles
 
 
-def panels(agg: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(title, rows) per model (and dataset when there are several), in a stable order."""
-    several = agg["dataset"].nunique() > 1
-    out = []
-    for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True):
-        out.append((f"{model} / {dataset}" if several else str(model), g))
-    return out
+def panels(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> list[tuple[str, pd.DataFrame]]:
+    """(title, rows) per model and dataset, in a stable order; the title names both
+    ('MLP-6 / Fashion-MNIST')."""
+    return [(names.panel(model, dataset), g)
+            for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True)]
 
 
-def subplots(n: int, height: float = PANEL_H_IN):
-    """A grid of n panels, each a paper column wide: stacked in one column up to two panels
-    (the figure fits a column), two columns beyond. Returns (fig, flat list of axes)."""
-    ncols = 1 if n <= 2 else 2
+def subplots(n: int, height: float | None = None):
+    """A grid of n panels, each a panel wide (a paper column): stacked in one column up to
+    `Look.stacked` panels, two columns beyond. Returns (fig, flat list of axes)."""
+    look = current()
+    ncols = 1 if n <= look.stacked else 2
     nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(COLUMN_IN * ncols, height * nrows),
+    fig, axes = plt.subplots(nrows, ncols, figsize=(look.panel_w * ncols,
+                                                    (height or look.panel_h) * nrows),
                              squeeze=False)
     flat = list(axes.flat)
     for ax in flat[n:]:
@@ -102,14 +160,21 @@ def subplots(n: int, height: float = PANEL_H_IN):
     return fig, flat[:n]
 
 
-def shared_legend(fig, styles: dict[str, dict], labels: list[str]) -> None:
-    """One legend under the panels, in the study order: a setting looks the same everywhere."""
+def shared_legend(fig, styles: dict[str, dict], labels: list[str], extra: tuple = ()) -> None:
+    """One legend under the panels, in the study order: a setting looks the same everywhere.
+    `extra`: (handle, text) pairs after the settings (e.g. what a hollow marker means)."""
     from matplotlib.lines import Line2D
 
     labels = [lb for lb in styles if lb in set(labels)]
-    handles = [Line2D([], [], linestyle="none", markersize=4, **styles[lb]) for lb in labels]
+    handles = [Line2D([], [], linestyle="none", **styles[lb]) for lb in labels]
+    handles += [h for h, _ in extra]
+    labels += [t for _, t in extra]
+    if current().legend_right:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5),
+                   frameon=False, handletextpad=0.3)
+        return
     width = fig.get_size_inches()[0]
-    ncol = max(1, min(len(labels), int(width / 1.6)))
+    ncol = max(1, min(len(labels), int(width / current().legend_col_in)))
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol,
                frameon=False, handletextpad=0.3, columnspacing=1.0)
 

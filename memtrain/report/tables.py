@@ -15,6 +15,9 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
+from memtrain.report import derive
+from memtrain.report.names import DEFAULT as DEFAULT_NAMES
+from memtrain.report.names import Names, fmt_value, isna
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,9 @@ RATIOS = {
     "mem_peak_alloc_bytes": "mem_peak_rel",
     "mem_peak_act_bytes": "mem_act_rel",
     "mem_act_saved_bytes": "mem_saved_rel",
-    "throughput_samples_s": "throughput_rel",
-    "step_time_s_median": "step_time_rel",
+    # end to end (report/derive.py): every phase of a multi-phase method, not its largest one
+    "throughput_e2e_samples_s": "throughput_rel",
+    "step_time_e2e_s": "step_time_rel",
 }
 DELTAS = {"test_acc": "test_acc_delta"}
 
@@ -118,33 +122,10 @@ def load_metrics(run_dirs: Iterable[str | os.PathLike]) -> pd.DataFrame:
 # ---------------------------------------------------------------- labels
 
 
-def _isna(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
-
-
-def fmt_value(v) -> str:
-    """0.5 -> '0.5', 2.0 -> '2', 'max' -> 'max': compact values for labels."""
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
-
-
-# Settings with a name of their own: (method, column, value) -> label. pool with kernel_size 1
-# pools nothing: only the exact add-ons (ReLU bit masks, max-pool offsets) act.
-NAMED = {("pool", "method.kernel_size", "1"): "pool compaction only"}
-
-
-def method_label(row: pd.Series, skip: Iterable[str] = ()) -> str:
-    """'pool kernel_size=2 mode=upsample': the method and its parameters (but `skip`), or the
-    setting's name (NAMED)."""
-    for (method, col, value), name in NAMED.items():
-        if row.get("method") == method and fmt_value(row.get(col)) == value:
-            return name
-    parts = [str(row.get("method", ""))]
-    for k, v in row.items():
-        if isinstance(k, str) and k.startswith("method.") and k not in skip and not _isna(v):
-            parts.append(f"{k[len('method.'):]}={fmt_value(v)}")
-    return " ".join(parts)
+def method_label(row: pd.Series, skip: Iterable[str] = (), names: Names = DEFAULT_NAMES) -> str:
+    """'pool k=2 upsample': the method and its parameters but `skip`, by `names` (see
+    report/names.py: short parameter names, settings with a name of their own)."""
+    return names.setting(row, skip)
 
 
 def constant_params(df: pd.DataFrame) -> dict[str, dict[str, str]]:
@@ -183,14 +164,18 @@ def _varying(df: pd.DataFrame, cols: Sequence[str]) -> list[str]:
     return [c for c in cols if df[c].astype(str).nunique(dropna=False) > 1]
 
 
-def add_labels(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
+def add_labels(df: pd.DataFrame, seed: str = SEED, names: Names = DEFAULT_NAMES) -> pd.DataFrame:
     """Add `label`: the method and the parameters that vary between its settings (see
     constant_params), plus any other option that varies within the same model and dataset
-    (e.g. `lr=0.02`), so two settings never share a label."""
+    (e.g. `lr=0.02`), named by `names` (short parameter names, the user's renames). Two settings
+    never share a label: a rename that would merge them is not applied (a warning says so)."""
     df = df.copy()
-    const = constant_params(df) if len(df) else {}
-    df["label"] = df.apply(lambda r: method_label(r, const.get(str(r.get("method")), {})),
-                           axis=1) if len(df) else pd.Series(dtype=str)
+    if not len(df):
+        df["label"] = pd.Series(dtype=str)
+        return df
+    const = constant_params(df)
+    df["label"] = df.apply(lambda r: method_label(r, const.get(str(r.get("method")), {}), names),
+                           axis=1)
     extra_pool = [c for c in setting_columns(df, seed)
                   if not c.startswith("method") and c not in ("model", "dataset")]
     for _, idx in df.groupby(["model", "dataset"], dropna=False).groups.items():
@@ -199,6 +184,14 @@ def add_labels(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
             short = c.rsplit(".", 1)[-1]
             has = g[c].notna()
             df.loc[g.index[has], "label"] += " " + short + "=" + g.loc[has, c].map(fmt_value)
+    renamed = df["label"].map(names.relabel)
+    keys = [c for c in ("model", "dataset") if c in df]
+    clash = df.assign(_new=renamed).groupby([*keys, "_new"], dropna=False)["label"].transform(
+        "nunique") > 1
+    for old in sorted(set(df.loc[clash, "label"])):
+        log.warning("label rename %r -> %r is not applied: it would merge settings", old,
+                    names.relabel(old))
+    df["label"] = renamed.where(~clash, df["label"])
     return df
 
 
@@ -251,6 +244,8 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
         df[col] = math.nan
     df["baseline_run_dir"] = None
     for i, row in df.iterrows():
+        if not ok[i] and all(isna(row.get(c)) for c in RATIOS):
+            continue  # nothing measured (e.g. refused before training): nothing to relate
         cand = base.loc[[i]] if ok[i] else groups.get(_key(row, match))
         if cand is not None and not ok[i]:
             cand, why = _same_device(row, cand)
@@ -286,7 +281,7 @@ DEVICE_KEYS = ("device", "mem_peak_source")
 
 def _device_key(row: pd.Series) -> tuple[str, str]:
     kind = row.get("device")
-    kind = None if _isna(kind) else str(kind).split(":")[0]
+    kind = None if isna(kind) else str(kind).split(":")[0]
     return fmt_value(kind), fmt_value(row.get("mem_peak_source"))
 
 
@@ -318,26 +313,32 @@ def status_summary(statuses: pd.Series) -> str:
     return ", ".join(f"{s} {c}/{n}" for s, c in counts.items())
 
 
-def aggregate_seeds(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
+def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
+                    names: Names = DEFAULT_NAMES) -> pd.DataFrame:
     """One row per setting (every config column but the seed): `n_runs`, `n_ok`, `status`
-    (see status_summary), `worst_status`, and for each numeric column its mean (same name) and
+    (see status_summary), `worst_status`, `timing_noisy` (any ok run's, or its seeds' step times
+    more than 1.5x apart: derive.spread_noisy), `error_short` (the most
+    common reason among the failed runs), and for each numeric column its mean (same name) and
     standard deviation (`<name>_std`, ddof=1, NaN for one seed) over the runs that ended ok."""
     if df.empty:
         return df
     keys = setting_columns(df, seed)
-    numeric = [c for c in df.columns if c not in keys and c != seed
+    config = config_columns(df)  # options are kept as they are (first run's), never averaged
+    numeric = [c for c in df.columns if c not in config
                and pd.api.types.is_numeric_dtype(df[c]) and not pd.api.types.is_bool_dtype(df[c])]
     rows = []
     for _, g in df.groupby(keys, dropna=False, sort=False):
-        row = g.iloc[0][keys].to_dict()
+        row = g.iloc[0][[c for c in config if c != seed]].to_dict()
         ok = g[g["status"] == "ok"] if "status" in g else g
         row.update(n_runs=len(g), n_ok=len(ok),
                    status=status_summary(g["status"]) if "status" in g else "ok",
                    worst_status=_worst(g["status"]) if "status" in g else "ok",
                    seeds=",".join(sorted(g[seed].map(fmt_value))) if seed in g else "",
-                   mem_peak_source=",".join(sorted(set(g["mem_peak_source"].dropna().astype(
-                       str)))) if "mem_peak_source" in g else "",
-                   run_dirs=";".join(g["run_dir"].astype(str)) if "run_dir" in g else "")
+                   mem_peak_source=_sources(ok if len(ok) else g),
+                   run_dirs=";".join(g["run_dir"].astype(str)) if "run_dir" in g else "",
+                   timing_noisy=bool(ok.get("timing_noisy", pd.Series(dtype=bool)).any())
+                   or derive.spread_noisy(ok.get("step_time_e2e_s", pd.Series(dtype=float))),
+                   error_short=_common(g.drop(ok.index).get("error_short")))
         for c in numeric:
             vals = ok[c].astype(float)
             row[c] = vals.mean()
@@ -347,7 +348,19 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED) -> pd.DataFrame:
             for c in numeric:
                 row[c] = g[c].astype(float).mean()
         rows.append(row)
-    return add_labels(pd.DataFrame(rows), seed)
+    return add_labels(pd.DataFrame(rows), seed, names)
+
+
+def _sources(g: pd.DataFrame) -> str:
+    """'tracker', 'cuda' or 'cuda,tracker': where the peaks of these runs came from."""
+    src = g["mem_peak_source"].dropna().astype(str) if "mem_peak_source" in g else []
+    return ",".join(sorted(set(src) - {""}))
+
+
+def _common(texts: pd.Series | None) -> str:
+    """The most frequent non-empty text ('' when none)."""
+    texts = texts[texts.fillna("") != ""] if texts is not None else pd.Series(dtype=str)
+    return str(texts.value_counts().index[0]) if len(texts) else ""
 
 
 STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "running", "missing", "ok")
@@ -356,41 +369,3 @@ STATUS_ORDER = ("error", "oom", "diverged", "interrupted", "running", "missing",
 def _worst(statuses: pd.Series) -> str:
     present = set(statuses.fillna("missing"))
     return next((s for s in STATUS_ORDER if s in present), sorted(present)[0])
-
-
-# ---------------------------------------------------------------- terminal table
-
-COMPACT = {
-    "model": "model",
-    "dataset": "dataset",
-    "trainer.batch_size": "batch",
-    "status": "status",
-    "mem_peak_alloc_bytes": "peak_MiB",
-    "mem_peak_source": "source",
-    "mem_act_saved_bytes": "act_saved_MiB",
-    "mem_peak_rel": "peak_rel",
-    "mem_saved_rel": "saved_rel",
-    "mem_act_rel": "act_peak_rel",
-    "throughput_samples_s": "samples_s",
-    "test_acc": "test_acc",
-}
-
-
-def compact(df: pd.DataFrame) -> pd.DataFrame:
-    """The few columns a terminal table shows, memory in MiB."""
-    if df.empty:
-        return df
-    out = pd.DataFrame(index=df.index)
-    # A terminal row names only the method parameters that vary between that method's runs
-    # here (report.md and the figures carry the full settings).
-    params = [c for c in df.columns if c.startswith("method.")]
-    same = {str(m): [c for c in params if g[c].map(fmt_value).nunique(dropna=False) == 1]
-            for m, g in df.groupby("method")} if "method" in df else {}
-    out["method"] = df.apply(lambda r: method_label(r, same.get(str(r.get("method")), [])), axis=1)
-    for col, name in COMPACT.items():
-        if col not in df:
-            continue
-        v = df[col]
-        out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if name.endswith("MiB") else v
-    sort = [c for c in ("model", "dataset", "method") if c in out]
-    return out.sort_values(sort).reset_index(drop=True)

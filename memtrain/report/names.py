@@ -1,0 +1,191 @@
+"""Display names of the report: short setting labels (`checkpoint b=0.65`, `pool k=2 conv+bn`,
+`pool compaction only`) and panel titles (`ResNet-18 / CIFAR-10`).
+
+Defaults read well for the built-in methods, models and datasets; a user changes any of them with
+a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra callback's
+`names` option) holding any of these keys:
+
+```yaml
+params: {kernel_size: k, targets: ""}   # method parameter -> short name; "" shows the value alone
+settings:                               # a setting's own name; first match wins; the parameters
+  - {method: pool, kernel_size: 1, name: pool compaction only}   # it names leave the label
+labels: {"pool k=2": "Pool (k=2)"}      # a label as drawn -> another
+models: {mlp6: MLP-6}
+datasets: {fashion_mnist: Fashion-MNIST}
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`)
+PARAMS = {
+    "kernel_size": "k", "pool_type": "", "mode": "", "targets": "", "relu_mask": "relu",
+    "min_size": "min", "compress_input": "input",
+    "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
+    "prune_head": "head", "prune_shared": "shared",
+    "strategy": "", "budget_fraction": "b", "budget_bytes": "budget", "every": "every",
+    "max_group": "max_group", "profile_batch": "profile_batch",
+    "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
+    "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
+}
+# A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
+# activation_memory_budget under strategy=compile, not the planner's budget.
+CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}
+# pool with kernel_size 1 pools nothing: only the exact add-ons (ReLU bit masks, max-pool
+# offsets) act.
+SETTINGS = ({"method": "pool", "kernel_size": 1, "name": "pool compaction only"},)
+MODELS = {"resnet18": "ResNet-18", "resnet34": "ResNet-34", "resnet50": "ResNet-50",
+          "resmlp12": "ResMLP-12", "resmlp24": "ResMLP-24", "efficientnet_b0": "EfficientNet-B0",
+          "mlp6": "MLP-6"}
+DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "fashion_mnist": "Fashion-MNIST",
+            "mnist": "MNIST", "emnist": "EMNIST", "imagenet": "ImageNet",
+            "synthetic": "synthetic images"}
+KEYS = ("params", "settings", "labels", "models", "datasets")
+
+
+def _column(key: str) -> str:
+    """A rule's key as a column: 'kernel_size' -> 'method.kernel_size'; 'method' stays."""
+    return key if key == "method" or key.startswith("method.") else f"method.{key}"
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, (bool, np.bool_))
+
+
+def fmt_value(v: Any) -> str:
+    """0.5 -> '0.5', 2.0 -> '2', True -> 'true', 'max' -> 'max': compact values for labels."""
+    if _is_bool(v):
+        return str(v).lower()
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def isna(v: Any) -> bool:
+    """None or NaN: a missing value of a summary column."""
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+@dataclass
+class Names:
+    """How settings and panels are named. See the module docstring for the mapping's keys."""
+
+    params: dict[str, str] = field(default_factory=lambda: dict(PARAMS))
+    settings: list[dict[str, Any]] = field(default_factory=lambda: [dict(s) for s in SETTINGS])
+    labels: dict[str, str] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=lambda: dict(MODELS))
+    datasets: dict[str, str] = field(default_factory=lambda: dict(DATASETS))
+
+    def param(self, key: str, value: Any) -> str:
+        """'k=2', 'conv+bn' (value alone), 'prune_head=true' (booleans keep their name)."""
+        name = self.params.get(key, key)
+        v = fmt_value(value)
+        return v if name == "" and not _is_bool(value) else f"{name or key}={v}"
+
+    def named(self, row: Mapping[str, Any]) -> tuple[str, set[str]] | None:
+        """(name, the columns it stands for) of the first rule in `settings` that `row` matches."""
+        for rule in self.settings:
+            cond = {_column(k): v for k, v in rule.items() if k != "name"}
+            if all(fmt_value(row.get(c)) == fmt_value(v) for c, v in cond.items()):
+                return str(rule["name"]), set(cond)
+        return None
+
+    def setting(self, row: Mapping[str, Any], skip: Iterable[str] = ()) -> str:
+        """The method and its parameters but `skip` (or the setting's own name, then the
+        parameters the name does not cover), e.g. 'checkpoint b=0.65'."""
+        named = self.named(row)
+        parts = [named[0] if named else str(row.get("method", ""))]
+        covered = named[1] if named else set()
+        skip = set(skip) | covered
+        context = {key: name for (col, value, key), name in CONTEXT_PARAMS.items()
+                   if fmt_value(row.get(f"method.{col}")) == value}
+        for k, v in row.items():
+            if isinstance(k, str) and k.startswith("method.") and k not in skip and not isna(v):
+                key = k.removeprefix("method.")
+                parts.append(f"{context[key]}={fmt_value(v)}" if key in context
+                             else self.param(key, v))
+        return " ".join(parts)
+
+    def relabel(self, label: str) -> str:
+        return self.labels.get(label, label)
+
+    def model(self, model: Any) -> str:
+        return self.models.get(str(model), str(model))
+
+    def dataset(self, dataset: Any) -> str:
+        return self.datasets.get(str(dataset), str(dataset))
+
+    def panel(self, model: Any, dataset: Any) -> str:
+        """'MLP-6 / Fashion-MNIST': a panel title names model and dataset."""
+        return f"{self.model(model)} / {self.dataset(dataset)}"
+
+
+DEFAULT = Names()
+
+
+def load(spec: Names | Mapping[str, Any] | str | os.PathLike | None = None,
+         labels: Mapping[str, str] | None = None) -> Names:
+    """Names from the defaults, overridden by `spec` (a mapping or a YAML file of one, see the
+    module docstring) and by `labels` (label as drawn -> another).
+
+    Raises:
+        ValueError: the file cannot be read or parsed, or a key or value has the wrong shape.
+    """
+    if isinstance(spec, Names):
+        user: Mapping[str, Any] = {}
+        base = spec
+    else:
+        base = Names()
+        user = _read(spec) if isinstance(spec, (str, os.PathLike)) else dict(spec or {})
+    bad = sorted(set(user) - set(KEYS))
+    if bad:
+        raise ValueError(f"names: unknown key {bad[0]!r}; valid keys: {', '.join(KEYS)}")
+    out = Names(dict(base.params), [dict(s) for s in base.settings], dict(base.labels),
+                dict(base.models), dict(base.datasets))
+    for key in ("params", "labels", "models", "datasets"):
+        value = user.get(key) or {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"names: {key} must be a mapping (name: short name), got {value!r}")
+        getattr(out, key).update({str(k): "" if v is None else str(v) for k, v in value.items()})
+    rules = user.get("settings") or []
+    if not isinstance(rules, list) or not all(isinstance(r, Mapping) and "name" in r
+                                              for r in rules):
+        raise ValueError("names: settings must be a list of mappings with a name, e.g. "
+                         "[{method: pool, kernel_size: 1, name: pool compaction only}]")
+    out.settings = [dict(r) for r in rules] + out.settings  # the user's rules first
+    out.labels.update(labels or {})
+    return out
+
+
+def _read(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"names: cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"names: {path} is not YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"names: {path} must hold a mapping with keys {', '.join(KEYS)}")
+    return data
+
+
+def parse_label(spec: str) -> tuple[str, str]:
+    """'pool k=2:Pool (k=2)' -> ('pool k=2', 'Pool (k=2)'): split at the first ':' (labels as
+    drawn never hold one; the new name may)."""
+    old, sep, new = spec.partition(":")
+    if not sep or not old.strip() or not new.strip():
+        raise ValueError(f"--label must look like 'LABEL:NEW NAME', got {spec!r}")
+    return old.strip(), new.strip()

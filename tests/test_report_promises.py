@@ -1,0 +1,161 @@
+"""Promises that hold for every report figure at once, on the made-up study of
+tests/report_fixtures.py (two models, eight settings, three seeds, two kinds of failure) plus
+a checkpoint budget that failed in both of its seeds: every panel title names model and
+dataset, every failed setting is shown or listed in every figure it belongs to, and report.md
+names where its peaks came from.
+Test data only: none of these numbers were measured."""
+
+import pytest
+from report_fixtures import MiB, fabricate_study, write_run
+
+from memtrain.report import names, plots, style, tables
+from memtrain.report.build import analyse, make_report
+
+MODELS = {"resnet18": "ResNet-18", "resmlp12": "ResMLP-12"}
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """(runs, settings, metrics) of the made-up study with a failed checkpoint budget added."""
+    root = fabricate_study(tmp_path_factory.mktemp("study") / "runs")
+    for seed in (0, 1):  # a budget setting that failed in every seed (resnet18 only)
+        write_run(root / f"fail{seed}", method="checkpoint", seed=seed, status="error",
+                  peak=float("nan"), act=float("nan"), test_acc=None,
+                  params={"strategy": "budget", "budget_fraction": 0.1},
+                  extra={"error": "RuntimeError: budget 0.1 is below the smallest plan"})
+    raw, _ = tables.load_runs([root])
+    runs, settings, _ = analyse(raw)
+    return runs, settings, tables.load_metrics(runs["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def figures(study):
+    runs, settings, metrics = study
+    made, why = plots.all_plots(settings, metrics, style.memory_metric(runs))
+    assert not why, why  # every figure applies to this study
+    yield {p.name: p for p in made}
+    for p in made:
+        plots.plt.close(p.fig)
+
+
+def _texts(fig) -> list[str]:
+    """Every piece of text a reader of the figure sees."""
+    out = [t.get_text() for t in fig.texts]
+    out += [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        out += [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+        out += [t.get_text() for t in (*ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels())]
+    return [t.replace("\n", ", ") for t in out if t]  # a cell's 'ok 2/3\noom 1/3' too
+
+
+def test_every_panel_title_names_model_and_dataset(figures):
+    panels = {names.DEFAULT.panel(m, "cifar10") for m in MODELS}
+    assert panels == {f"{n} / CIFAR-10" for n in MODELS.values()}
+    for name, p in figures.items():
+        if name == "failures":  # one grid: its columns are the panels
+            (ax,) = p.fig.axes
+            assert {t.get_text() for t in ax.get_xticklabels()} == panels
+            continue
+        titles = [ax.get_title() for ax in p.fig.axes if ax.get_visible()]
+        assert titles, name
+        for t in titles:  # 'ResNet-18 / CIFAR-10' or 'ResNet-18 / CIFAR-10: budget'
+            assert any(t == panel or t.startswith(f"{panel}: ") for panel in panels), (name, t)
+        assert {next(pl for pl in panels if t.startswith(pl)) for t in titles} == panels, name
+
+
+def _failed(settings):
+    return settings[settings["worst_status"] != "ok"]
+
+
+def test_every_failed_setting_is_in_every_figure(study, figures):
+    _, settings, _ = study
+    failed = _failed(settings)
+    # the three kinds: failed in every seed (two of them), and failed in one seed of three
+    assert sorted(zip(failed["label"], failed["status"])) == [
+        ("checkpoint b=0.1", "error 2/2"), ("pool k=4", "ok 2/3, oom 1/3"),
+        ("prune s=0.9", "diverged 3/3")]
+    for name, p in figures.items():
+        texts = _texts(p.fig)
+        for r in failed.itertuples():
+            if name == "budget" and r.method != "checkpoint":
+                continue  # the budget figure is about checkpoint's budgets only
+            panel = names.DEFAULT.panel(r.model, r.dataset)
+            # a note naming panel, setting and status, or a labelled cell, tick or bar
+            shown = any(r.label in t and r.status in t for t in texts) or (
+                r.label in texts and any(r.status in t for t in texts))
+            assert shown, (name, panel, r.label, r.status)
+
+
+def test_partly_failed_settings_are_drawn_and_marked_in_every_figure(study, figures):
+    """pool k=4 lost one seed of three on resnet18: drawn from the ok seed, and every figure that
+    draws it says that the point is the mean of the ok runs only."""
+    for name in ("tradeoff", "throughput"):
+        texts = _texts(figures[name].fig)
+        assert any("mean of ok runs: pool k=4 (ok 2/3, oom 1/3)" in t for t in texts), name
+        drawn = figures[name].data
+        assert ((drawn["label"] == "pool k=4")
+                & (drawn["panel"] == "ResNet-18 / CIFAR-10")).any(), name
+    curves = _texts(figures["curves"].fig)
+    assert any("includes failed runs: pool k=4 (ok 2/3, oom 1/3)" in t for t in curves)
+
+
+def test_budget_figure_lists_the_failed_budget(figures):
+    texts = _texts(figures["budget"].fig)
+    assert any("ResNet-18 / CIFAR-10" in t and "failed: checkpoint b=0.1 (error 2/2)" in t
+               for t in texts)
+    target = figures["budget"].data
+    assert not (target["label"] == "checkpoint b=0.1").any()  # listed, not drawn
+
+
+def test_failure_figure_gives_every_failed_setting_its_reason(study, figures):
+    cells = figures["failures"].data.set_index(["panel", "label"])
+    assert cells.loc[("ResNet-18 / CIFAR-10", "checkpoint b=0.1"), "reason"] \
+        == "RuntimeError: budget 0.1 is below the smallest plan"
+    assert cells.loc[("ResMLP-12 / CIFAR-10", "prune s=0.9"), "worst_status"] == "diverged"
+    assert any("[1] RuntimeError: budget 0.1" in t for t in _texts(figures["failures"].fig))
+
+
+@pytest.mark.parametrize(("sources", "said"), [
+    (("tracker", "tracker"), "CPU tracker"),
+    (("cuda", "cuda"), "CUDA"),
+    (("cuda", "tracker"), "mixed"),
+])
+def test_report_md_names_where_the_peaks_came_from(tmp_path, sources, said):
+    r = tmp_path / "runs"
+    write_run(r / "n", source=sources[0], peak=2 * 2**30)
+    write_run(r / "p", method="pool", source=sources[1], peak=int(1.5 * 2**30), act=30 * MiB)
+    make_report([r], tmp_path / "out", formats=["png"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    head = next(ln for ln in md.splitlines() if ln.startswith("| setting"))
+    assert f"peak GiB ({said})" in head
+    assert ("mixed" in md) == (said == "mixed")  # one source: the word never appears
+    none = next(ln for ln in md.splitlines() if ln.startswith("| none |")).split(" | ")
+    assert none[2] == "2.00"  # fixed precision: GiB with two decimals below 10
+
+
+def test_seeds_timed_under_different_load_are_flagged_noisy(tmp_path):
+    """Each run steady (p90 = 1.1 x median) but none's two seeds 2x apart: the load changed
+    between runs, so its times are flagged in the table, report.md and the budget's cost panel;
+    seeds 1.4x apart are not."""
+    r = tmp_path / "runs"
+    for seed, t in ((0, 0.1), (1, 0.2)):
+        write_run(r / f"n{seed}", seed=seed, step_time=t, throughput=128 / t,
+                  extra={"step_time_s_p90": 1.1 * t})
+    for seed, t in ((0, 0.1), (1, 0.14)):
+        write_run(r / f"c{seed}", method="checkpoint", seed=seed, step_time=t,
+                  throughput=128 / t, act=25 * MiB, extra={"step_time_s_p90": 1.1 * t},
+                  params={"strategy": "budget", "budget_fraction": 0.5})
+    runs, settings, _ = analyse(tables.load_runs([r])[0])
+    assert not runs["timing_noisy"].any()  # no run is noisy within itself
+    noisy = dict(zip(settings["label"], settings["timing_noisy"]))
+    assert noisy == {"none": True, "checkpoint": False}
+    bud = plots.budget(settings, style.memory_metric(runs))
+    assert "noisy timing: none, the baseline of every overhead here" in _texts(bud.fig)
+    assert not any("noisy timing: checkpoint" in t for t in _texts(bud.fig))
+    plots.plt.close(bud.fig)
+    make_report([r], tmp_path / "out", formats=["png"])
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "†" in next(ln for ln in md.splitlines() if ln.startswith("| none |"))
+    assert "seeds' step times that far apart" in md
