@@ -17,6 +17,7 @@ so a killed study still leaves what it measured. Sizes: memtrain/bench/results_p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,6 +34,18 @@ from memtrain.bench import results_view as view
 from memtrain.record import atomic_write
 
 STATUS = "status.json"
+# the command running now, and the signal that asked the study to stop (SIGTERM, Ctrl-C)
+_CHILD: list[subprocess.Popen] = []
+_STOP: list[int] = []
+
+
+def _forward(signum, frame) -> None:
+    """Stop the study: the running command gets the signal (memtrain then checkpoints and
+    writes `interrupted` rows), no further step starts, what was measured is kept."""
+    _STOP.append(signum)
+    for child in _CHILD:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signum)
 
 
 def device_slug(device: str) -> str:
@@ -63,19 +76,24 @@ def find_none(runs: Path, where: dict) -> bool:
 
 
 def run_step(step: plan.Step, log: Path, timeout: float, env: dict) -> dict:
-    """Run one command (its own process group, output to `log`); on timeout SIGTERM the group
-    (memtrain turns it into `interrupted` rows), then SIGKILL what is left."""
+    """Run one command (its own process group, so that it can be stopped with all its workers;
+    output to `log`); on timeout SIGTERM the group (memtrain turns it into `interrupted` rows),
+    then SIGKILL what is left."""
     argv = [sys.executable, *step.argv]
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(argv) + "\n")
         f.flush()
+        # a group, not a session: whatever ends this session's processes ends it too
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        status = None
+                                preexec_fn=os.setpgrp)
+        _CHILD.append(proc)
+        status, rc = None, -signal.SIGKILL
         try:
             rc = proc.wait(timeout=timeout)
+            if _STOP:
+                status = f"stopped by signal {_STOP[0]}"
         except subprocess.TimeoutExpired:
             status = f"timeout after {timeout:.0f} s"
             for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
@@ -88,6 +106,8 @@ def run_step(step: plan.Step, log: Path, timeout: float, env: dict) -> dict:
                 except ProcessLookupError:
                     rc = proc.wait()
                     break
+        finally:
+            _CHILD.clear()
     return {"name": step.name, "command": " ".join(["python", *step.argv]),
             "status": status or ("ok" if rc == 0 else f"failed (exit {rc})"), "rc": rc,
             "seconds": round(time.monotonic() - t0, 1), "budget_s": step.budget_s,
@@ -110,11 +130,12 @@ def run_part(part: str, ctx: plan.Context, env: dict, time_left) -> dict:
         steps, record["error"] = [], f"{type(e).__name__}: {e}"
     for step in steps:
         left = time_left()
-        if left < 30:
-            record["steps"].append({"name": step.name, "status": "skipped (deadline)",
+        if left < 30 or _STOP:
+            why = "stopped by signal" if _STOP else "deadline"
+            record["steps"].append({"name": step.name, "status": f"skipped ({why})",
                                     "budget_s": step.budget_s, "seconds": 0})
             continue
-        timeout = min(3 * step.budget_s + 120, left)
+        timeout = min(ctx.size["study"]["timeout_factor"] * step.budget_s + 120, left)
         print(f"results: {part}/{step.name} (budget ~{step.budget_s:.0f} s, timeout "
               f"{timeout:.0f} s)", flush=True)
         record["steps"].append(run_step(step, folder / f"{step.name}.log", timeout, env))
@@ -130,15 +151,17 @@ def run_part(part: str, ctx: plan.Context, env: dict, time_left) -> dict:
 
 
 def pack(path: Path, folders: list[Path]) -> None:
-    """One .tar.gz of the folders (paths relative to the working directory), written atomically;
-    large binaries (weights, resume checkpoints, memory snapshots) left out."""
+    """One .tar.gz of the folders, written atomically, paths relative to the working directory
+    (so it unpacks over a checkout) or, for a folder outside it, its name; large binaries
+    (weights, resume checkpoints, memory snapshots) left out."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     skip = (".pt", ".pickle")
     with tarfile.open(tmp, "w:gz") as tar:
         for folder in folders:
+            rel = os.path.relpath(folder)
             if folder.exists():
-                tar.add(folder, arcname=os.path.relpath(folder),
+                tar.add(folder, arcname=folder.name if rel.startswith("..") else rel,
                         filter=lambda ti: None if ti.name.endswith(skip) else ti)
     os.replace(tmp, path)
 
@@ -202,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
           f"raw results in {runs}, view in {out}", flush=True)
     runs.mkdir(parents=True, exist_ok=True)
     atomic_write(runs / f"profile_{profile}.json", json.dumps(size, indent=1) + "\n")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _forward)
     for part in measuring:
-        run_part(part, ctx, env, time_left)
+        if not _STOP:
+            run_part(part, ctx, env, time_left)
         if a.archive:
             pack(a.archive, [runs, out])
+    if _STOP:  # asked to stop: keep what was measured, leave the view to a later `report`
+        print(f"results: stopped by signal {_STOP[0]}; raw results in {runs}", file=sys.stderr)
+        return 128 + _STOP[0]
     if not a.no_report:
         view.make(runs, out, env)
         if a.archive:

@@ -26,6 +26,8 @@ PARTS = ("tests", "baseline", "pool", "prune", "checkpoint", "synthetic", "trade
 METHODS = "none,pool,prune,checkpoint,synthetic"
 
 _GPU: dict[str, dict] = {
+    # a step is stopped after timeout_factor x its budget + 120 s (a hang must not eat the study)
+    "study": dict(timeout_factor=3.0),
     # the resnet50 cells the baseline measures; pool and checkpoint reuse its `none` rows
     "resnet50": dict(image_size=224, batches="64,128", precisions="fp32,bf16", steps=20,
                      warmup=3, start_s=10, job_s=6),
@@ -58,6 +60,7 @@ def _smaller(base: dict, changes: dict) -> dict:
 # fp32 here: resnet50 64 px batch 8, 40.7 s vs 3.9 s per step) and no torch.compile (on the CPU
 # the tracker runs compiled code eagerly, so compile's memory is only measured on CUDA).
 _CPU = _smaller(_GPU, {
+    "study": dict(timeout_factor=10.0),  # a shared CPU's load changes step times tenfold
     "resnet50": dict(image_size=64, batches="2,4", precisions="fp32", steps=4, warmup=1,
                      start_s=8, job_s=12),
     "tests": dict(paths="tests/test_gpu.py", budget_s=20),
