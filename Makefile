@@ -105,7 +105,11 @@ results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/res
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
 	  $(RESULTS_PY) -m memtrain.bench.results $(RESULTS_ARGS)
 
+# memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
+# --no-build-isolation uses the box's setuptools and wheel instead of fetching them
+GPU_PY = $(if $(PY),$(PY),python3)
 gpu-env: ## offline box with torch but no Hydra: Hydra's wheels from .whl/ into .whl/site, memtrain from here (PY=python3)
-	$(if $(PY),$(PY),python3) -m pip install -q --no-index --no-deps --upgrade --target .whl/site .whl/*.whl
-	$(if $(PY),$(PY),python3) -m pip install -q --no-index --no-deps --no-build-isolation -e . \
-	  || $(if $(PY),$(PY),python3) -m pip install -q --no-index --no-deps --no-build-isolation --target .whl/site .
+	$(GPU_PY) -m pip install -q --no-index --no-deps --upgrade --target .whl/site .whl/*.whl
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	PYTHONPATH=$(CURDIR)/.whl/site $(GPU_PY) -c "import hydra, memtrain.kernels, torch, triton; \
+	  print('gpu-env: torch', torch.__version__, 'triton', triton.__version__, 'hydra', hydra.__version__)"

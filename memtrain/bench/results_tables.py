@@ -41,6 +41,16 @@ def load_rows(runs: Path) -> pd.DataFrame:
     return df
 
 
+def read_md_table(path: Path) -> pd.DataFrame:
+    """The first markdown table of a file (a benchmark's output), as text cells."""
+    if not path.exists():
+        return pd.DataFrame()
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
+            for ln in path.read_text().splitlines() if ln.startswith("|")]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]
+    return pd.DataFrame(rows[1:], columns=rows[0]) if rows else pd.DataFrame()
+
+
 def _key(row: pd.Series) -> tuple:
     return tuple(str(row.get(k)) if not _missing(row.get(k)) else "-" for k in MATCH)
 
