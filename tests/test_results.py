@@ -166,7 +166,7 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
         assert (d / "report.md").exists() and (d / "summary.csv").exists()
         assert not list(d.glob("*.parquet"))
         with Image.open(d / "figures" / "tradeoff.png") as im:
-            assert im.mode == "P"  # stamped and reduced to 256 colours
+            assert im.mode == "P"  # stamped and reduced to 64 colours
     with tarfile.open(archive) as tar:
         names = tar.getnames()
     assert any(n.endswith("view/results.md") for n in names)

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         env.pop("TRITON_INTERPRET", None)  # the GPU tests check compiled kernels
     ctx = plan.Context(a.device, runs, size, lambda where: find_none(runs, where))
     t0 = time.monotonic()
-    reserve = 0 if a.no_report else 90  # for the view and the archive
+    reserve = 0 if a.no_report else 60  # for the view and the archive
     time_left = (lambda: float("inf")) if a.deadline_s is None else \
         (lambda: a.deadline_s - reserve - (time.monotonic() - t0))
     print(f"results: {name}: parts {', '.join(measuring) or '(none)'}, profile {profile}, "

@@ -33,7 +33,9 @@ def load_rows(runs: Path) -> pd.DataFrame:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        recs.append({**rec, "part": path.parts[-4], "step": path.parts[-3]})
+        # _dir: where the run is now (run_dir is where it ran: another machine, maybe)
+        recs.append({**rec, "part": path.parts[-4], "step": path.parts[-3],
+                     "_dir": str(path.parent)})
     df = pd.DataFrame(recs)
     for col in ("part", "step", "method", "status", *MATCH):
         if col not in df:
@@ -224,7 +226,7 @@ def checkpoint(df: pd.DataFrame, runs: Path) -> list[str]:
         "step time x none": _x("x_step"),
         "planned act. peak MiB": _mem("plan_peak_bytes", 2.0**20),
         "measured act. peak MiB": _mem(ACT, 2.0**20),
-        "planned overhead": lambda r: fmt(100 * _num(r.get("plan_overhead")), 1) + "%"})
+        "planned overhead %": lambda r: fmt(100 * _num(r.get("plan_overhead")), 1)})
 
 
 def _part_peaks(row: pd.Series, col: str, div: float) -> str:

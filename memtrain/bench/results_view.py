@@ -26,12 +26,16 @@ from memtrain.record import atomic_write
 # the columns a run shares with its `none` (the report's --match): the parts measure none
 # at several sizes, step counts and probe settings, and each ratio must use its own
 MATCH = ",".join(k for k in tables.MATCH if k not in ("device", "mem_peak_source"))
-FIGURE_PARTS = ("tradeoff", "checkpoint")
+# the figures RESULTS.md shows, drawn from one part's runs (and the none runs its ratios use)
+HIGHLIGHTS = {"tradeoff": "tradeoff", "checkpoint": "budget"}
+MAX_WIDTH = 1200  # pixels: the report's multi-panel figures are ~3300 wide, too heavy to commit
 
 
-def report(dirs: list[Path], out: Path, env: dict) -> tuple[str, list[Path]]:
+def report(dirs: list[Path], out: Path, env: dict,
+           only: str | None = None) -> tuple[str, list[Path]]:
     """memtrain-report (PNG figures) into a scratch folder, then into `out` all but the parquet
-    copy of summary.csv (binary; the view is committed); returns a status line and the PNGs."""
+    copy of summary.csv (binary; the view is committed), or only figure `only` as
+    `out/<only>.png`; returns a status line and the PNGs."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "memtrain.report.cli", *map(str, dirs), "--out", tmp,
                 "--format", "png", "--match", MATCH]
@@ -42,6 +46,13 @@ def report(dirs: list[Path], out: Path, env: dict) -> tuple[str, list[Path]]:
         if p.returncode:
             return f"failed (exit {p.returncode}): " + \
                 (p.stderr.strip().splitlines() or ["?"])[-1][:200], []
+        if only:
+            fig = Path(tmp) / "figures" / f"{only}.png"
+            if not fig.exists():
+                return f"no {only} figure (see report.md's list of figures not drawn)", []
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fig, out / fig.name)
+            return "ok", [out / fig.name]
         shutil.rmtree(out / "figures", ignore_errors=True)  # figures of an earlier view
         copied = []
         for f in sorted(Path(tmp).rglob("*")):
@@ -54,13 +65,17 @@ def report(dirs: list[Path], out: Path, env: dict) -> tuple[str, list[Path]]:
 
 def stamp(png: Path, text: str) -> None:
     """Write `text` in a band under the figure (the report draws no device or date), then keep
-    256 colours (a third of the bytes; the figures are flat colours and text)."""
+    64 colours (a third of the bytes; the figures are flat colours and text)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from PIL import Image
 
+    with Image.open(png) as im:
+        if im.width > MAX_WIDTH:
+            im.resize((MAX_WIDTH, round(im.height * MAX_WIDTH / im.width)),
+                      Image.LANCZOS).save(png)
     img = plt.imread(png)
     h, w = img.shape[:2]
     band = max(16, round(w / 32))
@@ -71,7 +86,7 @@ def stamp(png: Path, text: str) -> None:
     fig.savefig(png, dpi=100)
     plt.close(fig)
     with Image.open(png) as im:
-        small = im.convert("RGB").quantize(colors=256)
+        small = im.convert("RGB").quantize(colors=64)
     small.save(png, optimize=True)
 
 
@@ -156,7 +171,8 @@ def figures(out: Path, made: list[Path], stamp_text: str) -> tuple[list[str], li
             stamp(png, stamp_text)
         except Exception as e:  # an unreadable PNG is named, the others stamped
             problems.append(f"stamp {png.name}: {type(e).__name__}: {e}")
-    rels = [png.relative_to(out) for png in sorted(out.glob("**/figures/*.png"))]
+    rels = [png.relative_to(out) for png in sorted([*out.glob("figures/*.png"),
+                                                    *out.glob("highlights/*.png")])]
     return [f"- [{rel}]({rel})" for rel in rels], problems
 
 
@@ -167,10 +183,16 @@ def make(runs: Path, out: Path, env: dict) -> Path:
     prov = provenance(df)
     problems = []
     reports, made = {}, []
-    for part, src, dst in [("all runs", runs, out),
-                           *[(p, runs / p, out / p) for p in FIGURE_PARTS]]:
-        if len(df) and (part == "all runs" or (df["part"] == part).any()):
-            reports[part], pngs = report([src], dst, env)
+    if len(df):
+        reports["all runs"], made = report([runs], out, env)
+    shutil.rmtree(out / "highlights", ignore_errors=True)
+    for part, fig in HIGHLIGHTS.items():
+        rows = df[df["part"] == part]
+        if len(rows):  # the part's runs and the none runs its ratios were taken against
+            nones = df[(df["method"] == "none") & df["_cell"].isin(rows["_cell"])
+                       & (df["part"] != part)]
+            dirs = [runs / part, *map(Path, nones["_dir"])]
+            reports[f"{part} ({fig})"], pngs = report(dirs, out / "highlights", env, fig)
             made += pngs
     text = f"{prov['device']} · measured {prov['date']} · torch {prov['torch']} · memtrain " \
            f"{prov['git'][:12]}"
@@ -198,8 +220,10 @@ def make(runs: Path, out: Path, env: dict) -> Path:
         except Exception:  # one table's bug must not lose the others
             problems.append(f"table {sec}: {traceback.format_exc().splitlines()[-1]}")
             lines.append("(table not made: see Problems)")
-    lines += ["", "## Figures", "", "memtrain-report over all runs (`report.md`, `summary.csv`), "
-              "and over the trade-off and checkpoint parts alone:", "", *figs]
+    lines += ["", "## Figures", "", "memtrain-report over all runs (`report.md`, `summary.csv`, "
+              "`figures/`); `highlights/`: the trade-off part's tradeoff figure and the "
+              "checkpoint part's budget figure, each drawn from that part's runs alone:", "",
+              *figs]
     if problems:
         lines += ["", "## Problems", "", *[f"- {p}" for p in problems]]
     prof = sorted(runs.glob("profile_*.json"))
