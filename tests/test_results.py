@@ -162,11 +162,11 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
     rows = [ln for ln in text.split("## trade-off")[1].split("##")[0].splitlines()
             if ln.startswith("| ") and "| ok |" in ln]
     assert len(rows) == len(results_plan.METHODS.split(","))
-    for d in (out, out / "tradeoff"):
-        assert (d / "report.md").exists() and (d / "summary.csv").exists()
-        assert not list(d.glob("*.parquet"))
-        with Image.open(d / "figures" / "tradeoff.png") as im:
-            assert im.mode == "P"  # stamped and reduced to 64 colours
+    assert (out / "report.md").exists() and (out / "summary.csv").exists()
+    assert not list(out.glob("**/*.parquet"))
+    for png in (out / "figures" / "tradeoff.png", out / "highlights" / "tradeoff.png"):
+        with Image.open(png) as im:
+            assert im.mode == "P" and im.width <= results_view.MAX_WIDTH  # stamped, reduced
     with tarfile.open(archive) as tar:
         names = tar.getnames()
     assert any(n.endswith("view/results.md") for n in names)

@@ -122,7 +122,9 @@ def run_part(part: str, ctx: plan.Context, env: dict, time_left) -> dict:
 
         shutil.rmtree(folder)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    record = {"part": part, "status": "running", "started": started, "steps": []}
+    sizes = {k: ctx.size[k] for k in ("study", "resnet50", part)}  # what this part ran at
+    record = {"part": part, "status": "running", "started": started, "size": sizes,
+              "steps": []}
     atomic_write(folder / STATUS, json.dumps(record, indent=1) + "\n")
     try:
         steps = plan.BUILDERS[part](ctx)
@@ -221,10 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     reserve = 0 if a.no_report else 60  # for the view and the archive
     time_left = (lambda: float("inf")) if a.deadline_s is None else \
         (lambda: a.deadline_s - reserve - (time.monotonic() - t0))
-    print(f"results: {name}: parts {', '.join(measuring) or '(none)'}, profile {profile}, "
+    print(f"results: {name}: parts {', '.join(measuring) or '(none)'}, sizes {profile}, "
           f"raw results in {runs}, view in {out}", flush=True)
     runs.mkdir(parents=True, exist_ok=True)
-    atomic_write(runs / f"profile_{profile}.json", json.dumps(size, indent=1) + "\n")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
     for part in measuring:

@@ -292,6 +292,8 @@ def estimate(df: pd.DataFrame, runs: Path) -> list[str]:
         "estimate / measured": lambda r: fmt(ratio(r)),
         "within 10%": lambda r: "-" if math.isnan(ratio(r)) else
         ("yes" if abs(ratio(r) - 1) <= 0.1 else "no"),
+        "act. estimate / measured": lambda r: fmt(_num(r.get("mem_estimate_act_bytes"))
+                                                  / _num(r.get(ACT))),
         f"measured other {unit}": _mem("mem_at_peak_other_bytes", div),
         "peak source": lambda r: r.get("mem_peak_source"), "why it differs": probe_note})
 

@@ -226,10 +226,11 @@ def make(runs: Path, out: Path, env: dict) -> Path:
               *figs]
     if problems:
         lines += ["", "## Problems", "", *[f"- {p}" for p in problems]]
-    prof = sorted(runs.glob("profile_*.json"))
-    if prof:
-        lines += ["", f"## Sizes ({prof[-1].stem})", "", "```json",
-                  prof[-1].read_text().strip(), "```"]
+    sizes = {p: st[p]["size"] for p in sorted(st) if "size" in st[p]}
+    if sizes:
+        lines += ["", "## Sizes", "", "Each part as it ran (memtrain/bench/results_plan.py; "
+                  "`--set PART.KEY=VALUE` changes one):", "", "```json",
+                  json.dumps(sizes, indent=1), "```"]
     atomic_write(out / "results.md", "\n".join(lines) + "\n")
     return out / "results.md"
 
