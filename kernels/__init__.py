@@ -1,5 +1,27 @@
-"""Triton kernels (installed as memtrain.kernels), each beside an eager oracle in reference.py.
+"""Triton kernels (installed as memtrain.kernels), each beside its torch fallback and an eager
+oracle; a leaf package: it imports torch, triton and numpy only, never the rest of memtrain.
+
+- `bitmask.py`: 1-bit ReLU masks (method pool): Triton kernels and their torch fallback.
+- `prune.py`: block scores, compaction and the block-sparse grad_weight (method prune), Triton;
+  `bsr.py`: their storage format, the block selection, the torch fallback and the dispatch.
+- `reference.py`: the eager oracles of both, one section per method.
+- `aot.py`: every kernel compiled ahead of time for sm_80/sm_90 (no GPU needed).
 
 Kernels run on CUDA; on the CPU they run under TRITON_INTERPRET=1 (tests use small shapes), and
-every caller has a plain-torch fallback for machines without Triton.
+every caller has a plain-torch fallback for machines without Triton. The benchmarks live in
+memtrain/bench/kernels.py (`python -m memtrain.kernels.bench prune|bitmask`).
 """
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (it is optional at run time: the torch paths need none)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

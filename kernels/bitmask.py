@@ -1,15 +1,16 @@
 """1-bit activation masks: pack `x > 0` into bytes, and apply the packed mask to a gradient.
 
 Used by `method=pool` so that a ReLU keeps 1 bit per element for its backward instead of its
-full-size output (PAPERS.md, the pool pitfall). Bit j of byte b holds element 8*b + j (little
-bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
+full-size output (the pool pitfall, docs/ARCHITECTURE.md). Bit j of byte b holds element 8*b + j
+(little bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
 
 Three implementations with one signature each:
 - Triton kernels (`_pack_kernel`, `_masked_grad_kernel`) behind `pack_triton`, `masked_grad_triton`:
   CUDA, or the CPU under TRITON_INTERPRET=1 (tests).
 - Plain-torch fallbacks `pack_torch` / `unpack_torch` / `masked_grad_torch`: any device.
 - `pack` / `masked_grad` pick Triton on CUDA when it imports, else the fallback.
-The eager oracle (numpy) lives in kernels/reference.py.
+The eager oracle (numpy) lives in kernels/reference.py; the benchmark is
+`python -m memtrain.kernels.bench bitmask`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import math
 
 import torch
+from memtrain.kernels import triton_available
 
 BLOCK_BYTES = 1024  # bytes per program in the pack kernel (8x as many elements)
 BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
@@ -162,15 +164,6 @@ def masked_grad_torch(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- dispatch
 
 
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and triton_available()
 
@@ -183,16 +176,3 @@ def pack(x: torch.Tensor) -> torch.Tensor:
 def masked_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """`grad` where the packed mask is set, else 0: Triton on CUDA, plain torch elsewhere."""
     return masked_grad_triton(grad, bits) if _use_triton(grad) else masked_grad_torch(grad, bits)
-
-
-if __name__ == "__main__":  # benchmark: python -m memtrain.kernels.bitmask (CUDA)
-    import triton.testing
-
-    x = torch.randn(128 * 64 * 112 * 112, device="cuda")
-    bits = pack(x)
-    for name, fn in [("pack triton", lambda: pack_triton(x)), ("pack torch", lambda: pack_torch(x)),
-                     ("grad triton", lambda: masked_grad_triton(x, bits)),
-                     ("grad torch", lambda: masked_grad_torch(x, bits)),
-                     ("relu backward (ref)", lambda: torch.where(x > 0, x, 0))]:
-        ms = triton.testing.do_bench(fn)
-        print(f"{name:>20}: {ms:.3f} ms, {x.numel() * x.element_size() / ms / 1e6:.0f} GB/s read")

@@ -7,9 +7,9 @@ kernels here
   3. compute grad_weight = G^T @ A_pruned, looping only over the kept blocks with `tl.dot` tiles
      (`_bsr_grad_weight_kernel`, `bsr_grad_weight`).
 The top-k choice between 1 and 2 is a sort on the (small) score vector, done in torch
-(memtrain/methods/_bsr.py), as is the autograd wrapper (memtrain/methods/prune.py).
+(kernels/bsr.py), as is the autograd wrapper (memtrain/methods/prune.py).
 
-Storage (`BlockSparse` in memtrain/methods/_bsr.py): values [nnz, B, B] in A's dtype, each block as
+Storage (`BlockSparse` in kernels/bsr.py): values [nnz, B, B] in A's dtype, each block as
 it sits in A (zero-padded past the edges of A), ordered by block column and, within a column, by
 block row; `rows` int32 [nnz] = the block row of each kept block; `col_ptr` int32 [n_col_blocks + 1]
 = where each block column starts. This is the BSR layout of A^T (torch's BSC layout of A), the

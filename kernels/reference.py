@@ -33,7 +33,7 @@ def pool_masked_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 # ================================================================ prune (kernels/prune.py)
 # Written block by block in Python loops on purpose: independent of the vectorised torch backend
-# (memtrain/methods/_bsr.py) and of the kernels, for small test shapes only.
+# (kernels/bsr.py) and of the kernels, for small test shapes only.
 
 
 def prune_block_scores_ref(a: torch.Tensor, b: int, criterion: str = "l2") -> torch.Tensor:

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from memtrain.errors import check_choice, check_range
-
 log = logging.getLogger(__name__)
 
 FAULTS = ("oom", "nan", "error", "sigterm")
@@ -28,19 +26,12 @@ SNAPSHOT = "memory_snapshot.pickle"
 
 
 class Fault:
-    """Makes training step `step` fail with `kind`; call `inject(step, loss)` after the loss."""
+    """Makes training step `step` fail with `kind` (one of FAULTS, as `schema.Trainer` checks);
+    call `inject(step, loss)` after the loss."""
 
     def __init__(self, kind: str, step: int = 0):
-        check_choice("trainer.fault", kind, FAULTS)
-        check_range("trainer.fault_step", step, 0)
         self.kind, self.step = kind, int(step)
         self.fired = False
-
-    @classmethod
-    def from_options(cls, kind: str | None, step: int) -> Fault | None:
-        if kind is None or str(kind).lower() in ("", "null", "none"):
-            return None
-        return cls(str(kind).lower(), step)  # Hydra reads a bare `nan` as a float
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`."""
@@ -156,9 +147,12 @@ class StopSignals:
             signal.signal(s, old)
         self._old.clear()
 
-    def exit_code(self) -> int:
-        """The shell's convention: 128 + signal number."""
-        return 128 + (signal.SIGINT if self.requested == "SIGINT" else signal.SIGTERM)
+
+
+def exit_code(signal_name: str | None) -> int:
+    """The exit status of a run stopped by `signal_name` (the shell's 128 + signal number);
+    SIGTERM unless it was the user's Ctrl-C."""
+    return 128 + (signal.SIGINT if signal_name == "SIGINT" else signal.SIGTERM)
 
 
 class MemorySnapshot:

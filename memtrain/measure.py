@@ -8,6 +8,8 @@ Three independent instruments, each usable alone:
   its breakdown at that moment and the peak of activation memory (recomputation included). This
   is the CPU's peak (`mem_peak_source=tracker`) and the breakdown on CUDA.
 - `StepTimer` + CUDA allocator statistics: step times and the real CUDA peak.
+`Measurement` applies them to a training run: which step is warm-up, accounted or timed, and
+which peak a row reports.
 """
 
 from __future__ import annotations
@@ -86,18 +88,6 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
-
-
-def saved_activation_bytes(model: nn.Module, *inputs: torch.Tensor, loss_fn=None) -> int:
-    """Saved-for-backward bytes of one forward pass of `model` (no backward is run); the
-    inputs, parameters and buffers are not counted (`alive_before_step`)."""
-    counter = SavedBytes(exclude=alive_before_step(model, *inputs))
-    with counter:
-        out = model(*inputs)
-        if loss_fn is not None:
-            out = loss_fn(out)
-    del out
-    return counter.bytes
 
 
 class PeakTracker:
@@ -215,6 +205,124 @@ def cuda_peak(device: torch.device) -> dict[str, int]:
 def reset_cuda_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+class Measurement:
+    """The measurement protocol of one training run (docs/ARCHITECTURE.md, "Measurement").
+
+    Steps 0 .. warmup-1 warm up (excluded from every figure). The next step is the accounting step
+    (unless `account_memory` is off): saved-activation bytes and the live-tensor peak are taken on
+    it, and it trains like any other step. Every later step is timed, and the CUDA peak is the
+    maximum over those steps, work done `outside_window` (evaluation) excluded. `memory()` chooses
+    the peak a row reports: CUDA's allocator on CUDA, the tracker's elsewhere.
+
+    Columns go into `summary` (the run's record) as soon as they are measured, so a run that
+    fails later still has them.
+    """
+
+    def __init__(self, device: torch.device, total_steps: int, warmup_steps: int,
+                 account_memory: bool, summary: dict):
+        self.device, self.account, self.summary = device, account_memory, summary
+        # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
+        self.warmup = min(warmup_steps, max(0, total_steps - 2))
+        self.timer = StepTimer(device)
+        self.peak_cuda = {"mem_peak_alloc_bytes": 0, "mem_peak_reserved_bytes": 0}
+        self._saved: SavedBytes | None = None
+
+    @contextlib.contextmanager
+    def step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             x: torch.Tensor, y: torch.Tensor):
+        """Around one whole training step: times it, or accounts it (tracker and saved bytes)."""
+        accounting = self.account and step == self.warmup
+        timed = step >= self.warmup and not accounting
+        self._saved = SavedBytes(alive_before_step(model, x, y)) if accounting else None
+        tracker = PeakTracker(model, optimizer, x, y) if accounting else None
+        if timed:
+            self.timer.start()
+        with maybe(tracker, accounting):
+            yield
+        if timed:
+            self.timer.stop()
+        if accounting:
+            self.summary.update(_accounting(self._saved, tracker, model, optimizer))
+            self._saved = None
+        if step == self.warmup:  # the CUDA peak window opens after the accounting step
+            reset_cuda_peak(self.device)
+
+    def forward(self) -> contextlib.AbstractContextManager:
+        """Around the forward pass: counts what is saved for backward on the accounting step."""
+        return maybe(self._saved, self._saved is not None)
+
+    def update_done(self, model: nn.Module) -> None:
+        """After the optimizer step, before the gradients are freed: their bytes, once."""
+        if self._saved is not None:
+            self.summary["mem_grads_bytes"] = tensor_bytes(
+                p.grad for p in model.parameters() if p.grad is not None)
+
+    @contextlib.contextmanager
+    def outside_window(self):
+        """Work that is no training step (evaluation): kept out of the CUDA peak."""
+        if self.device.type == "cuda":
+            for k, v in cuda_peak(self.device).items():
+                self.peak_cuda[k] = max(self.peak_cuda[k], v)
+        yield
+        reset_cuda_peak(self.device)
+
+    def samples_s(self, batch_size: int) -> float:
+        """Throughput of the last timed step (NaN before the first)."""
+        return batch_size / self.timer.times[-1] if self.timer.times else float("nan")
+
+    def timing(self, batch_size: int) -> dict[str, float]:
+        return self.timer.summary(batch_size)
+
+    def memory(self) -> dict[str, float | int | str]:
+        """The reported peak and its source: CUDA's allocator over the timed steps, or (on other
+        devices) the live-tensor tracker's peak of the accounting step."""
+        if self.device.type == "cuda":
+            # The breakdown was taken at the tracker's peak; "other" absorbs what the allocator
+            # holds beyond live tensors (workspaces, rounding) and what the tracker did not see.
+            # Not clamped at 0: the tracker seeing more than CUDA allocated must show.
+            tracked = sum(self.summary.get(f"mem_at_peak_{k}_bytes", 0) for k in
+                          ("params", "grads", "optim", "act"))
+            return {**self.peak_cuda, "mem_peak_source": "cuda", "mem_at_peak_other_bytes":
+                    self.peak_cuda["mem_peak_alloc_bytes"] - tracked}
+        if "mem_tracker_peak_bytes" not in self.summary:
+            return {}
+        return {"mem_peak_alloc_bytes": self.summary["mem_tracker_peak_bytes"],
+                "mem_peak_reserved_bytes": float("nan"), "mem_peak_source": "tracker"}
+
+    def at_oom(self) -> dict[str, int | str]:
+        """On CUDA, the peak reached before the failing allocation."""
+        if self.device.type != "cuda":
+            return {}
+        return {**cuda_peak(self.device), "mem_peak_source": "cuda"}
+
+    def state(self) -> dict:
+        """What a resumed run needs to go on measuring (resume.capture's `extra`)."""
+        return {"times": self.timer.times, "peak_cuda": self.peak_cuda}
+
+    def restore(self, state: dict) -> None:
+        self.timer.times.extend(state["times"])
+        self.peak_cuda.update(state["peak_cuda"])
+
+
+def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
+                optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    at = tracker.at_peak
+    return {
+        "mem_act_saved_bytes": saved.bytes,
+        "mem_act_saved_tensors": saved.count,
+        "mem_peak_act_bytes": tracker.act_peak_bytes,
+        "mem_tracker_peak_bytes": tracker.peak_bytes,
+        "mem_params_bytes": tensor_bytes(model.parameters()),
+        "mem_buffers_bytes": tensor_bytes(model.buffers()),
+        "mem_optim_bytes": optimizer_bytes(optimizer),
+        "mem_at_peak_params_bytes": at["params"],
+        "mem_at_peak_grads_bytes": at["grads"],
+        "mem_at_peak_optim_bytes": at["optim"],
+        "mem_at_peak_act_bytes": at["act"],
+        "mem_at_peak_other_bytes": at["buffers"] + at["other"],
+    }
 
 
 def _git_commit() -> str:

@@ -12,8 +12,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -21,19 +22,26 @@ METRICS = "metrics.csv"
 SKIPPED = "skipped.json"
 METRIC_FIELDS = ("step", "epoch", "split", "name", "value")
 STATUSES = ("ok", "oom", "diverged", "error", "interrupted")
+# The config groups a run chooses an option of: the `method`, `model`, ... columns of every row
+GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
 # trainer options that drive a run without changing what it computes: left out of run_id (so a
 # resumed or re-launched run keeps its id and skip_done finds it) and out of the report's settings
 DRIVING_OPTIONS = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
                    "memory_snapshot", "progress")
 
 
-def atomic_write(path: str | os.PathLike, text: str) -> None:
+def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes]], None]) -> None:
+    """Write `data` (text, bytes, or a function that writes to a binary file, e.g. torch.save)
+    to a temporary file in the same folder, fsync, rename over `path`: never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,19 +31,8 @@ SKIPPED = record.SKIPPED
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, fsync, rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # as record.atomic_write: results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save, written atomically (`record.atomic_write`)."""
+    record.atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load(path: Path) -> dict:
@@ -155,6 +142,20 @@ class Checkpointer:
             return state
         log.info("trainer.resume: no checkpoint for run_id %s; starting from step 0", self.run_id)
         return None
+
+    def carried(self) -> dict[str, Any]:
+        """What a method kept in `carry` in the checkpoint this run resumes from ({} if none)."""
+        state = self.load()
+        return dict((state or {}).get("carry", {}))
+
+    def columns(self) -> dict[str, str]:
+        """Summary columns: where the run resumed from, and an unreadable checkpoint's warning."""
+        out = {}
+        if self.resumed_from is not None:
+            out["resumed_from"] = str(self.resumed_from)
+        if self.warning is not None:
+            out["resume_warning"] = self.warning
+        return out
 
     def step_done(self, step: int, snapshot: Callable[[], dict], prefix: str = "") -> str | None:
         """Save when due; returns the signal name when the run must stop now (already saved)."""

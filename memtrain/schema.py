@@ -23,15 +23,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_choice, check_range
 
 INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds included) hold no more
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")  # autocast dtypes: train.autocast_factory
+
+
 @dataclasses.dataclass
 class Trainer:
-    """conf/trainer/default.yaml as types (a test keeps the two equal). The seed of a structured
-    trainer config: the meaning of each key is in the YAML's comments."""
+    """The trainer options, typed: conf/trainer/default.yaml as a dataclass (a test keeps the two
+    equal; the meaning of each key is in the YAML's comments). Built once per job from the
+    composed config (`from_config`, which validates it) and handed to the training loop.
+    Registered in Hydra's ConfigStore as `trainer/base_trainer` (the schema of the group)."""
 
     device: str = "auto"
     batch_size: int = 128
@@ -63,6 +68,75 @@ class Trainer:
     gpu_memory_gb: float | None = None
     find_max_batch: bool = False
     estimate: bool = False
+
+    @classmethod
+    def from_config(cls, node: DictConfig | dict[str, Any]) -> Trainer:
+        """The options of `cfg.trainer` (resolved), validated (`check`)."""
+        values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
+            else dict(node)
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown trainer option trainer.{unknown[0]}")
+        t = cls(**values)
+        # Hydra reads a bare `nan` as a float: a fault's name is text, and null means none
+        if t.fault is not None:
+            t.fault = None if str(t.fault).lower() in ("", "null", "none") else str(t.fault).lower()
+        t.check()
+        return t
+
+    def check(self) -> None:
+        """Ranges and choices, each a one-line ConfigError (types: `check_config`)."""
+        from memtrain.faults import FAULTS
+
+        check_range("trainer.batch_size", self.batch_size, 1)
+        if self.eval_batch_size is not None:
+            check_range("trainer.eval_batch_size", self.eval_batch_size, 1)
+        check_range("trainer.epochs", self.epochs, 1)
+        if self.max_steps is not None:  # 0: probes only
+            check_range("trainer.max_steps", self.max_steps, 0)
+        if self.max_steps == 0 and not (self.estimate or self.find_max_batch):
+            raise ConfigError("trainer.max_steps=0 runs the probes only, and none is asked: set "
+                              "trainer.estimate=true or trainer.find_max_batch=true, or "
+                              "trainer.max_steps >= 1")
+        check_range("trainer.warmup_steps", self.warmup_steps, 0)
+        check_choice("trainer.precision", self.precision, PRECISIONS)
+        check_range("trainer.log_every", self.log_every, 1)
+        check_range("trainer.eval_every", self.eval_every, 0)
+        dev = str(self.device)
+        if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
+            raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")
+        for name in ("eval_max_batches", "threads"):
+            if getattr(self, name) is not None:
+                check_range(f"trainer.{name}", getattr(self, name), 1)
+        if self.grad_clip is not None:
+            check_range("trainer.grad_clip", self.grad_clip, 0, None, lo_open=True)
+        check_range("trainer.save_every", self.save_every, 0)
+        if self.fault is not None:
+            check_choice("trainer.fault", self.fault, FAULTS)
+        check_range("trainer.fault_step", self.fault_step, 0)
+        if self.gpu_memory_gb is not None:
+            check_range("trainer.gpu_memory_gb", self.gpu_memory_gb, 0, None, lo_open=True)
+        if dev.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"trainer.device={dev} but no CUDA device is available; use "
+                                  f"trainer.device=cpu or auto")
+
+    def schedule(self, n_train: int) -> tuple[int, int]:
+        """(steps per epoch, steps of the run) on a training split of `n_train` samples: the one
+        step count (the loop, the learning-rate schedule and a method's phases use it)."""
+        per_epoch = n_train // self.batch_size
+        total = self.max_steps if self.max_steps is not None else self.epochs * max(1, per_epoch)
+        return per_epoch, total
+
+
+def register_configs() -> None:
+    """The structured configs in Hydra's ConfigStore: `trainer/base_trainer`, the schema a
+    trainer YAML can extend (`defaults: [base_trainer, _self_]`) for typed keys."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="trainer", name="base_trainer", node=Trainer)
 
 
 @functools.cache

@@ -21,8 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from memtrain import schema
 from memtrain.errors import ConfigError
-
-GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
+from memtrain.record import GROUPS
 
 
 def parse(overrides: list[str]) -> list:

@@ -34,6 +34,18 @@ def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                           capture_output=True, timeout=timeout, env=full_env)
 
 
+def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Saved-for-backward bytes of one forward pass (no backward); the inputs, parameters and
+    buffers are not counted (`measure.alive_before_step`), as on a run's accounting step."""
+    from memtrain import measure
+
+    counter = measure.SavedBytes(exclude=measure.alive_before_step(model, *inputs))
+    with counter:
+        out = model(*inputs)
+    del out
+    return counter.bytes
+
+
 def job_dir(sweep: Path, num: int) -> Path:
     """Job `num`'s folder in a sweep folder: `<num>_<run_id>` (conf/config.yaml)."""
     (found,) = Path(sweep).glob(f"{num}_*")

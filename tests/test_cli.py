@@ -95,3 +95,26 @@ def test_failing_run_records_status_error(in_tmp):
     s = json.loads((row_dir / "summary.json").read_text())
     assert s["status"] == "error" and "32 px" in s["error"]
     assert s["test_acc"] is None  # NaN is written as null
+
+
+# run_ids computed by the code before the runner/loop restructuring (issue 16), on the same conf/.
+# A run_id names a job folder and lets skip_done/resume find earlier runs: it must not move when
+# the code is reorganised. A change to conf/ that changes what a config computes changes its id;
+# then update the value here on purpose (and say so in the commit).
+STORED_RUN_IDS = [
+    ([], "577ed406825d"),
+    (["trainer=smoke", "model=mlp6"], "49f525fa7bd5"),
+    (["method=checkpoint", "trainer.max_steps=5", "trainer.resume=true"], "a59a9bfaced6"),
+    (["method=synthetic", "model=resnet18", "dataset=cifar10", "optim=adamw"], "06d84cdf4302"),
+    (["experiment=quick", "method=pool"], "dc7294d99c54"),
+    (["method=prune", "method.sparsity=0.75", "trainer.gpu_memory_gb=4", "trainer.fault=nan"],
+     "79e156c5118d"),
+]
+
+
+def test_run_id_of_an_unchanged_config_is_stored_value():
+    from memtrain import runner
+
+    for overrides, rid in STORED_RUN_IDS:
+        cfg, _ = api.compose(overrides)
+        assert runner.run_id(cfg) == rid, overrides

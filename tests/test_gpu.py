@@ -14,17 +14,24 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TINY = ["trainer=smoke", "trainer.device=cuda", "trainer.max_steps=6", "trainer.warmup_steps=2"]
 
 
-def test_cuda_peak_breakdown_adds_up(in_tmp):
-    row = api.run([*TINY, "model=resnet18", "trainer.batch_size=32"], out_dir=in_tmp / "r")
+def test_cuda_peak_breakdown_against_independent_counts(in_tmp):
+    over = [*TINY, "model=resnet18", "trainer.batch_size=32"]
+    row = api.run(over, out_dir=in_tmp / "r")
     assert row["status"] == "ok" and row["mem_peak_source"] == "cuda"
+    _, model, _ = api.build(over)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # each part the tracker saw at its peak against what this test counts itself: the
+    # parameters, SGD's momentum buffers (one per parameter: optim=sgd), at most one gradient each
+    assert row["mem_at_peak_params_bytes"] == row["mem_params_bytes"] == params
+    assert row["mem_at_peak_optim_bytes"] == row["mem_optim_bytes"] == params
+    assert 0 <= row["mem_at_peak_grads_bytes"] <= params
+    assert row["mem_at_peak_act_bytes"] > 0
+    # CUDA allocated at least what the tracker saw live: "other" is not clamped at 0, so a
+    # tracker that overcounts shows here as a negative rest
     tracked = sum(row[f"mem_at_peak_{k}_bytes"] for k in ("params", "grads", "optim", "act"))
-    # what the tracker saw at its peak cannot exceed what CUDA allocated at its own peak, and
-    # "other" is exactly the rest (workspaces, rounding)
-    assert tracked <= row["mem_peak_alloc_bytes"]
     assert row["mem_at_peak_other_bytes"] == row["mem_peak_alloc_bytes"] - tracked
+    assert row["mem_at_peak_other_bytes"] >= 0, row
     assert row["mem_peak_reserved_bytes"] >= row["mem_peak_alloc_bytes"]
-    assert row["mem_peak_alloc_bytes"] >= (row["mem_params_bytes"] + row["mem_optim_bytes"]
-                                           + 0.5 * row["mem_act_saved_bytes"])
 
 
 def _plain_loop_peak(model: torch.nn.Module, batch: int, steps: int, shape) -> int:
@@ -101,17 +108,16 @@ def test_bf16_prune_path_trains_and_saves_memory(in_tmp):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiled kernels only")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_prune_kernels_equal_the_oracles(dtype):
+    from memtrain.kernels import bsr
     from memtrain.kernels import reference as ref
-
-    from memtrain.methods import _bsr
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(300, 200, generator=gen).to(dtype)
     g = torch.randn(300, 96, generator=gen).to(dtype)
     for s in (0.0, 0.5, 0.9):
-        spec = _bsr.PruneSpec(s, 32, "l2", "triton")
-        bs = _bsr.compress(a.cuda(), spec)
-        gw = _bsr.grad_weight(g.cuda(), bs, "triton").cpu()
+        spec = bsr.PruneSpec(s, 32, "l2", "triton")
+        bs = bsr.compress(a.cuda(), spec)
+        gw = bsr.grad_weight(g.cuda(), bs, "triton").cpu()
         counts = (bs.col_ptr[1:] - bs.col_ptr[:-1]).long().cpu()
         cols = torch.repeat_interleave(torch.arange(counts.numel()), counts)
         kept = list(zip(bs.rows.cpu().tolist(), cols.tolist()))

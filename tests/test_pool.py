@@ -4,7 +4,7 @@ against method=none (same model, batch and seed), autocast, options, training.""
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_memtrain
+from conftest import run_memtrain, saved_bytes
 
 from memtrain import api, measure
 from memtrain.errors import ConfigError
@@ -97,11 +97,11 @@ def test_relu_outputs_are_released_only_with_masks(model):
 
 def _ratios(model, size, targets):
     net, x, _ = _build(model, size, "method=none")
-    base = measure.saved_activation_bytes(net, x)
+    base = saved_bytes(net, x)
     out = {}
     for t in targets:
         net, x, _ = _build(model, size, "method=pool", f"method.targets={t}")
-        out[t] = measure.saved_activation_bytes(net, x) / base
+        out[t] = saved_bytes(net, x) / base
     return out
 
 
@@ -131,7 +131,7 @@ def test_saved_bytes_ratio_resnet50_224():
 @pytest.mark.slow
 def test_efficientnet_b0_depthwise_runs_and_saves_less():
     net0, x, y = _build("efficientnet_b0", 16, "method=none")
-    base = measure.saved_activation_bytes(net0, x)
+    base = saved_bytes(net0, x)
     net1, _, _ = _build("efficientnet_b0", 16, "method=pool", "method.min_size=2")
     depthwise = [m for m in net1.modules() if isinstance(m, PooledConv2d) and m.groups > 1]
     assert depthwise
@@ -206,6 +206,7 @@ def test_training_converges_like_none_at_equal_epochs():
 
     from memtrain.data import synthetic
     from memtrain.optim import build_optimizer, build_scheduler
+    from memtrain.schema import Trainer
     from memtrain.train import train
 
     data = synthetic(image_size=16, train_size=2048, test_size=1000)
@@ -217,9 +218,9 @@ def test_training_converges_like_none_at_equal_epochs():
         if name == "pool":
             net = PoolMethod().wrap(net)
         opt = build_optimizer(net, lr=0.05)
-        result = train(net, data, opt, build_scheduler(opt, 12 * 32), device=CPU,
-                       batch_size=64, epochs=12, warmup_steps=1, progress=False,
-                       account_memory=False, eval_every=0)  # evaluate once, at the end
+        t = Trainer(batch_size=64, epochs=12, warmup_steps=1, progress=False,
+                    account_memory=False, eval_every=0)  # evaluate once, at the end
+        result = train(net, data, opt, build_scheduler(opt, 12 * 32), trainer=t, device=CPU)
         acc[name] = result.summary["test_acc"]
     assert acc["none"] > 0.8, acc  # the task is learnt at all
     assert acc["pool"] >= acc["none"] - 0.03, acc

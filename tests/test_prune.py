@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import fashion_mnist_available
+from conftest import fashion_mnist_available, saved_bytes
 from memtrain.kernels import reference as ref
 from torch import nn
 
@@ -153,7 +153,7 @@ def test_triton_and_torch_backends_give_the_same_model_gradients():
 
 def _saved(net, x, autocast=False):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        return measure.saved_activation_bytes(net, x)
+        return saved_bytes(net, x)
 
 
 def test_bf16_autocast_keeps_bf16_blocks_and_saves_less():

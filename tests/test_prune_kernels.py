@@ -5,9 +5,8 @@ import os
 
 import pytest
 import torch
+from memtrain.kernels import bsr
 from memtrain.kernels import reference as ref
-
-from memtrain.methods import _bsr
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -25,8 +24,8 @@ def _case(m, k, n, dtype=torch.float32, seed=0):
 
 
 def _run(a, g, spec):
-    bs = _bsr.compress(a, spec)
-    return bs, _bsr.grad_weight(g, bs, spec.backend)
+    bs = bsr.compress(a, spec)
+    return bs, bsr.grad_weight(g, bs, spec.backend)
 
 
 def _kept(bs):
@@ -47,12 +46,12 @@ def test_scores_selection_values_and_grad_weight_equal_reference(m, k, n, b, cri
 
         got = kernels.block_scores(a, b, criterion)
     else:
-        got = _bsr.block_scores_torch(_bsr._block_view(a, b), criterion)
+        got = bsr.block_scores_torch(bsr._block_view(a, b), criterion)
     torch.testing.assert_close(got, scores, rtol=1e-5, atol=1e-5)
     n_blocks = scores.numel()
     # all kept, half, a single block left
     for s, count in ((0.0, n_blocks), (0.5, -(-n_blocks // 2)), (1 - 0.5 / n_blocks, 1)):
-        bs, gw = _run(a, g, _bsr.PruneSpec(s, b, criterion, backend))
+        bs, gw = _run(a, g, bsr.PruneSpec(s, b, criterion, backend))
         kept = ref.prune_topk_ref(scores, s)
         assert _kept(bs) == kept
         assert len(kept) == count
@@ -65,7 +64,7 @@ def test_scores_selection_values_and_grad_weight_equal_reference(m, k, n, b, cri
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_values_bitwise_and_grad_weight_within_bf16_rounding(backend):
     a, g = _case(50, 70, 24, torch.bfloat16)
-    bs, gw = _run(a, g, _bsr.PruneSpec(0.5, 16, "l2", backend))
+    bs, gw = _run(a, g, bsr.PruneSpec(0.5, 16, "l2", backend))
     kept = ref.prune_topk_ref(ref.prune_block_scores_ref(a, 16), 0.5)
     assert _kept(bs) == kept
     assert bs.values.dtype == gw.dtype == torch.bfloat16
@@ -78,7 +77,7 @@ def test_bf16_values_bitwise_and_grad_weight_within_bf16_rounding(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sparsity_zero_gives_the_dense_grad_weight(backend):
     a, g = _case(64, 96, 40)
-    bs, gw = _run(a, g, _bsr.PruneSpec(0.0, 32, "l2", backend))
+    bs, gw = _run(a, g, bsr.PruneSpec(0.0, 32, "l2", backend))
     assert bs.values.numel() == a.numel()
     dense = g.t().mm(a)
     if backend == "torch":  # the blocks scatter back into A bit for bit; the same mm follows
@@ -92,7 +91,7 @@ def test_split_k_partial_sums_equal_single_pass():
     from memtrain.kernels import prune as kernels
 
     a, g = _case(160, 48, 20)
-    bs = _bsr.compress(a, _bsr.PruneSpec(0.25, 16, "l2", "triton"))
+    bs = bsr.compress(a, bsr.PruneSpec(0.25, 16, "l2", "triton"))
     one = kernels.bsr_grad_weight(g, bs.values, bs.rows, bs.col_ptr, 48, split=1)
     three = kernels.bsr_grad_weight(g, bs.values, bs.rows, bs.col_ptr, 48, split=3)
     torch.testing.assert_close(three, one, rtol=1e-5, atol=1e-5)
@@ -104,20 +103,20 @@ def test_kept_blocks_are_the_planted_high_norm_blocks(backend):
     planted = [(0, 3), (1, 1), (2, 0), (3, 2)]  # b=16: a 4 x 4 block grid
     for i, j in planted:
         a[i * 16:(i + 1) * 16, j * 16:(j + 1) * 16] = -3.0  # large by norm, negative by sign
-    bs = _bsr.compress(a, _bsr.PruneSpec(0.75, 16, "l1", backend))
+    bs = bsr.compress(a, bsr.PruneSpec(0.75, 16, "l1", backend))
     assert sorted(_kept(bs)) == sorted(planted)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ties_keep_the_lowest_row_major_indices(backend):
     a = torch.ones(48, 48)  # 3 x 3 equal blocks at b=16, keep ceil(0.5 * 9) = 5
-    bs = _bsr.compress(a, _bsr.PruneSpec(0.5, 16, "l2", backend))
+    bs = bsr.compress(a, bsr.PruneSpec(0.5, 16, "l2", backend))
     assert sorted(_kept(bs)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
 
 
 def test_storage_is_torch_bsc_of_the_masked_padded_matrix():
     a, _ = _case(50, 70, 1)
-    bs = _bsr.compress(a, _bsr.PruneSpec(0.6, 16, "l2", "torch"))
+    bs = bsr.compress(a, bsr.PruneSpec(0.6, 16, "l2", "torch"))
     dense = bs.to_torch_bsc().to_dense()
     assert dense.shape == (64, 80)
     mask = ref.prune_mask_ref((50, 70), _kept(bs), 16)
@@ -126,9 +125,9 @@ def test_storage_is_torch_bsc_of_the_masked_padded_matrix():
 
 
 def test_n_kept_is_ceil_and_keeps_all_at_zero():
-    assert _bsr.n_kept(10, 0.0) == 10
-    assert _bsr.n_kept(10, 0.5) == 5
-    assert _bsr.n_kept(10, 0.55) == 5  # ceil(4.5)
-    assert _bsr.n_kept(10, 0.9) == 1
-    assert _bsr.n_kept(7, 0.99) == 1
-    assert _bsr.n_kept(100, 0.7) == 30  # (1 - 0.7) * 100 is 30.000000000000004 in floats
+    assert bsr.n_kept(10, 0.0) == 10
+    assert bsr.n_kept(10, 0.5) == 5
+    assert bsr.n_kept(10, 0.55) == 5  # ceil(4.5)
+    assert bsr.n_kept(10, 0.9) == 1
+    assert bsr.n_kept(7, 0.99) == 1
+    assert bsr.n_kept(100, 0.7) == 30  # (1 - 0.7) * 100 is 30.000000000000004 in floats

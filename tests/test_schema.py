@@ -13,7 +13,7 @@ import pytest
 from conftest import CONF, conf_options, run_memtrain
 from omegaconf import OmegaConf
 
-from memtrain import cli, schema, validate
+from memtrain import runner, schema, validate
 from memtrain.errors import ConfigError
 
 NUMERIC = (int, float)
@@ -41,7 +41,7 @@ KEYS = _numeric_keys()
 
 @functools.cache
 def _compose(overrides: tuple[str, ...]):
-    return validate.compose_fn(cli.conf_dir())(list(overrides))
+    return validate.compose_fn(runner.conf_dir())(list(overrides))
 
 
 def test_the_generated_cases_cover_known_options():
@@ -69,7 +69,7 @@ def test_every_numeric_option_rejects_non_finite(group, option, key, is_list, ba
                                       "method=synthetic method.cuts=[1.5]"])
 def test_integer_options_reject_non_integers(override):
     with pytest.raises(ConfigError, match="must be an integer"):
-        cli.check_overrides(override.split())
+        runner.check_overrides(override.split())
 
 
 def test_trainer_schema_matches_its_yaml():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import fashion_mnist_available
 
-from memtrain import api, cli
+from memtrain import api, runner
 from memtrain.errors import ConfigError
 from memtrain.methods._partition import (
     NearestColumn,
@@ -32,18 +32,14 @@ def one_thread():
 
 
 def _fit(overrides: list[str]):
-    """What cli.execute does for a fit method, returning the objects as well as the result."""
+    """What runner.run does for a fit method, returning the objects as well as the result."""
     cfg, _ = api.compose(overrides)
-    data, model, method = cli.build(cfg)
-    t = cfg.trainer
-    optim = cli._kwargs(cfg.optim)
+    t = runner.trainer_of(cfg)
+    data, model, method = runner.build(cfg, t)
+    optim = runner._kwargs(cfg.optim)
     opt = build_optimizer(model, **optim)
-    sched = build_scheduler(opt, t.max_steps or t.epochs * (len(data.train) // t.batch_size),
-                            **optim)
-    kw = dict(device=torch.device("cpu"), batch_size=t.batch_size, epochs=t.epochs,
-              max_steps=t.max_steps, warmup_steps=t.warmup_steps, seed=t.seed,
-              eval_max_batches=t.eval_max_batches, progress=False)
-    return data, model, method, opt, sched, kw
+    sched = build_scheduler(opt, t.schedule(len(data.train))[1], **optim)
+    return data, model, method, opt, sched, dict(trainer=t, device=torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- labels and cuts

@@ -5,18 +5,53 @@ import math
 import pytest
 import torch
 
-from memtrain import api
+from memtrain import api, runner
 from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.train import train
 
 TINY = ["trainer=smoke", "model=resnet18", "dataset.image_size=8", "trainer.batch_size=4"]
 
 
-@pytest.mark.parametrize("extra", [["trainer.precision=bf16"], ["trainer.channels_last=true"],
-                                   ["optim=adamw"], ["optim.schedule=step"]])
-def test_options_train(in_tmp, extra):
-    row = api.run(TINY + extra, out_dir=in_tmp / "r")
-    assert row["status"] == "ok", row.get("error")
-    assert math.isfinite(row["train_loss"])
+def _train(extra: list[str]):
+    """One tiny run through the real loop, its first convolution watched: what it receives and
+    what it returns (dtype, memory format)."""
+    cfg, _ = api.compose(TINY + extra)
+    t = runner.trainer_of(cfg)
+    data, model, _ = runner.build(cfg, t)
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    seen: dict[str, set] = {"in_channels_last": set(), "out_dtype": set()}
+
+    def watch(module, inputs, output):
+        if module.training:  # training steps only, not the evaluation
+            x = inputs[0]
+            seen["in_channels_last"].add(x.is_contiguous(memory_format=torch.channels_last)
+                                         and not x.is_contiguous())
+            seen["out_dtype"].add(output.dtype)
+
+    conv.register_forward_hook(watch)
+    optim = runner._kwargs(cfg.optim)
+    opt = build_optimizer(model, **optim)
+    sched = build_scheduler(opt, t.schedule(len(data.train))[1], **optim)
+    result = train(model, data, opt, sched, trainer=t, device=torch.device("cpu"))
+    assert math.isfinite(result.summary["train_loss"])
+    lrs = [r["value"] for r in result.metrics if r["name"] == "lr"]
+    return seen, opt, lrs
+
+
+def test_each_option_has_its_effect():
+    """bf16 reaches the convolutions (autocast), channels_last the input, adamw keeps its two
+    moments, the step schedule decays in steps: each against the defaults."""
+    seen, opt, lrs = _train([])
+    assert seen == {"in_channels_last": {False}, "out_dtype": {torch.float32}}
+    assert isinstance(opt, torch.optim.SGD) and len(set(lrs)) == len(lrs)  # cosine: every step
+    assert _train(["trainer.precision=bf16"])[0]["out_dtype"] == {torch.bfloat16}
+    assert _train(["trainer.channels_last=true"])[0]["in_channels_last"] == {True}
+    _, adamw, _ = _train(["optim=adamw"])
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.state
+    assert all({"exp_avg", "exp_avg_sq"} <= set(st) for st in adamw.state.values())
+    # 4 steps, a decay every 4 // 3 = 1 step; each row holds the lr after its step
+    _, _, step_lrs = _train(["optim.schedule=step"])
+    assert step_lrs == pytest.approx([0.1 * 0.1 ** (i + 1) for i in range(4)])
 
 
 def test_step_bookkeeping_short_run_still_accounts_and_times(in_tmp):

@@ -12,16 +12,12 @@ recomputation included) and torch.compile is left out (the tracker runs compiled
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, measure
-from memtrain.bench import publish
+from memtrain import api, bench, measure
 from memtrain.errors import ConfigError
 
 BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
@@ -69,13 +65,7 @@ def run_point(model_name: str, size: int, batch: int, overrides: list[str],
             step()
         row["act_peak"], row["peak"] = tracker.act_peak_bytes, tracker.peak_bytes
     measure.reset_cuda_peak(device)
-    times = []
-    for _ in range(steps):
-        measure.sync(device)
-        t0 = time.perf_counter()
-        step()
-        measure.sync(device)
-        times.append(time.perf_counter() - t0)
+    times = bench.timings(step, device, steps)
     if device.type == "cuda":
         row["peak"] = torch.cuda.max_memory_allocated(device)
     row["step_s"] = statistics.median(times)
@@ -119,17 +109,6 @@ def table(rows: list[dict], device: torch.device) -> str:
     return "\n".join(out)
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -155,13 +134,10 @@ def main(argv: list[str] | None = None) -> None:
             r = {"error": f"infeasible; least peak {least}"}
         rows.append({"label": label, **r})
         print(f"{label}: {r}", flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU {_cpu_name()}, {torch.get_num_threads()} threads"
     text = (f"# checkpoint benchmark: {args.model}, {args.size} px, batch {batch}\n\n"
-            f"device: {name}; torch {torch.__version__}; date {datetime.date.today()}; "
-            f"{args.steps} timed steps after {args.warmup} warm-up, median.\n\n"
-            f"{table(rows, device)}\n")
-    publish(text, args.out)
+            f"Device: {bench.device_line(device)}; {args.steps} timed steps after {args.warmup} "
+            f"warm-up, median.\n\n{table(rows, device)}\n")
+    bench.publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ import argparse
 import copy
 import datetime as dt
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, measure
+from memtrain import api, bench
 from memtrain.data import Data, Split
 from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.schema import Trainer
 from memtrain.train import train
 
 
@@ -44,29 +44,28 @@ def plain_loop(model, batches, device, lr: float) -> list[float]:
     opt = build_optimizer(model, lr=lr)
     sched = build_scheduler(opt, len(batches))
     model.train()
-    times = []
-    for x, y in batches:
-        measure.sync(device)
-        t0 = time.perf_counter()
+    it = iter(batches)
+
+    def step():
+        x, y = next(it)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        measure.sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
+
+    return bench.timings(step, device, len(batches))
 
 
-def memtrain_loop(model, batches, device, lr: float, batch_size: int) -> list[float]:
+def memtrain_loop(model, batches, device, lr: float, batch_size: int, warmup: int) -> float:
+    """memtrain's loop on the same batches: its median step time after `warmup` steps."""
     data = Data(FixedBatches(batches), FixedBatches(batches[:1]), 0, tuple(batches[0][0].shape[1:]))
     opt = build_optimizer(model, lr=lr)
     sched = build_scheduler(opt, len(batches))
-    # no accounting step and warmup 0: every step is timed, as in the plain loop
-    res = train(model, data, opt, sched, device=device, batch_size=batch_size, epochs=1,
-                max_steps=len(batches), warmup_steps=0, account_memory=False, progress=False,
-                eval_max_batches=0, log_every=10)
-    return res.step_times
+    # no accounting step: every step after the warm-up is timed, as in the plain loop
+    t = Trainer(batch_size=batch_size, epochs=1, max_steps=len(batches), warmup_steps=warmup,
+                account_memory=False, progress=False, eval_max_batches=0, log_every=10)
+    return train(model, data, opt, sched, trainer=t, device=device).summary["step_time_s_median"]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="append a markdown table row set to this file")
     args = ap.parse_args(argv)
 
-    from memtrain.cli import resolve_device
-
-    device = resolve_device(args.device)
+    device = bench.device(args.device)
     data, model, _ = api.build([f"model={args.model}", f"dataset.image_size={args.image_size}",
                                 f"trainer.batch_size={args.batch_size}"])
     model.to(device)
@@ -100,13 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
             model.load_state_dict(init)
             if name == "plain":
                 t = plain_loop(model, batches, device, lr)
+                medians[name].append(statistics.median(t[args.warmup:]))
             else:
-                t = memtrain_loop(model, batches, device, lr, args.batch_size)
-            medians[name].append(statistics.median(t[args.warmup:]))
+                medians[name].append(memtrain_loop(model, batches, device, lr, args.batch_size,
+                                                   args.warmup))
     plain = statistics.median(medians["plain"])
     mt = statistics.median(medians["memtrain"])
     result = {
-        "device": measure.provenance(device)["device_name"], "model": args.model,
+        "device": bench.device_name(device), "model": args.model,
         "image_size": args.image_size, "batch_size": args.batch_size,
         "plain_step_s": plain, "memtrain_step_s": mt, "ratio": mt / plain,
         "rounds": args.rounds, "steps": args.steps, "torch": torch.__version__,

@@ -1,9 +1,10 @@
 """Benchmark of method=pool against method=none in the same process: memory and speed.
 
-GPU (the issue's benchmark): resnet50 at 224 px, batch 64 and 128, bf16 and fp32; peak allocated
+GPU (the paper's setting): resnet50 at 224 px, batch 64 and 128, bf16 and fp32; peak allocated
 memory (`torch.cuda.max_memory_allocated` over timed training steps, optimizer state included)
-and throughput (CUDA events) of pool (k=2, upsample and pooled) over none. Goals: peak ratio
-<= 0.71 (the paper's -29%), better <= 0.60; throughput ratio >= 0.90.
+and throughput (`bench.timings`: synchronised host clocks, as memtrain times a step) of pool (k=2,
+upsample and pooled) over none. Goals: peak ratio <= 0.71 (the paper's -29%), better <= 0.60;
+throughput ratio >= 0.90.
 CPU: saved-activation bytes per step (`measure.SavedBytes`) and step time, at small sizes.
 
     python -m memtrain.bench.pool                           # CUDA when present, else the CPU
@@ -14,15 +15,12 @@ CPU: saved-activation bytes per step (`measure.SavedBytes`) and step time, at sm
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from memtrain import measure, models
-from memtrain.bench import publish
+from memtrain import bench, measure, models
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
 from memtrain.train import PRECISIONS
@@ -41,20 +39,6 @@ def _step(model, opt, x, y, dtype):
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def _elapsed(device, fn) -> float:
-    """Seconds one call of fn takes: CUDA events on a GPU, a host clock elsewhere."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def measure_one(model_name, size, batch, precision, variant, device, steps, warmup) -> dict:
@@ -77,7 +61,7 @@ def measure_one(model_name, size, batch, precision, variant, device, steps, warm
         del out
         row["saved_bytes"] = saved.bytes
         measure.reset_cuda_peak(device)
-        times = [_elapsed(device, lambda: _step(net, opt, x, y, dtype)) for _ in range(steps)]
+        times = bench.timings(lambda: _step(net, opt, x, y, dtype), device, steps)
         row["step_s"] = statistics.median(times)
         row["samples_s"] = batch / row["step_s"]
         if device.type == "cuda":
@@ -100,22 +84,13 @@ def add_ratios(rows: list[dict]) -> None:
                 r[name] = r[key] / b[key]
 
 
-def table(rows: list[dict]) -> str:
-    cols = ["model", "size", "batch", "precision", "method", "status", "saved_bytes",
-            "saved_ratio", "peak_alloc_bytes", "peak_ratio", "step_s", "samples_s",
-            "throughput_ratio"]
-    cols = [c for c in cols if any(c in r for r in rows)]
+COLUMNS = ["model", "size", "batch", "precision", "method", "status", "saved_bytes", "saved_ratio",
+           "peak_alloc_bytes", "peak_ratio", "step_s", "samples_s", "throughput_ratio"]
 
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.3f}" if v < 100 else f"{v:.1f}"
-        if isinstance(v, int) and v > 10**5:
-            return f"{v / 2**20:.1f} MiB"
-        return str(v)
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+def _cell(v) -> str:
+    """Byte counts in MiB, the rest as every benchmark writes them."""
+    return f"{v / 2**20:.1f} MiB" if isinstance(v, int) and v > 10**5 else bench.cell(v)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,8 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (cuda 5, cpu 2)")
     p.add_argument("--out", default=None, help="write the markdown table here")
     a = p.parse_args(argv)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
-                          if a.device == "auto" else a.device)
+    device = bench.device(a.device)
     gpu = device.type == "cuda"
     split = lambda s, default: (s or default).split(",")
     grid = [(m, int(s), int(b), pr) for m in split(a.models, "resnet50" if gpu else "resnet18")
@@ -148,14 +122,11 @@ def main(argv: list[str] | None = None) -> None:
             if gpu:  # the next cell starts from an empty cache
                 torch.cuda.empty_cache()
     add_ratios(rows)
-    prov = measure.provenance(device)
-    head = (f"# method=pool vs none, {prov['device_name']} ({device}), "
-            f"{datetime.date.today().isoformat()}\n\ntorch {prov['torch_version']}, triton "
-            f"{prov['triton_version']}, {prov['cpu_threads']} CPU threads, git "
-            f"{prov['git_commit']}; median of {steps} timed steps after {warmup} warm-up; "
-            f"saved bytes: one forward, per storage, parameters excluded.\n")
-    text = head + "\n" + table(rows) + "\n"
-    publish(text, a.out)
+    note = (f"Device: {bench.device_line(device)}. Median of {steps} timed steps after {warmup} "
+            f"warm-up; saved bytes: one forward, per storage, parameters excluded.")
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    bench.publish(bench.markdown(rows, f"method=pool vs none ({device})", note, cols, _cell),
+                  a.out)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from memtrain import api
-from memtrain.bench import publish
-from memtrain.kernels.bench import device_line, markdown
+from memtrain.bench import device_line, markdown, publish
 
 MIB = 2**20
 

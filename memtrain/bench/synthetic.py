@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from memtrain import api
-from memtrain.record import atomic_write
+from memtrain.bench import device_line, markdown, publish
 
 MIB = 2**20
 
@@ -64,8 +64,8 @@ def time_to(row: dict, run_dir: Path, target: float, k: int) -> float:
     return float("nan")
 
 
-def bench(cpu: bool, ks: list[int], target_ratio: float, extra: list[str],
-          runs: Path) -> list[dict]:
+def run_all(cpu: bool, ks: list[int], target_ratio: float, extra: list[str],
+            runs: Path) -> list[dict]:
     fmnist = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
     device = "cpu" if cpu else "auto"
     rows = []
@@ -96,26 +96,8 @@ def _row(model: str, k: int, r: dict, none: dict, tta: float) -> dict:
     }
 
 
-def markdown(rows: list[dict], target_ratio: float) -> str:
-    cols = ["model", "dataset", "method", "K", "part_peaks_mib", "max_peak_vs_none", "train_s",
-            "time_to_target_s", "test_acc", "acc_vs_none"]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + (f"\n\ntarget accuracy = {target_ratio} x none's final test_acc; "
-                               f"peaks from `{rows[0]['peak_source']}` on {rows[0]['device']}.\n")
-
-
-def _device_name(cpu: bool) -> str:
-    if not cpu:
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} (torch threads: see overrides)"
-    except OSError:
-        pass
-    return "CPU"
+COLUMNS = ["model", "dataset", "method", "K", "part_peaks_mib", "max_peak_vs_none", "train_s",
+           "time_to_target_s", "test_acc", "acc_vs_none"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,15 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     cpu = a.cpu or not torch.cuda.is_available()
     runs = a.runs / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    table = markdown(bench(cpu, a.k, a.target, a.overrides, runs), a.target)
-    print(table)
-    if a.out:
-        stamp = datetime.date.today().isoformat()
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = " ".join(sys.argv[1:] if argv is None else argv)
-        atomic_write(a.out, f"# method synthetic benchmark ({'CPU' if cpu else 'GPU'}, {stamp})\n\n"
-                         f"Device: {_device_name(cpu)}\n\n"
-                         f"`python -m memtrain.bench.synthetic {cmd}`\n\n{table}")
+    rows = run_all(cpu, a.k, a.target, a.overrides, runs)
+    cmd = " ".join(sys.argv[1:] if argv is None else argv)
+    device = torch.device("cpu" if cpu else "cuda")
+    note = (f"Device: {device_line(device)}\n\n`python -m memtrain.bench.synthetic {cmd}`\n\n"
+            f"target accuracy = {a.target} x none's final test_acc; peaks from "
+            f"`{rows[0]['peak_source']}` on {rows[0]['device']}.")
+    publish(markdown(rows, f"method synthetic benchmark ({'CPU' if cpu else 'GPU'})", note,
+                     COLUMNS), a.out)
 
 
 if __name__ == "__main__":

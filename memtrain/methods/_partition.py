@@ -19,6 +19,7 @@ from torch import nn
 
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
+from memtrain.train import evaluate, train
 
 # A dense S of shape (cut width, classes) is held on the device; refuse sizes that would rival
 # the activations it is meant to save (1 GiB of fp32).
@@ -199,8 +200,6 @@ def mse_to_label(out: torch.Tensor, y: torch.Tensor, targets: torch.Tensor) -> t
 def evaluate_decoded(model, split, device, batch_size, autocast, max_batches=None,
                      channels_last=False, *, s: torch.Tensor) -> dict[str, float]:
     """`train.evaluate` of a regression partition: acc = nearest-column decoding, loss = MSE."""
-    from memtrain.train import evaluate
-
     return evaluate(NearestColumn(model, s), split, device, batch_size, autocast, max_batches,
                     channels_last, loss_fn=F.nll_loss)
 
@@ -292,7 +291,7 @@ class Phase:
     module: nn.Module                   # what this phase trains (its parameters only)
     optim: dict[str, Any]               # optimizer_spec(...)
     factors: list[float] | None         # lr_factors(...)
-    train_kwargs: dict[str, Any]        # train.train keyword arguments (device included)
+    train_kwargs: dict[str, Any]        # train.train keyword arguments (trainer, device...)
     prefix: nn.Module | None = None     # frozen earlier partitions (right_input=left)
     s_in: torch.Tensor | None = None    # previous cut's S (right_input=synthetic)
     in_shape: tuple[int, ...] | None = None
@@ -316,8 +315,6 @@ def phase_data(phase: Phase, data: Data, device: torch.device) -> Data:
 
 def run_phase(phase: Phase, data: Data):
     """Train one phase with `train.train`; returns its TrainResult (module trained in place)."""
-    from memtrain.train import train
-
     device = phase.train_kwargs["device"]
     hooks: dict[str, Any] = {}
     if phase.s_out is not None:

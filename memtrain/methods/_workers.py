@@ -19,6 +19,7 @@ from torch import nn
 from memtrain.data import Data
 from memtrain.errors import ConfigError
 from memtrain.methods._partition import Phase, run_phase
+from memtrain.train import RunFailed, TrainResult
 
 POLL_S = 1.0
 
@@ -37,8 +38,6 @@ def _on(data: Data, device: torch.device) -> Data:
 
 def _worker(index: int, phase: Phase, data: Data, data_on_device: bool, threads: int,
             out) -> None:
-    from memtrain.train import RunFailed
-
     try:
         torch.set_num_threads(threads)
         device = phase.train_kwargs["device"]
@@ -78,8 +77,6 @@ def _collect(procs: dict[int, object], out) -> dict[int, tuple]:
 
 def run_parallel(phases: list[Phase], data: Data, device: torch.device) -> list[tuple[str, object]]:
     """Train every phase in its own process; modules are updated in place with the results."""
-    from memtrain.train import RunFailed, TrainResult
-
     ctx = torch.multiprocessing.get_context("spawn")
     devices = _devices(device)
     on_device = device.type == "cuda"
@@ -91,10 +88,9 @@ def run_parallel(phases: list[Phase], data: Data, device: torch.device) -> list[
         procs = {}
         for j, phase in enumerate(wave):
             phase.module.cpu()
-            # A worker trains its partition from scratch: resumable state (a checkpointer, once
-            # the trainer has one) holds the parent's stop signal and is not sent.
-            kw = {k: v for k, v in phase.train_kwargs.items() if k != "checkpointer"}
-            phase.train_kwargs = {**kw, "device": devices[j]}
+            # A worker trains its partition from scratch with the trainer options alone: the
+            # checkpointer holds the parent's stop signal, the loggers its terminal.
+            phase.train_kwargs = {"trainer": phase.train_kwargs["trainer"], "device": devices[j]}
             p = ctx.Process(target=_worker, daemon=True,
                             args=(start + j, phase, cpu_data, on_device, torch.get_num_threads(),
                                   out))

@@ -103,11 +103,20 @@ class CheckpointMethod:
                          policy=_save_matmul_conv)
         return model
 
-    def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                autocast=None, groups: list[tuple[int, int]] | None = None) -> dict[str, Any]:
-        """Profile the segments on `x` (its device), choose the groups (or take `groups`, a
-        resumed run's plan), checkpoint them in place; returns the plan's summary columns.
-        Planned strategies only."""
+    def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
+                carry: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Before the first step, on the run's first batch and device: profile the segments on
+        `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
+        in place. Returns the plan's summary columns; with `dry_run`, also `dry_run=True` and
+        `steps=0`, and the run stops there."""
+        if self.strategy not in PLANNED:
+            if self.dry_run:
+                print(f"checkpoint strategy {self.strategy} has no plan to show; "
+                      f"{len(self.segments)} segments")
+                return {"dry_run": True, "steps": 0}
+            return {}
+        carry = {} if carry is None else carry
+        groups = carry.get("checkpoint_plan")
         pb = self.profile_batch
         scale = 1.0
         if pb is not None and pb < x.shape[0]:
@@ -116,8 +125,8 @@ class CheckpointMethod:
                                               lambda out: F.cross_entropy(out.float(), y),
                                               autocast, self.profile_repeats, scale)
         n = prof.n
-        if groups is not None:
-            plan = planner.make_plan(prof, [tuple(g) for g in groups])
+        if groups is not None:  # a resumed run keeps its plan, whatever a new profile says
+            plan = planner.make_plan(prof, [(int(a), int(b)) for a, b in groups])
         elif self.strategy == "uniform":
             plan = planner.make_plan(prof, planner.uniform_groups(n, self.every))
         elif self.strategy == "sqrt":
@@ -125,8 +134,12 @@ class CheckpointMethod:
         else:
             plan = self._plan_budget(prof)
         self.plan = plan
-        if not self.dry_run:
-            apply_groups(model, self.segments, plan.groups)
+        carry["checkpoint_plan"] = [list(g) for g in plan.groups]
+        log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
+        if self.dry_run:
+            print(self.table())
+            return {**self.summary_columns(), "dry_run": True, "steps": 0}
+        apply_groups(model, self.segments, plan.groups)
         return self.summary_columns()
 
     def _budget(self, prof: planner.Profile) -> int:
@@ -178,47 +191,3 @@ class CheckpointMethod:
                      f"{p.peak / 2**20:.2f} MiB ({p.peak / prof.baseline_peak:.3f}x); predicted "
                      f"overhead +{100 * p.overhead:.1f}% step time")
         return "\n".join(lines)
-
-    # ------------------------------------------------------------ training
-
-    def fit(self, model: nn.Module, data, optimizer, scheduler, **train_kwargs):
-        from memtrain.train import RunFailed, TrainResult, autocast_factory, train
-
-        extra: dict[str, Any] = {}
-        if self.strategy in PLANNED:
-            device = train_kwargs["device"]
-            model.to(device)
-            model.train()
-            x, y = next(iter(data.train.batches(train_kwargs["batch_size"], device)))
-            if train_kwargs.get("channels_last") and x.ndim == 4:
-                model.to(memory_format=torch.channels_last)
-                x = x.contiguous(memory_format=torch.channels_last)
-            autocast = autocast_factory(device.type, train_kwargs.get("precision", "fp32"))
-            ck = train_kwargs.get("checkpointer")
-            extra = self.prepare(model, x, y, autocast, groups=_resumed_plan(ck))
-            if ck is not None:  # a resumed run keeps this plan, whatever a new profile says
-                ck.carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
-            log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
-            if self.dry_run:
-                print(self.table())
-                return TrainResult({**extra, "dry_run": True, "steps": 0}, [])
-        elif self.dry_run:
-            print(f"checkpoint strategy {self.strategy} has no plan to show; "
-                  f"{len(self.segments)} segments")
-            return TrainResult({"dry_run": True, "steps": 0}, [])
-        try:
-            result = train(model, data, optimizer, scheduler, **train_kwargs)
-        except RunFailed as e:  # a failed or interrupted row still says what was planned
-            e.summary.update(extra)
-            raise
-        result.summary.update(extra)
-        return result
-
-
-
-def _resumed_plan(ck) -> list[tuple[int, int]] | None:
-    """The plan saved with the checkpoint a resumed run continues from, if any. Weights load
-    under any plan (names never change), but the recompute schedule is part of the run."""
-    state = ck.load() if ck is not None else None
-    groups = (state or {}).get("carry", {}).get("checkpoint_plan")
-    return None if groups is None else [tuple(int(v) for v in g) for g in groups]

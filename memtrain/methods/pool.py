@@ -2,8 +2,8 @@
 
 The forward pass stays exact. Convolutions keep `pool_k(x)` for backward instead of x (grad_input
 stays exact, grad_weight is approximate); with `targets=conv+bn` BatchNorm keeps a pooled x_hat
-too (its whole backward becomes approximate). The pitfall (PAPERS.md): a conv input is usually a
-ReLU output that the ReLU saves as well, so ReLUs keep a 1-bit (or bool) mask instead; max-pools
+too (its whole backward becomes approximate). The pitfall (docs/ARCHITECTURE.md): a conv input is
+usually a ReLU output that the ReLU saves as well, so ReLUs keep a 1-bit (or bool) mask; max-pools
 keep uint8 window offsets instead of their input and int64 indices. Both of those are exact.
 A layer whose input is data from outside the autograd graph (the batch, or a view of it: it
 needs no gradient) is left alone unless `compress_input=true`: the loop keeps the batch for the

@@ -4,7 +4,7 @@ keep for backward (Barley & Froening, arXiv 2311.16883).
 The forward pass and grad_input are exact; only grad_weight = G^T @ A sees the pruned input. The
 input A, viewed as a matrix (Linear: [rows, in_features]; 1x1 conv: [N*H*W, C_in]), is tiled into
 b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole matrix) are kept
-as values [nnz, b, b] plus int32 block indices (memtrain/methods/_bsr.py, kernels/prune.py).
+as values [nnz, b, b] plus int32 block indices (memtrain/methods/bsr.py, kernels/prune.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
 Three cases keep the dense input (and so an exact gradient), because blocks would only add memory:
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.methods import _bsr
+from memtrain.kernels import bsr
 from memtrain.methods._swap import swap_modules
 
 LAYERS = ("linear", "conv1x1", "both")
@@ -35,7 +35,7 @@ BLOCK_SIZES = (16, 32, 64)
 # ---------------------------------------------------------------- autograd: save, then grad_weight
 
 
-def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_matrix,
+def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: bsr.PruneSpec, to_matrix,
           m: int) -> None:
     """Save W and the kept blocks of A = to_matrix(x) (or x itself when compression would not
     save memory: x, not a reshaped copy, so nothing beyond the baseline's storage is kept).
@@ -45,12 +45,12 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: _bsr.PruneSpec, to_m
         ctx.save_for_backward(weight)
         return
     k = weight.shape[1]  # in_features / C_in: A's columns
-    if _bsr.compressed_elements(m, k, spec) >= m * k or (
+    if bsr.compressed_elements(m, k, spec) >= m * k or (
             not spec.prune_shared and kept_by_producer(x)) or (
             not spec.compress_input and not ctx.needs_input_grad[0]):
         ctx.save_for_backward(weight, x)
         return
-    bs = _bsr.compress(to_matrix(x.detach()), spec)
+    bs = bsr.compress(to_matrix(x.detach()), spec)
     ctx.sparse, ctx.shape = True, bs.shape
     ctx.save_for_backward(weight, bs.values, bs.rows, bs.col_ptr)
 
@@ -73,7 +73,7 @@ def _grad_weight(ctx, g2d: torch.Tensor, saved: tuple[torch.Tensor, ...]) -> tor
     if not ctx.sparse:
         return g2d.t().mm(ctx.to_matrix(saved[0]).to(g2d.dtype))
     values, rows, col_ptr = saved
-    return _bsr.grad_weight(g2d, _bsr.BlockSparse(values, rows, col_ptr, ctx.shape),
+    return bsr.grad_weight(g2d, bsr.BlockSparse(values, rows, col_ptr, ctx.shape),
                             ctx.spec.backend)
 
 
@@ -96,7 +96,7 @@ class PrunedLinearFn(torch.autograd.Function):
     """y = x W^T + b, saving W and x [..., in] viewed as [rows, in], block-pruned."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: _bsr.PruneSpec):
+    def forward(ctx, x, weight, bias, spec: bsr.PruneSpec):
         ctx.has_bias = bias is not None
         _save(ctx, x, weight, spec, _lin_rows, x.numel() // x.shape[-1])
         return F.linear(x, weight, bias)
@@ -115,7 +115,7 @@ class PrunedConv1x1Fn(torch.autograd.Function):
     it reads: A = x[:, :, ::s, ::s] as [N*Ho*Wo, C_in]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: _bsr.PruneSpec, stride: tuple[int, int]):
+    def forward(ctx, x, weight, bias, spec: bsr.PruneSpec, stride: tuple[int, int]):
         out = F.conv2d(x, weight, bias, stride)
         ctx.has_bias, ctx.x_shape, ctx.stride = bias is not None, x.shape, stride
         _save(ctx, x, weight, spec, partial(_conv_rows, stride=stride),
@@ -146,7 +146,7 @@ class PrunedConv1x1Fn(torch.autograd.Function):
 
 
 def _apply(fn, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           spec: _bsr.PruneSpec, *extra) -> torch.Tensor:
+           spec: bsr.PruneSpec, *extra) -> torch.Tensor:
     """Run `fn` the way autocast would run the layer: inputs cast to the autocast dtype."""
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
@@ -167,7 +167,7 @@ class PrunedLinear(nn.Linear):
     """nn.Linear whose saved input is block-pruned (the class of a swapped module, in place:
     parameters, state_dict keys and hooks stay those of the original)."""
 
-    prune_spec: _bsr.PruneSpec
+    prune_spec: bsr.PruneSpec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _active(self):
@@ -182,7 +182,7 @@ class PrunedConv1x1(nn.Conv2d):
     """A 1x1 nn.Conv2d (groups 1, no padding) whose saved input is block-pruned (swapped in
     place, as PrunedLinear)."""
 
-    prune_spec: _bsr.PruneSpec
+    prune_spec: bsr.PruneSpec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _active(self):
@@ -228,16 +228,16 @@ class PruneMethod:
                  prune_shared: bool = False, compress_input: bool = False):
         check_range("method.sparsity", sparsity, 0, 1, hi_open=True)
         check_choice("method.block_size", block_size, BLOCK_SIZES)
-        check_choice("method.criterion", criterion, _bsr.CRITERIA)
+        check_choice("method.criterion", criterion, bsr.CRITERIA)
         check_choice("method.layers", layers, LAYERS)
-        check_choice("method.backend", backend, _bsr.BACKENDS)
+        check_choice("method.backend", backend, bsr.BACKENDS)
         check_choice("method.prune_head", prune_head, (True, False))
         check_choice("method.prune_shared", prune_shared, (True, False))
         check_choice("method.compress_input", compress_input, (True, False))
-        if backend == "triton" and not _bsr.triton_available():
+        if backend == "triton" and not bsr.triton_available():
             raise ConfigError("method.backend=triton but triton is not installed; use "
                               "method.backend=auto or torch")
-        self.spec = _bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend,
+        self.spec = bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend,
                                    prune_shared, compress_input)
         self.layers, self.prune_head = layers, prune_head
         self.pruned: list[str] = []

@@ -15,10 +15,10 @@ one partition's parameters, gradients, optimizer state and activations are alive
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,6 +39,8 @@ from memtrain.methods._partition import (
     run_phase,
     units,
 )
+from memtrain.schema import Trainer
+from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +125,16 @@ class Synthetic:
     # ------------------------------------------------------------ training
 
     def fit(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
-            **kw) -> Any:
+            *, trainer: Trainer, device: torch.device, **loop: Any) -> TrainResult:
         """Train every partition on its own target, then recover end to end; one TrainResult.
 
         `optimizer`/`scheduler` are the run's (built on the whole model): each phase gets a fresh
         optimizer of the same class and settings over its own parameters, and the run's learning
         rate schedule stretched to the phase's length (recovery: the schedule's last steps).
+        `loop`: train.train's other keyword arguments (checkpointer, loggers), for every phase.
         """
-        from memtrain.train import RunFailed, TrainResult
-
-        kw = {**_train_defaults(), **kw}
-        phases = self.plan(model, data, optimizer, scheduler, **kw)
-        device: torch.device = kw["device"]
-        steps_per_epoch, run_total = _run_steps(data, kw)
+        phases = self.plan(model, data, optimizer, scheduler, trainer=trainer, device=device,
+                           **loop)
         done: list[tuple[str, Any]] = []
         t0 = time.perf_counter()
         try:
@@ -149,7 +148,7 @@ class Synthetic:
                     if self.right_input == "synthetic":  # not needed again until composed
                         phase.module.cpu()
             if self.recovery_epochs:
-                rec = self._recovery(model, optimizer, scheduler, kw, run_total, steps_per_epoch)
+                rec = self._recovery(model, optimizer, scheduler, trainer, device, data, loop)
                 done.append((rec.name, run_phase(rec, data)))
         except RunFailed as e:
             summary, metrics = self._merge(done, model)
@@ -157,30 +156,29 @@ class Synthetic:
             raise RunFailed(e.status, str(e), e.step, summary, metrics + e.metrics) from e
         summary, metrics = self._merge(done, model)
         summary["train_time_s"] = time.perf_counter() - t0
-        summary.update(self._evaluate(model, data, kw, metrics, summary["steps"]))
+        summary.update(self._evaluate(model, data, trainer, device, metrics, summary["steps"]))
         return TrainResult(summary, metrics)
 
     def plan(self, model: Partitioned, data: Data, optimizer: torch.optim.Optimizer, scheduler,
-             **kw) -> list[Phase]:
+             *, trainer: Trainer, device: torch.device, **loop: Any) -> list[Phase]:
         """The label matrices (in `self.labels`) and one Phase per partition, in order."""
-        kw = {**_train_defaults(), **kw}
-        seed = self.seed if self.seed is not None else kw["seed"]
+        seed = self.seed if self.seed is not None else trainer.seed
         shapes = cut_shapes(model, data.input_shape)
         self.labels = [label_matrix(seed, j, math.prod(s), data.num_classes, self.kappa)
                        for j, s in enumerate(shapes)]
-        steps_per_epoch, run_total = _run_steps(data, kw)
-        epochs = self.epochs_per_partition or kw["epochs"] - self.recovery_epochs
+        run_total = trainer.schedule(len(data.train))[1]
+        epochs = self.epochs_per_partition or trainer.epochs - self.recovery_epochs
         if epochs < 1:
             raise ConfigError(f"method.recovery_epochs={self.recovery_epochs} leaves no epochs "
-                              f"for the partitions out of trainer.epochs={kw['epochs']}; lower it "
-                              f"or set method.epochs_per_partition")
-        phase_kw = {**kw, "epochs": epochs}
+                              f"for the partitions out of trainer.epochs={trainer.epochs}; lower "
+                              f"it or set method.epochs_per_partition")
+        phase_kw = {"trainer": replace(trainer, epochs=epochs), "device": device, **loop}
         return [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
-                            steps_per_epoch) for j in range(len(model))]
+                            len(data.train)) for j in range(len(model))]
 
-    def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, spe) -> Phase:
+    def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, n_train) -> Phase:
         part = model[j]
-        total = kw["max_steps"] or kw["epochs"] * spe
+        total = kw["trainer"].schedule(n_train)[1]
         phase = Phase(name=f"part{j}", module=part, optim=optimizer_spec(optimizer, part),
                       factors=lr_factors(scheduler, run_total, total), train_kwargs=kw,
                       s_out=self.labels[j] if j < len(model) - 1 else None)
@@ -192,15 +190,17 @@ class Synthetic:
                 phase.s_in, phase.noise_std = self.labels[j - 1], self.noise * self.kappa
         return phase
 
-    def _recovery(self, model, optimizer, scheduler, kw, run_total, spe) -> Phase:
-        cap = self.recovery_epochs * spe
-        rec_kw = {**kw, "epochs": self.recovery_epochs,
-                  "max_steps": min(kw["max_steps"], cap) if kw["max_steps"] else None}
-        total = rec_kw["max_steps"] or cap
-        model.to(kw["device"])
+    def _recovery(self, model, optimizer, scheduler, trainer: Trainer, device, data: Data,
+                  loop: dict[str, Any]) -> Phase:
+        per_epoch, run_total = trainer.schedule(len(data.train))
+        cap = self.recovery_epochs * max(1, per_epoch)
+        rec = replace(trainer, epochs=self.recovery_epochs,
+                      max_steps=min(trainer.max_steps, cap) if trainer.max_steps else None)
+        model.to(device)
         return Phase(name="recovery", module=model, optim=optimizer_spec(optimizer, model),
-                     factors=lr_factors(scheduler, run_total, total, tail=True),
-                     train_kwargs=rec_kw)
+                     factors=lr_factors(scheduler, run_total, rec.schedule(len(data.train))[1],
+                                        tail=True),
+                     train_kwargs={"trainer": rec, "device": device, **loop})
 
     # ------------------------------------------------------------ records
 
@@ -231,35 +231,16 @@ class Synthetic:
         summary["epochs_done"] = max(r.summary.get("epochs_done", 0) for _, r in done)
         return summary, metrics
 
-    def _evaluate(self, model, data, kw, metrics, step) -> dict[str, float]:
+    def _evaluate(self, model, data, t: Trainer, device, metrics, step) -> dict[str, float]:
         """Test accuracy of the composed model: argmax of the last partition's logits."""
-        from memtrain.train import autocast_factory, evaluate
-
-        device = kw["device"]
-        autocast = autocast_factory(device.type, kw["precision"])
         model.to(device)
-        res = evaluate(model, data.test, device, kw["eval_batch_size"] or kw["batch_size"],
-                       autocast, kw["eval_max_batches"], kw["channels_last"])
+        res = evaluate(model, data.test, device, t.eval_batch_size or t.batch_size,
+                       autocast_factory(device.type, t.precision), t.eval_max_batches,
+                       t.channels_last)
         for k, v in res.items():
             metrics.append({"step": step, "epoch": -1, "split": "test", "name": k, "value": v})
         log.info("synthetic: composed model test_acc %.4f", res["acc"])
         return {f"test_{k}": v for k, v in res.items()}
-
-
-def _train_defaults() -> dict[str, Any]:
-    """train.train's keyword defaults, so fit/plan accept what the CLI passes or any subset."""
-    from memtrain.train import train
-
-    hooks = ("loss_fn", "evaluate_fn", "metric_prefix")  # set per phase
-    return {k: p.default for k, p in inspect.signature(train).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and k not in hooks
-            and p.default is not inspect.Parameter.empty}
-
-
-def _run_steps(data: Data, kw: dict[str, Any]) -> tuple[int, int]:
-    """Steps per epoch and the whole run's steps, as the CLI counts them for its schedule."""
-    steps_per_epoch = max(1, len(data.train) // kw["batch_size"])
-    return steps_per_epoch, kw["max_steps"] or kw["epochs"] * steps_per_epoch
 
 
 def _failing(phases: list[Phase], done) -> str:

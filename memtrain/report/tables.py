@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.record import DRIVING_OPTIONS, SKIPPED
+from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ METRICS = "metrics.csv"
 
 # The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI.
 CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
-CHOICES = ("method", "model", "dataset", "optim", "trainer", "experiment")
+CHOICES = GROUPS
 SEED = "trainer.seed"
 # A run's baseline: the `none` run that differs from it only in the method (the documented rule).
 DEFAULT_BASELINE = "method=none"

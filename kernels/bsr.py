@@ -1,9 +1,10 @@
 """Block-sparse storage of an activation matrix for method `prune`: selection, compaction and the
-grad_weight product, with two backends.
+grad_weight product, with two backends (the Triton kernels' torch fallback lives here).
 
 - `triton`: the kernels of kernels/prune.py (CUDA, or the CPU under TRITON_INTERPRET=1).
 - `torch`: the same operations in vectorised torch (a strided block view, one gather, one scatter
   and one matmul): the CPU fallback and the second implementation the tests compare against.
+The eager oracles of both: kernels/reference.py, section prune.
 
 Selection is the same for both: block scores (fp32), then the top ceil((1 - s) * n_blocks) blocks
 over the whole matrix (global selection, as the paper's magnitude criterion on the BSR matrix),
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from memtrain.kernels import triton_available
 
 BACKENDS = ("auto", "triton", "torch")
 CRITERIA = ("l2", "l1")
@@ -74,14 +76,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise RuntimeError("method.backend=triton on a CPU tensor needs TRITON_INTERPRET=1 "
                            "(or use method.backend=torch|auto)")
     return backend
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _kernels():

@@ -1,0 +1,364 @@
+"""The engine: one job, from a composed config to its run folder.
+
+    compose -> build (data, model, method) -> probes -> prepare -> train (or method.fit) -> record
+
+`run` always leaves summary.json (and metrics.csv) behind and returns an `Outcome`; it never
+exits and never raises for a failed run. cli.py (Hydra's entry point, exit codes) and api.py
+(notebooks, tests, benchmarks) both call it. This is the only module that reads the config and
+instantiates objects by their `_target_`: everything below it gets plain objects and the typed
+trainer options (`schema.Trainer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema
+from memtrain.data import Data, place
+from memtrain.errors import ConfigError
+from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.record import GROUPS
+from memtrain.schema import Trainer
+from memtrain.train import RunFailed, TrainResult, autocast_factory, train
+
+log = logging.getLogger("memtrain")
+
+
+@runtime_checkable
+class Method(Protocol):
+    """What the runner asks of a method: conf/method/<name>.yaml names its class (`_target_`),
+    built with the YAML's other keys. No base class: any object with these members.
+
+    - `name`, and `wrap(model) -> model`: module surgery, hooks or segmentation, before training.
+    - optional `prepare(model, x, y, autocast, carry) -> dict`: called once before the first
+      step with the run's first batch on the run's device (checkpoint profiles and plans here);
+      returns summary columns (`dry_run: True` among them stops the run before training).
+      `carry` is saved with every resumable checkpoint and holds, on resume, what the method put
+      there (a plan to keep).
+    - optional `fit(model, data, optimizer, scheduler, *, trainer, device, checkpointer,
+      loggers) -> TrainResult`: replaces `train.train` (the same signature) for a method that
+      changes the training procedure (synthetic); it calls `train` for each phase.
+
+    A stack of methods can satisfy the same protocol: wrap in order, every member's prepare, at
+    most one member's fit.
+    """
+
+    name: str
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+
+# ---------------------------------------------------------------- compose
+
+
+def conf_dir() -> Path:
+    """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
+    here = Path(__file__).resolve().parent.parent / "conf"
+    if (here / "config.yaml").exists():
+        return here
+    from importlib import resources
+
+    return Path(str(resources.files("memtrain.conf")))
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
+    and keys (did-you-mean), wrong types, bad syntax (memtrain/validate.py)."""
+    from memtrain import validate
+
+    validate.check(overrides, conf_dir(), group_options)
+
+
+def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
+    """The config the CLI would compose for these overrides (hydra node removed), and the group
+    choices: Hydra's compose API over the same conf/."""
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = list(overrides or [])
+    check_overrides(overrides)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hcompose("config", overrides=overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    with_hydra = OmegaConf.to_container(cfg, resolve=False)
+    with_hydra.pop("hydra", None)
+    return OmegaConf.create(with_hydra), choices
+
+
+def _gpu_count(default: int = 0) -> int:
+    """`${memtrain_gpus:N}` in conf/hydra/launcher/*.yaml: the CUDA devices here, or N."""
+    return torch.cuda.device_count() or int(default)
+
+
+def _job_run_id(*, _root_: DictConfig) -> str:
+    """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
+    sweeps (or a relaunch with other values) in one folder never share a job folder. A value
+    that cannot be resolved (an unset `${oc.env:...}`) hashes as written: that job still gets a
+    folder, and its row says what is missing."""
+    try:
+        return run_id(_root_)
+    except Exception:  # omegaconf's resolution errors have no common public base
+        return run_id(_root_, resolve=False)
+
+
+OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
+OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
+schema.register_configs()
+
+
+# ---------------------------------------------------------------- identity
+
+
+# How a run is driven, not what it computes: left out of run_id (record.DRIVING_OPTIONS).
+NOT_IN_RUN_ID = record.DRIVING_OPTIONS
+
+
+def run_id(cfg: DictConfig, resolve: bool = True) -> str:
+    """A hash of the resolved config (hydra's own settings and NOT_IN_RUN_ID excluded): same
+    config, same id."""
+    # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
+    c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
+         else cfg[k] for k in cfg if k != "hydra"}
+    for k in NOT_IN_RUN_ID:
+        c.get("trainer", {}).pop(k, None)
+    blob = json.dumps(c, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _flatten(prefix: str, node: Any) -> dict[str, Any]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k != "_target_":
+                out.update(_flatten(f"{prefix}.{k}", v))
+        return out
+    if isinstance(node, list):
+        return {prefix: json.dumps(node)}
+    return {prefix: node}
+
+
+def identity(cfg: DictConfig, choices: dict[str, str], resolve: bool = True) -> dict[str, Any]:
+    """The columns that say what a run is: choices, run_id and every option flattened
+    (`resolve=False`: as written, for a config whose interpolations cannot be resolved)."""
+    row: dict[str, Any] = {"run_id": run_id(cfg, resolve), "status": "running"}
+    row.update({g: choices.get(g) or "" for g in ("method", "model", "dataset", "optim",
+                                                  "trainer", "experiment")})
+    c = OmegaConf.to_container(cfg, resolve=resolve)
+    for group in ("method", "trainer", "dataset", "model", "optim"):
+        row.update(_flatten(group, c.get(group, {})))
+    return row
+
+
+# ---------------------------------------------------------------- build
+
+
+def _kwargs(node: DictConfig) -> dict[str, Any]:
+    d = OmegaConf.to_container(node, resolve=True)
+    d.pop("_target_", None)
+    return d
+
+
+def _target(node: DictConfig):
+    from hydra.utils import get_method
+
+    return get_method(node._target_)
+
+
+def trainer_of(cfg: DictConfig) -> Trainer:
+    """The typed trainer options, after every option of the config has been checked."""
+    schema.check_config(cfg, GROUPS)
+    return Trainer.from_config(cfg.trainer)
+
+
+def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.nn.Module, Method]:
+    """(data, model, method) from a composed config; the method already applied to the model.
+    `trainer`: the config's trainer options when the caller has them already (validated)."""
+    torch.manual_seed((trainer or trainer_of(cfg)).seed)
+    data = _target(cfg.dataset)(**_kwargs(cfg.dataset))
+    model, method = make_model(cfg, data)
+    return data, model, method
+
+
+def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
+    """The model for `data` with the method applied, and the method."""
+    model = _target(cfg.model)(num_classes=data.num_classes, input_shape=data.input_shape,
+                               **_kwargs(cfg.model))
+    method = _target(cfg.method)(**_kwargs(cfg.method))
+    return method.wrap(model), method
+
+
+# ---------------------------------------------------------------- one job
+
+
+@dataclass
+class Outcome:
+    """What one job left behind: the row written to summary.json and, for a failure, the
+    exception behind it (a ConfigError is bad input: the CLI exits 2 with its one line)."""
+
+    summary: dict[str, Any]
+    error: Exception | None = None
+
+    @property
+    def status(self) -> str:
+        return self.summary["status"]
+
+
+def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
+        search_dir: Path | None = None) -> Outcome:
+    """Build, train and record one run; always leaves summary.json behind.
+
+    Every failure is a row with its status (error, oom, diverged, interrupted) and, for bad input
+    or an unexpected exception, the exception in `Outcome.error`. `search_dir` is where
+    `trainer.skip_done`/`trainer.resume` look for earlier runs of the same config (default: the
+    run folder's parent).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resume.clean_partial(run_dir)
+    try:
+        summary = identity(cfg, choices)
+    except Exception as e:  # an unresolvable interpolation (an unset ${oc.env:...}): a row
+        summary = identity(cfg, choices, resolve=False)
+        error = ConfigError(f"cannot resolve the config: {str(e).splitlines()[0]}")
+        summary.update(status="error", error=str(error))
+        return _finish(run_dir, summary, [], error)
+    search = Path(cfg.trainer.search_dir or search_dir or run_dir.parent)
+    if cfg.trainer.skip_done:
+        done = _already_done(search, run_dir, summary["run_id"])
+        if done is not None:
+            return Outcome(done)
+    metrics: list[dict] = []
+    error: Exception | None = None
+    t0 = time.perf_counter()
+    with faults.StopSignals() as stop, contextlib.ExitStack() as stack:
+        try:
+            metrics = _job(cfg, run_dir, summary, stop, stack, search)
+            summary["status"] = "ok"
+        except RunFailed as e:
+            summary.update(e.summary)
+            metrics = e.metrics
+            summary.update(status=e.status, error=str(e), failed_step=e.step)
+            if e.status == "interrupted":
+                summary["signal"] = stop.requested
+            log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
+        except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, a probe
+            summary.update(status="oom", error=str(e).splitlines()[0])
+            log.warning("run ended with status=oom: %s", summary["error"])
+        except ConfigError as e:
+            summary.update(status="error", error=str(e))
+            error = e
+        except Exception as e:  # a sweep records the failure and goes on
+            summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+            log.error("run failed: %s\n%s", e, traceback.format_exc())
+            error = e
+    summary["wall_s"] = time.perf_counter() - t0
+    return _finish(run_dir, summary, metrics, error)
+
+
+def _finish(run_dir: Path, summary: dict[str, Any], metrics: list[dict],
+            error: Exception | None) -> Outcome:
+    """Complete the row and write both records (atomically)."""
+    summary["test_acc"] = summary.pop("test_acc", float("nan"))
+    summary.setdefault("test_acc5", float("nan"))
+    summary["run_dir"] = str(run_dir)
+    # the report keeps a run_id's latest row (an interrupted run resumed in another folder)
+    summary["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    record.write_metrics(run_dir, metrics)
+    record.write_summary(run_dir, summary)
+    return Outcome(summary, error)
+
+
+def _already_done(search: Path, run_dir: Path, rid: str) -> dict[str, Any] | None:
+    """`trainer.skip_done`: the earlier ok summary of this run_id under `search`, or None."""
+    done = resume.find_done(search, rid)
+    if done is None:
+        return None
+    log.info("skipped: run_id %s already finished ok in %s (trainer.skip_done)", rid, done)
+    # a marker for the closing count, not a second summary.json (a second row in the report)
+    record.atomic_write(run_dir / resume.SKIPPED,
+                        json.dumps({"run_id": rid, "done_in": str(done)}) + "\n")
+    return {**record.read_summary(done), "skipped": True}
+
+
+def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.StopSignals,
+         stack: contextlib.ExitStack, search: Path) -> list[dict]:
+    """The body of one job: device, build, probes, training; fills `summary`, returns metrics."""
+    t = trainer_of(cfg)  # before the device and the memory cap use any value
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = stack.enter_context(capacity.claim_device(t.device))
+    summary.update(measure.provenance(device))
+    summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
+    data, model, method = build(cfg, t)
+    for split in ("train", "test"):  # an empty test split would end ok with no accuracy
+        if len(getattr(data, split)) == 0:
+            raise ConfigError(f"dataset {data.name or cfg.dataset._target_}: the {split} split "
+                              f"is empty; nothing would be measured")
+    if device.type == "cuda" and t.data_on_device:
+        data = place(data, device, int(t.data_on_device_max_gb * 2**30))
+    summary.update({"num_classes": data.num_classes,
+                    "input_shape": "x".join(map(str, data.input_shape)),
+                    "params": sum(p.numel() for p in model.parameters())})
+    optim = _kwargs(cfg.optim)
+    summary.update(probes.run(t, data, device, lambda: make_model(cfg, data)[0],
+                              lambda m: build_optimizer(m, **optim)))
+    total_steps = t.schedule(len(data.train))[1]
+    if total_steps == 0:
+        log.info("trainer.max_steps=0: probes only, no training")
+        return []
+    optimizer = build_optimizer(model, **optim)
+    scheduler = build_scheduler(optimizer, total_steps, **optim)
+    ckpt = resume.Checkpointer(run_dir, summary["run_id"], t.save_every, t.resume,
+                               resume.find_checkpoints(search) if t.resume else [], stop)
+    planned = _prepare(method, model, data, t, device, ckpt)
+    summary.update(planned)
+    bar = [loggers.ProgressBar(device)] if t.progress and sys.stderr.isatty() else []
+    # a method that changes the training procedure (synthetic) replaces the loop
+    loop = getattr(method, "fit", train)
+    with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot:
+        if planned.get("dry_run"):  # the method was asked for its plan only
+            result = TrainResult()
+        else:
+            result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
+                          checkpointer=ckpt, loggers=bar)
+    summary.update(result.summary)
+    if snapshot.enabled:
+        summary["memory_snapshot"] = str(snapshot.path)
+    summary.update(ckpt.columns())
+    ckpt.clear()
+    if t.save_weights:
+        resume.save_weights(model, run_dir)
+    return result.metrics
+
+
+def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
+             device: torch.device, ckpt: resume.Checkpointer) -> dict[str, Any]:
+    """`method.prepare` (optional): on the run's first batch, on the run's device, before the
+    first step (checkpoint profiles and plans here). Returns its summary columns."""
+    if not hasattr(method, "prepare"):
+        return {}
+    model.to(device).train()
+    x, y = next(iter(data.train.batches(t.batch_size, device)))
+    if t.channels_last and x.ndim == 4:
+        model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    ckpt.carry.update(ckpt.carried())
+    return method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry)
