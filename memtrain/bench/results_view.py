@@ -1,9 +1,10 @@
 """The view of a study: docs/results/<name>/ made again from runs/results/<name>/.
 
 - `results.md`: device and date, the parts' statuses, headline figures, one section per part;
-- memtrain-report over every run (summary.csv, summary.parquet, settings.csv, report.md,
-  figures/), and over the trade-off and checkpoint parts alone (tradeoff/, checkpoint/), whose
-  figures RESULTS.md shows;
+- memtrain-report over every run (summary.csv, settings.csv, report.md, figures/; no parquet:
+  the view is committed), and highlights/: the trade-off figure of the trade-off part and the
+  budget figure of the checkpoint part, each drawn from that part's runs alone (RESULTS.md
+  shows them);
 - every figure stamped with the device and the date it was measured on.
 Each piece is made on its own: one that fails is named in results.md, the others are written.
 """
