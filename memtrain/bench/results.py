@@ -34,6 +34,7 @@ from memtrain.bench import results_view as view
 from memtrain.record import atomic_write
 
 STATUS = "status.json"
+VIEW_RESERVE_S = 60  # of a deadline, kept for the view and the archive
 # the command running now, and the signal that asked the study to stop (SIGTERM, Ctrl-C)
 _CHILD: list[subprocess.Popen] = []
 _STOP: list[int] = []
@@ -50,14 +51,15 @@ def _forward(signum, frame) -> None:
 
 def device_slug(device: str) -> str:
     """`cpu`, or the GPU's name in lower case (`h100-80gb-hbm3`); a CUDA request without CUDA
-    raises SystemExit(2)."""
+    is a one-line error, exit 2."""
     if device == "cpu":
         return "cpu"
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("results: no CUDA device here; `make results DEVICE=cpu` runs the "
-                         "study at CPU size")
+        print("results: no CUDA device here; `make results DEVICE=cpu` runs the study at CPU "
+              "size", file=sys.stderr)
+        raise SystemExit(2)
     name = torch.cuda.get_device_name(0).lower().removeprefix("nvidia").strip()
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
@@ -179,6 +181,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts", default=",".join(plan.PARTS),
                     help=f"comma list of {', '.join(plan.PARTS)}, report (default: all; the "
                          f"report is made after any of them)")
+    ap.add_argument("--call", type=int, choices=range(1, len(plan.CALLS) + 1),
+                    help="the parts of one device-tool call of the GPU run (instead of "
+                         "--parts): " + "; ".join(f"{i}: {c}" for i, c in
+                                                  enumerate(plan.CALLS, 1)))
     ap.add_argument("--set", action="append", default=[], metavar="PART.KEY=VALUE",
                     help="change one size, e.g. pool.batches=64 (repeatable)")
     ap.add_argument("--name", help="folder name (default: <date>_<gpu or cpu>)")
@@ -194,7 +200,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    chosen = plan.CALLS[a.call - 1] if a.call else a.parts
+    parts = [p.strip() for p in chosen.split(",") if p.strip()]
     wrong = [p for p in parts if p not in (*plan.PARTS, "report")]
     if wrong or not parts:
         print(f"results: unknown part {', '.join(wrong) or '(none)'}; valid: "
@@ -218,9 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.device == "cuda":
         env.pop("TRITON_INTERPRET", None)  # the GPU tests check compiled kernels
+    else:  # one torch thread unless asked: on a shared CPU, OpenMP threads that wait for
+        # each other made steps ~20x slower (resnet50 16 px b2: 1.2 s with one, 23-31 s with
+        # two, at load ~13 on 2 cores); the CPU study measures memory, time is only a sign
+        env.setdefault("OMP_NUM_THREADS", "1")
     ctx = plan.Context(a.device, runs, size, lambda where: find_none(runs, where))
     t0 = time.monotonic()
-    reserve = 0 if a.no_report else 60  # for the view and the archive
+    reserve = 0 if a.no_report else VIEW_RESERVE_S
     time_left = (lambda: float("inf")) if a.deadline_s is None else \
         (lambda: a.deadline_s - reserve - (time.monotonic() - t0))
     print(f"results: {name}: parts {', '.join(measuring) or '(none)'}, sizes {profile}, "

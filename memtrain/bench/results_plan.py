@@ -24,6 +24,10 @@ from pathlib import Path
 
 PARTS = ("tests", "baseline", "pool", "prune", "checkpoint", "synthetic", "tradeoff", "probes")
 METHODS = "none,pool,prune,checkpoint,synthetic"
+# The GPU study split for the device tool (10 minutes a call): each call's parts fit within
+# GPU_CALL_S by their budgets (tests/test_results.py holds them to it); scripts/gpu-results.sh N
+CALLS = ("tests,baseline,pool,synthetic", "checkpoint,tradeoff", "prune,probes")
+GPU_CALL_S = 480  # the deadline each call runs under, of the 600 s the tool allows
 
 _GPU: dict[str, dict] = {
     # a step is stopped after timeout_factor x its budget + 120 s (a hang must not eat the study)
