@@ -4,7 +4,11 @@ ratio against the right `none`, and the view survives what a killed study leaves
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -145,14 +149,18 @@ def test_pack_leaves_out_checkpoints(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
-    """The study at smoke size: synthetic fails (an unknown model), the trade-off part after it
-    still trains every method, and the view, the figures and the archive are all written."""
+    """`make results DEVICE=cpu` at smoke size (CI): synthetic fails (an unknown model), the
+    trade-off part after it still trains every method, and the view, the figures and the
+    archive are all written."""
     out, runs, archive = tmp_path / "view", tmp_path / "runs", tmp_path / "a.tar.gz"
-    rc = results.main(["--device", "cpu", "--profile", "smoke", "--parts", "synthetic,tradeoff",
-                       "--set", "synthetic.model=nosuch", "--out", str(out), "--runs", str(runs),
-                       "--archive", str(archive), "--name", "t"])
-    assert rc == 0
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(["make", "-s", "-C", str(root), "results", "DEVICE=cpu",
+                        f"PY={sys.executable}", "PARTS=synthetic,tradeoff", "RESULTS_NAME=t",
+                        f"ARCHIVE={archive}", f"ARGS=--profile smoke --set synthetic.model=nosuch "
+                        f"--out {out} --runs {runs}"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     status = {p: json.loads((runs / p / "status.json").read_text()) for p in
               ("synthetic", "tradeoff")}
     assert status["synthetic"]["status"].startswith("failed (exit 2)")
@@ -171,3 +179,15 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
         names = tar.getnames()
     assert any(n.endswith("view/results.md") for n in names)
     assert any(n.endswith("tradeoff/status.json") for n in names)
+
+
+def test_a_part_past_the_deadline_keeps_its_earlier_results(tmp_path, capsys):
+    """A part the deadline leaves unstarted is not wiped: `PARTS=` reruns and cut-short calls
+    must not lose what an earlier invocation measured."""
+    runs = tmp_path / "runs"
+    (runs / "synthetic").mkdir(parents=True)
+    (runs / "synthetic" / "status.json").write_text('{"status": "ok"}')
+    rc = results.main(["--device", "cpu", "--parts", "synthetic", "--deadline-s", "0",
+                       "--runs", str(runs), "--out", str(tmp_path / "v"), "--no-report"])
+    assert rc == 0 and "synthetic: not started (deadline)" in capsys.readouterr().out
+    assert (runs / "synthetic" / "status.json").read_text() == '{"status": "ok"}'

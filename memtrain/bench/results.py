@@ -240,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
     for part in measuring:
-        if not _STOP:
-            run_part(part, ctx, env, time_left)
+        if _STOP or time_left() < 30:  # not started: its earlier results, if any, stay
+            print(f"results: {part}: not started ({'signal' if _STOP else 'deadline'})",
+                  flush=True)
+            continue
+        run_part(part, ctx, env, time_left)
         if a.archive:
             pack(a.archive, [runs, out])
     if _STOP:  # asked to stop: keep what was measured, leave the view to a later `report`
