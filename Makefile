@@ -85,3 +85,31 @@ bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torc
 
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info
+
+# The whole study (memtrain/bench/results.py): every part a row of its own, raw results in
+# runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>).
+# Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/README.md).
+DEVICE   ?= cuda
+PARTS    ?=
+DEADLINE ?=
+ARCHIVE  ?=
+RESULTS_NAME ?=
+PY       ?=
+RESULTS_PY   := $(if $(PY),$(PY),$(BIN)/python)
+RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
+  $(if $(RESULTS_NAME),--name $(RESULTS_NAME)) $(if $(DEADLINE),--deadline-s $(DEADLINE)) \
+  $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
+
+.PHONY: results gpu-env
+results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
+	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
+	  $(RESULTS_PY) -m memtrain.bench.results $(RESULTS_ARGS)
+
+# memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
+# --no-build-isolation uses the box's setuptools and wheel instead of fetching them
+GPU_PY = $(if $(PY),$(PY),python3)
+gpu-env: ## offline box with torch but no Hydra: Hydra's wheels from .whl/ into .whl/site, memtrain from here (PY=python3)
+	$(GPU_PY) -m pip install -q --no-index --no-deps --upgrade --target .whl/site .whl/*.whl
+	$(GPU_PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	PYTHONPATH=$(CURDIR)/.whl/site $(GPU_PY) -c "import hydra, memtrain.kernels, torch, triton; \
+	  print('gpu-env: torch', torch.__version__, 'triton', triton.__version__, 'hydra', hydra.__version__)"

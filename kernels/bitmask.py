@@ -110,6 +110,10 @@ _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _weights(device: torch.device) -> torch.Tensor:
+    # Under fake tensors (the estimate) a fresh one: a cached tensor of one mode breaks the other
+    # (the estimate's fake weights in the real run after it, or real weights in the next estimate)
+    if torch._guards.detect_fake_mode() is not None:
+        return torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=device)
     if device not in _BIT_WEIGHTS:
         _BIT_WEIGHTS[device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
                                             device=device)

@@ -82,6 +82,17 @@ def test_estimate_matches_the_saved_bytes_accounting(in_tmp):
         assert abs(row[est] / row[real] - 1) < 0.10, (est, row[est], real, row[real])
 
 
+@pytest.mark.slow
+def test_pool_estimate_and_real_steps_share_a_process(in_tmp):
+    """pool's bit-mask weights were cached across modes: the estimate's fake tensor broke the
+    real steps after it (and a real one the next estimate): `make results`' probes found it."""
+    args = [*TINY, "method=pool", "trainer.estimate=true", "trainer.max_steps=2"]
+    first = api.run(args, out_dir=in_tmp / "a")  # estimate, then real steps
+    again = api.run(args, out_dir=in_tmp / "b")  # after real steps, an estimate again
+    assert first["status"] == again["status"] == "ok", (first.get("error"), again.get("error"))
+    assert first["mem_estimate_bytes"] == again["mem_estimate_bytes"] > 0
+
+
 def test_memory_snapshot_on_cpu_is_a_noted_no_op(in_tmp, caplog):
     caplog.set_level(logging.INFO)
     row = api.run([*TINY, "trainer.memory_snapshot=true"], out_dir=in_tmp / "r")

@@ -1,0 +1,358 @@
+"""The study's markdown tables, one section per part, from the runs' summary.json files.
+
+Ratios are against the `none` run measured alike (same model, size, batch, precision, steps and
+probes; one of the same part first): never across devices or peak sources. Every table reads the
+raw columns (`mem_peak_alloc_bytes`, `mem_peak_act_bytes`, ...), so it does not depend on the
+report's derived ones. A row that did not end ok keeps its status and its error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+MATCH = ("model", "dataset", "dataset.image_size", "dataset.channels", "trainer.batch_size",
+         "trainer.precision", "trainer.seed", "trainer.max_steps", "trainer.warmup_steps",
+         "trainer.epochs", "trainer.estimate", "trainer.find_max_batch", "trainer.gpu_memory_gb",
+         "optim", "device", "mem_peak_source")
+PEAK, ACT, SAVED = "mem_peak_alloc_bytes", "mem_peak_act_bytes", "mem_act_saved_bytes"
+OVERHEAD_HEAD = ("| date | device | model | px | batch | plain loop ms/step | memtrain ms/step | "
+                 "ratio | torch |")
+
+
+def load_rows(runs: Path) -> pd.DataFrame:
+    """One row per run below runs/<part>/<step>/, with `part` and `step` columns."""
+    recs = []
+    for path in sorted(runs.glob("*/*/*/summary.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        # _dir: where the run is now (run_dir is where it ran: another machine, maybe)
+        recs.append({**rec, "part": path.parts[-4], "step": path.parts[-3],
+                     "_dir": str(path.parent)})
+    df = pd.DataFrame(recs)
+    for col in ("part", "step", "method", "status", *MATCH):
+        if col not in df:
+            df[col] = None
+    return df
+
+
+def read_md_table(path: Path) -> pd.DataFrame:
+    """The first markdown table of a file (a benchmark's output), as text cells."""
+    if not path.exists():
+        return pd.DataFrame()
+    rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
+            for ln in path.read_text().splitlines() if ln.startswith("|")]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]
+    return pd.DataFrame(rows[1:], columns=rows[0]) if rows else pd.DataFrame()
+
+
+def _key(row: pd.Series) -> tuple:
+    return tuple(str(row.get(k)) if not _missing(row.get(k)) else "-" for k in MATCH)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """`x_peak`, `x_act`, `x_saved`, `x_thr`, `x_step`, `d_acc`: each run against its none."""
+    df = df.copy()
+    ok_none = df[(df["method"] == "none") & (df["status"] == "ok")]
+    for col in ("x_peak", "x_act", "x_saved", "x_thr", "x_step", "d_acc", "x_batch"):
+        df[col] = math.nan
+    pairs = {"x_peak": PEAK, "x_act": ACT, "x_saved": SAVED, "x_thr": "throughput_samples_s",
+             "x_step": "step_time_s_median", "x_batch": "max_batch_size"}
+    for i, row in df.iterrows():
+        cand = ok_none[ok_none.apply(_key, axis=1) == _key(row)] if len(ok_none) else ok_none
+        same = cand[cand["part"] == row["part"]]
+        if len(same):
+            cand = same
+        if not len(cand):
+            continue
+        base = cand.iloc[0]
+        for out, col in pairs.items():
+            a, b = _num(row.get(col)), _num(base.get(col))
+            df.at[i, out] = a / b if b else math.nan
+        df.at[i, "d_acc"] = _num(row.get("test_acc")) - _num(base.get("test_acc"))
+    return df
+
+
+def _num(v) -> float:
+    try:
+        return math.nan if _missing(v) else float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def unit_of(values) -> tuple[str, float]:
+    """GiB for large figures, MiB otherwise."""
+    top = max([_num(v) for v in values if not math.isnan(_num(v))], default=0)
+    return ("GiB", 2.0**30) if top >= 2**31 else ("MiB", 2.0**20)
+
+
+def fmt(v, digits: int = 3) -> str:
+    v = _num(v) if not isinstance(v, str) else v
+    if isinstance(v, str):
+        return v
+    if math.isnan(v):
+        return "-"
+    return f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def table(df: pd.DataFrame, cols: dict[str, Callable[[pd.Series], str]]) -> list[str]:
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(str(f(row)).replace("|", "/") for f in cols.values())
+                     + " |")
+    return lines
+
+
+def setting(row: pd.Series) -> str:
+    """A short name for a run's method setting."""
+    m = row["method"]
+    get = lambda k: row.get(f"method.{k}")
+    if m == "pool":
+        k = int(_num(get("kernel_size")))
+        return "compaction only (k=1)" if k == 1 else f"k={k} {get('targets')}"
+    if m == "prune":
+        return f"s={get('sparsity')} b={int(_num(get('block_size')))}"
+    if m == "checkpoint":
+        s = get("strategy")
+        return f"{s} {get('budget_fraction')}" if s in ("budget", "compile") else str(s)
+    if m == "synthetic":
+        return f"K={int(_num(get('partitions')))}"
+    return str(m)
+
+
+def status(row: pd.Series) -> str:
+    s = str(row.get("status"))
+    err = row.get("error")
+    return s if s == "ok" or _missing(err) else f"{s}: {str(err).splitlines()[0][:90]}"
+
+
+def _mem(col: str, div: float) -> Callable[[pd.Series], str]:
+    return lambda r: fmt(_num(r.get(col)) / div, 2)
+
+
+def _x(col: str) -> Callable[[pd.Series], str]:
+    return lambda r: fmt(r.get(col))
+
+
+def _order(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    df = df.assign(_none=df["method"] != "none", _set=df.apply(setting, axis=1))
+    return df.sort_values([*cols, "_none", "method", "_set"], kind="stable")
+
+
+def baseline(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = _order(df[(df["part"] == "baseline")], "trainer.batch_size", "trainer.precision")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    lines = table(d, {
+        "batch": lambda r: r["trainer.batch_size"], "precision": lambda r: r["trainer.precision"],
+        "status": status, f"peak {unit}": _mem(PEAK, div),
+        f"reserved {unit}": _mem("mem_peak_reserved_bytes", div),
+        "params": _mem("mem_at_peak_params_bytes", div),
+        "grads": _mem("mem_at_peak_grads_bytes", div),
+        "optimizer": _mem("mem_at_peak_optim_bytes", div),
+        "activations": _mem("mem_at_peak_act_bytes", div),
+        "other": _mem("mem_at_peak_other_bytes", div),
+        f"saved act. {unit}": _mem(SAVED, div),
+        "samples/s": _x("throughput_samples_s"),
+        "step ms (median / p90)": lambda r: f"{fmt(1e3 * _num(r.get('step_time_s_median')), 1)}"
+                                            f" / {fmt(1e3 * _num(r.get('step_time_s_p90')), 1)}",
+        "peak source": lambda r: r.get("mem_peak_source")})
+    lines += ["", "Breakdown: the parts at the moment of the peak (they add up to it; on CUDA "
+              "`other` is the CUDA peak minus the tracked tensors: allocator rounding and "
+              "workspaces; on the CPU it holds the batch)."]
+    overhead = runs / "baseline" / "overhead.md"
+    if overhead.exists():  # rows appended by `memtrain.bench.overhead --out`
+        lines += ["", "Runner overhead (`python -m memtrain.bench.overhead`: memtrain's loop "
+                  "against a plain PyTorch loop, same model, batches and optimizer; median step "
+                  "time over the rounds):", "", OVERHEAD_HEAD, "|" + " --- |" * 9,
+                  *overhead.read_text().strip().splitlines()]
+    return lines
+
+
+def _vs_none(df: pd.DataFrame, unit: str, div: float, extra: dict | None = None) -> list[str]:
+    cols = {"setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
+            "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+            "saved x none": _x("x_saved"), "samples/s": _x("throughput_samples_s"),
+            "throughput x none": _x("x_thr")}
+    return table(df, {**cols, **(extra or {})})
+
+
+def pool(df: pd.DataFrame, runs: Path) -> list[str]:
+    cells = _cells(df, "pool")
+    d = df[df["_cell"].isin(cells) & df["method"].isin(["none", "pool"])
+           & df["part"].isin(["pool", "baseline"])]
+    d = _order(d, "trainer.batch_size", "trainer.precision")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    return _vs_none(d, unit, div, {"batch": lambda r: r["trainer.batch_size"],
+                                   "precision": lambda r: r["trainer.precision"]})
+
+
+def _cells(df: pd.DataFrame, part: str) -> set:
+    return set(df.loc[df["part"] == part, "_cell"])
+
+
+def prune(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = _order(df[df["part"] == "prune"], "trainer.precision")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    lines = _vs_none(d, unit, div, {"precision": lambda r: r["trainer.precision"],
+                                    "model": lambda r: r["model"]})
+    kernels = runs / "prune" / "kernels.md"
+    if kernels.exists():
+        body = [ln for ln in kernels.read_text().strip().splitlines() if not ln.startswith("# ")]
+        lines += ["", "Kernels (`python -m memtrain.kernels.bench prune`):", *body]
+    return lines
+
+
+def checkpoint(df: pd.DataFrame, runs: Path) -> list[str]:
+    cells = _cells(df, "checkpoint")
+    d = df[df["_cell"].isin(cells) & df["method"].isin(["none", "checkpoint"])
+           & df["part"].isin(["checkpoint", "baseline"])]
+    d = _order(d, "trainer.batch_size")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    return table(d, {
+        "setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
+        "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+        "step ms": lambda r: fmt(1e3 * _num(r.get("step_time_s_median")), 1),
+        "step time x none": _x("x_step"),
+        "planned act. peak MiB": _mem("plan_peak_bytes", 2.0**20),
+        "measured act. peak MiB": _mem(ACT, 2.0**20),
+        "planned overhead %": lambda r: fmt(100 * _num(r.get("plan_overhead")), 1)})
+
+
+def _part_peaks(row: pd.Series, col: str, div: float) -> str:
+    k = int(_num(row.get("method.partitions"))) if row["method"] == "synthetic" else 0
+    vals = [_num(row.get(f"part{j}.{col}")) for j in range(k)] if k else [_num(row.get(col))]
+    return " / ".join(fmt(v / div, 2) for v in vals)
+
+
+def _largest(row: pd.Series, col: str, base: pd.DataFrame) -> str:
+    k = int(_num(row.get("method.partitions"))) if row["method"] == "synthetic" else 0
+    top = max([_num(row.get(f"part{j}.{col}")) for j in range(k)] or [_num(row.get(col))])
+    ref = base[base["_key"] == row["_key"]]
+    return fmt(top / _num(ref.iloc[0][col])) if len(ref) else "-"
+
+
+def synthetic(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = df[df["part"].isin(["synthetic", "tradeoff"]) & df["method"].isin(["none", "synthetic"])]
+    d = _order(d, "model")
+    base = d[(d["method"] == "none") & (d["status"] == "ok")]
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    return table(d, {
+        "model": lambda r: r["model"], "setting": setting, "status": status,
+        f"peak per partition {unit}": lambda r: _part_peaks(r, PEAK, div),
+        "largest x none": lambda r: _largest(r, PEAK, base),
+        "act. peak per partition MiB": lambda r: _part_peaks(r, ACT, 2.0**20),
+        "largest act. x none": lambda r: _largest(r, ACT, base),
+        "test acc": _x("test_acc"), "acc - none": lambda r: fmt(100 * r["d_acc"], 1)})
+
+
+def tradeoff(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = _order(df[df["part"] == "tradeoff"], "model")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+    return _vs_none(d, unit, div, {"test acc": _x("test_acc"),
+                                   "acc - none (points)": lambda r: fmt(100 * r["d_acc"], 1)})
+
+
+def probe_note(row: pd.Series) -> str:
+    """Why a probe cannot match the run it predicts (facts of the code, not of this run)."""
+    notes = []
+    if not _missing(row.get("mem_estimate_error")):
+        notes.append(f"estimate failed: {str(row['mem_estimate_error'])[:80]}")
+    if row["method"] == "checkpoint" and row.get("method.strategy") in ("budget", "uniform",
+                                                                         "sqrt"):
+        notes.append("the probes build the model with wrap() only; recomputation is planned "
+                     "in fit(), so they see the model without it")
+    if row["method"] == "synthetic":
+        notes.append("the probes run the whole partitioned model end to end; training holds "
+                     "one partition at a time")
+    return "; ".join(notes)
+
+
+def estimate(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = _order(df[(df["part"] == "probes") & df["step"].str.startswith("estimate")], "model")
+    unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
+
+    def ratio(r):
+        return _num(r.get("mem_estimate_bytes")) / _num(r.get(PEAK))
+
+    return table(d, {
+        "model": lambda r: r["model"], "setting": setting, "status": status,
+        f"estimate {unit}": _mem("mem_estimate_bytes", div),
+        f"measured peak {unit}": _mem(PEAK, div),
+        "estimate / measured": lambda r: fmt(ratio(r)),
+        "within 10%": lambda r: "-" if math.isnan(ratio(r)) else
+        ("yes" if abs(ratio(r) - 1) <= 0.1 else "no"),
+        "act. estimate / measured": lambda r: fmt(_num(r.get("mem_estimate_act_bytes"))
+                                                  / _num(r.get(ACT))),
+        f"measured other {unit}": _mem("mem_at_peak_other_bytes", div),
+        "peak source": lambda r: r.get("mem_peak_source"), "why it differs": probe_note})
+
+
+def capacity(df: pd.DataFrame, runs: Path) -> list[str]:
+    d = _order(df[(df["part"] == "probes") & df["step"].str.startswith("capacity")], "model")
+    basis = lambda r: "2 real steps under the cap" if r.get("device") == "cuda" or \
+        str(r.get("device", "")).startswith("cuda") else "estimate <= cap"
+    return table(d, {
+        "model": lambda r: r["model"], "setting": setting, "status": status,
+        "cap GiB": lambda r: r.get("trainer.gpu_memory_gb"),
+        "largest batch": lambda r: fmt(r.get("max_batch_size"), 0), "x none": _x("x_batch"),
+        "decided by": basis, "note": probe_note})
+
+
+def tests(df: pd.DataFrame, runs: Path) -> list[str]:
+    xml = runs / "tests" / "junit.xml"
+    if not xml.exists():
+        return ["No test report (junit.xml) was written."]
+    root = ET.parse(xml).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    lines = [f"`pytest -m gpu`: {passed} passed, {n['failures']} failed, {n['errors']} errors, "
+             f"{n['skipped']} skipped ({float(suite.get('time', 0)):.0f} s)."]
+    for case in suite.iter("testcase"):
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None and (kind != "skipped" or n["skipped"] < n["tests"]):
+                msg = (el.get("message") or "").splitlines()[0][:120] if el.get("message") else ""
+                lines.append(f"- {kind}: `{case.get('name')}` {msg}")
+    if n["tests"] and n["skipped"] == n["tests"]:
+        reason = (suite.find("testcase/skipped").get("message") or "").splitlines()[0][:120]
+        lines.append(f"- every test skipped: {reason}")
+    return lines
+
+
+SECTIONS: dict[str, tuple[str, Callable[[pd.DataFrame, Path], list[str]]]] = {
+    "tests": ("CUDA tests", tests),
+    "baseline": ("baseline: resnet50, none", baseline),
+    "pool": ("pool: resnet50 (compaction only, k=2 and 4, conv and conv+bn)", pool),
+    "prune": ("prune: ResMLP end to end and the kernels", prune),
+    "checkpoint": ("checkpoint: resnet50 frontier (budget, compile at the same budgets, "
+                   "uniform, sqrt, selective)", checkpoint),
+    "synthetic": ("synthetic: per-partition peak vs none", synthetic),
+    "tradeoff": ("trade-off: every method at its default, trained (experiment=quick)", tradeoff),
+    "estimate": ("estimate vs measured peak, every method", estimate),
+    "capacity": ("find_max_batch under a memory cap, every method", capacity),
+}
+# which part's status a section reports
+SECTION_PART = {"estimate": "probes", "capacity": "probes"}
+
+
+def prepare(df: pd.DataFrame) -> pd.DataFrame:
+    if not len(df):
+        return df.assign(_cell=None, _key=None, x_peak=math.nan, x_act=math.nan,
+                         x_saved=math.nan, x_thr=math.nan, x_step=math.nan, d_acc=math.nan,
+                         x_batch=math.nan)
+    df = add_ratios(df)
+    df["_key"] = df.apply(_key, axis=1)
+    df["_cell"] = df["_key"]
+    return df
