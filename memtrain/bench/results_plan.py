@@ -74,8 +74,10 @@ _CPU = _smaller(_GPU, {
                   kernel_batch=2, kernel_dtypes="fp32", kernel_blocks="32", kernel_s=20),
     "checkpoint": dict(batch=4, compile=False, job_s=15),
     "synthetic": dict(epochs=1, train_size=2048, job_s=6),
-    "tradeoff": dict(image_size=16, batch=64, steps=40, eval_batches=8, job_s=12),
-    "probes": dict(model="resnet18", image_size=16, batch=2, cap_gb=0.13, steps=4, warmup=1,
+    "tradeoff": dict(image_size=16, batch=32, steps=20, eval_batches=8, job_s=12),
+    # cap above resnet18's fixed 145.9 MiB (parameters, gradients, SGD state): at 0.13 GiB
+    # (2026-11-23) no batch fitted for any method
+    "probes": dict(model="resnet18", image_size=16, batch=2, cap_gb=0.16, steps=4, warmup=1,
                    prune_model="resmlp12", job_s=15),
 })
 
