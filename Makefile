@@ -48,7 +48,7 @@ test-fast: $(STAMP) ## the tests without those marked slow
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not slow" $(ARGS)
 
 lint: $(STAMP) ## ruff over the code and tests
-	$(BIN)/ruff check memtrain kernels tests
+	$(BIN)/ruff check memtrain kernels tests hydra_plugins
 
 sweep: $(STAMP) ## run an experiment preset as a multirun: make sweep EXP=pool_study ARGS=trainer=smoke
 	$(BIN)/memtrain -m experiment=$(EXP) $(ARGS)
