@@ -399,7 +399,10 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
                                resume.find_checkpoints(search) if t.resume else [], stop)
     planned = _prepare(method, model, data, t, device, ckpt)
     summary.update(planned)
-    bar = [loggers.ProgressBar(device)] if t.progress and sys.stderr.isatty() else []
+    live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty())
+    for lg in live:
+        if hasattr(lg, "close"):
+            stack.callback(lg.close)
     # a method that changes the training procedure (synthetic) replaces the loop
     loop = getattr(method, "fit", train)
     with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot:
@@ -407,7 +410,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
             result = TrainResult()
         else:
             result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
-                          checkpointer=ckpt, loggers=bar)
+                          checkpointer=ckpt, loggers=live)
     summary.update(result.summary)
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)

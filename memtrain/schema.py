@@ -53,6 +53,8 @@ class Trainer:
     eval_max_batches: int | None = None
     log_every: int = 50
     progress: bool = True
+    logger: str = "csv"
+    eval_every_steps: int = 0
     account_memory: bool = True
     grad_clip: float | None = None
     data_on_device: bool = True
@@ -103,6 +105,10 @@ class Trainer:
         check_choice("trainer.precision", self.precision, PRECISIONS)
         check_range("trainer.log_every", self.log_every, 1)
         check_range("trainer.eval_every", self.eval_every, 0)
+        check_range("trainer.eval_every_steps", self.eval_every_steps, 0)
+        from memtrain import loggers
+
+        loggers.check(self.logger)
         dev = str(self.device)
         if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
             raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")
