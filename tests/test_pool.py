@@ -1,6 +1,8 @@
 """method=pool on whole models: exactness at kernel_size=1, the ReLU pitfall, saved-bytes ratios
 against method=none (same model, batch and seed), autocast, options, training."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,3 +291,15 @@ def test_compression_temporaries_do_not_set_the_activation_peak():
     s1, a1 = _saved_and_act_peak(net1, x, y)
     assert s1 / s0 < 0.7
     assert abs(a1 / a0 - s1 / s0) <= 0.1, (s1 / s0, a1 / a0)
+
+
+def test_pool_on_a_model_without_convolutions_says_so(caplog):
+    with caplog.at_level("WARNING", logger="memtrain.methods.pool"):
+        api.build(["model=mlp6", "method=pool", "dataset.image_size=8"])
+    (rec,) = [r for r in caplog.records if r.name == "memtrain.methods.pool"]
+    assert rec.getMessage() == ("method=pool found no nn.Conv2d in MLP: nothing is "
+                                "pooled, only its ReLUs and max-pools change")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="memtrain.methods.pool"):
+        api.build(["model=resnet18", "method=pool", "dataset.image_size=8"])
+    assert not [r for r in caplog.records if r.name == "memtrain.methods.pool"]
