@@ -137,8 +137,14 @@ def _check_sweep(parsed: list, options, compose) -> None:
     from memtrain import validate
     from memtrain.sweeper import variant_overrides
 
-    own = [o.input_line for o in parsed if o.key_or_group.startswith("hydra.sweeper")]
-    sweeper = compose(validate.selection(parsed) + own, hydra=True).hydra.sweeper
+    own = [o.input_line for o in parsed
+           if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper"))]
+    try:
+        sweeper = validate.one_line(compose)(validate.selection(parsed) + own,
+                                             hydra=True).hydra.sweeper
+    except ConfigError as e:
+        hint = "; variants need hydra/sweeper=variants" if "variants" in str(e) else ""
+        raise ConfigError(f"{e}{hint}") from None
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     common = params + [o.input_line for o in parsed]
     variants = list(sweeper.get("variants") or [])

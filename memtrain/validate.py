@@ -203,7 +203,7 @@ def check(parsed: list, options: Callable[[str], list[str]],
     `options(group)` lists a group's options and `compose(overrides)` composes a config, both on
     the search path of the command (runner.check_overrides)."""
     check_groups(parsed, options)
-    compose = _one_line(compose)
+    compose = one_line(compose)
     check_selection(parsed, compose)
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
@@ -211,16 +211,16 @@ def check(parsed: list, options: Callable[[str], list[str]],
     check_output_dirs(parsed)  # last: it makes the folder, which a bad value must not leave
 
 
-def _one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]], DictConfig]:
+def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]], DictConfig]:
     """compose, with Hydra's composition errors (a preset setting a key its schema lacks, a
     missing default) as one ConfigError line: the most specific line of Hydra's message."""
 
-    def wrapped(overrides: list[str]) -> DictConfig:
+    def wrapped(overrides: list[str], **kwargs) -> DictConfig:
         from hydra.errors import HydraException
         from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
         try:
-            return compose(overrides)
+            return compose(overrides, **kwargs)
         except (HydraException, OmegaConfBaseException) as e:
             # Hydra re-raises OmegaConf's error (which names the key) as its context
             inner = e.__cause__ or e.__context__

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_memtrain
 
 from memtrain.sweeper import variant_overrides
@@ -50,3 +51,18 @@ def test_a_bad_variant_is_one_line_before_any_job(in_tmp):
         "memtrain: error: hydra.sweeper.variants[1] (method=prune method.sparsty=0.5): unknown "
         "option method.sparsty; did you mean method.sparsity?")
     assert not (in_tmp / "sw").exists()
+
+
+def test_variants_on_the_command_line_are_checked():
+    from memtrain import runner
+    from memtrain.errors import ConfigError
+
+    good = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=0.5,0.9"]'
+    runner.check_overrides(["hydra/sweeper=variants", good, *TINY])
+    bad = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=1.5,abc"]'
+    with pytest.raises(ConfigError) as e:
+        runner.check_overrides(["hydra/sweeper=variants", bad, *TINY])
+    assert str(e.value) == ("hydra.sweeper.variants[1] (method=prune method.sparsity=1.5,abc): "
+                            "method.sparsity must be a number, got 'abc'")
+    with pytest.raises(ConfigError, match="variants need hydra/sweeper=variants$"):
+        runner.check_overrides([good, *TINY])
