@@ -87,7 +87,8 @@ def main() -> None:
     if not (args.shell_completion or args.experimental_rerun):
         try:
             runner.check_overrides(args.overrides, config_path=args.config_path,
-                                   config_dir=args.config_dir, config_name=args.config_name)
+                                   config_dir=args.config_dir, config_name=args.config_name,
+                                   multirun=True if args.multirun else None)
         except ConfigError as e:
             if any(a.startswith("hydra.verbose=") and not a.endswith("=false")
                    for a in args.overrides):

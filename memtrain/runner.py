@@ -102,11 +102,14 @@ def session(config_path: str | None = None, config_dir: str | None = None):
 
 
 def check_overrides(overrides: list[str], *, config_path: str | None = None,
-                    config_dir: str | None = None, config_name: str | None = None) -> None:
+                    config_dir: str | None = None, config_name: str | None = None,
+                    multirun: bool | None = False) -> None:
     """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
     and keys (did-you-mean), wrong types, bad syntax, presets that do not compose
     (memtrain/validate.py). The groups' options are those Hydra finds on the search path
-    (`--config-dir`, `hydra.searchpath` included)."""
+    (`--config-dir`, `hydra.searchpath` included). `multirun`: also check the sweep (its params
+    and variants) the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI
+    without -m). A single job (the API) is checked as itself."""
     from hydra import compose as hcompose
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.object_type import ObjectType
@@ -128,10 +131,12 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
             return hcompose(name, overrides=[*selection, *search], return_hydra_config=hydra)
 
         validate.check(parsed, options, compose)
-        _check_sweep(parsed, options, compose)
+        if multirun is not False:
+            _check_sweep(parsed, options, compose, multirun)
+    validate.check_output_dirs(parsed)  # last: it makes the folders
 
 
-def _check_sweep(parsed: list, options, compose) -> None:
+def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
     """The sweep a command configures: `hydra.sweeper.params` with the command's overrides, and
     each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides."""
     from memtrain import validate
@@ -140,11 +145,13 @@ def _check_sweep(parsed: list, options, compose) -> None:
     own = [o.input_line for o in parsed
            if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper"))]
     try:
-        sweeper = validate.one_line(compose)(validate.selection(parsed) + own,
-                                             hydra=True).hydra.sweeper
+        hydra = validate.one_line(compose)(validate.selection(parsed) + own, hydra=True).hydra
     except ConfigError as e:
         hint = "; variants need hydra/sweeper=variants" if "variants" in str(e) else ""
         raise ConfigError(f"{e}{hint}") from None
+    if multirun is None and str(hydra.mode) != "MULTIRUN":
+        return
+    sweeper = hydra.sweeper
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     common = params + [o.input_line for o in parsed]
     variants = list(sweeper.get("variants") or [])

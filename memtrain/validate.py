@@ -198,7 +198,9 @@ def check_selection(parsed: list, compose: Callable[[list[str]], DictConfig]) ->
 
 def check(parsed: list, options: Callable[[str], list[str]],
           compose: Callable[[list[str]], DictConfig]) -> None:
-    """All of the above over parsed command-line overrides; raises ConfigError with one line.
+    """All of the above but the output folders over parsed command-line overrides; raises
+    ConfigError with one line. The caller checks the folders last (`check_output_dirs` makes
+    them, which a bad value must not leave).
 
     `options(group)` lists a group's options and `compose(overrides)` composes a config, both on
     the search path of the command (runner.check_overrides)."""
@@ -208,7 +210,6 @@ def check(parsed: list, options: Callable[[str], list[str]],
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
         check_values(parsed, compose)
-    check_output_dirs(parsed)  # last: it makes the folder, which a bad value must not leave
 
 
 def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]], DictConfig]:

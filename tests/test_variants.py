@@ -58,11 +58,12 @@ def test_variants_on_the_command_line_are_checked():
     from memtrain.errors import ConfigError
 
     good = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=0.5,0.9"]'
-    runner.check_overrides(["hydra/sweeper=variants", good, *TINY])
+    runner.check_overrides(["hydra/sweeper=variants", good, *TINY], multirun=True)
+    runner.check_overrides(["hydra/sweeper=variants", good, *TINY, "method=pool"])  # one job
     bad = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=1.5,abc"]'
     with pytest.raises(ConfigError) as e:
-        runner.check_overrides(["hydra/sweeper=variants", bad, *TINY])
+        runner.check_overrides(["hydra/sweeper=variants", bad, *TINY], multirun=True)
     assert str(e.value) == ("hydra.sweeper.variants[1] (method=prune method.sparsity=1.5,abc): "
                             "method.sparsity must be a number, got 'abc'")
     with pytest.raises(ConfigError, match="variants need hydra/sweeper=variants$"):
-        runner.check_overrides([good, *TINY])
+        runner.check_overrides([good, *TINY], multirun=True)
