@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import faults, runner
+from memtrain import faults, runner, sweeper
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
@@ -71,21 +71,33 @@ def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
 
 
 def main() -> None:
-    """Console entry point: validate the overrides, then hand over to Hydra."""
-    import hydra
+    """Console entry point: validate the overrides, then hand over to Hydra.
 
-    args = [a for a in sys.argv[1:] if not a.startswith("-")]
-    if {"-m", "--multirun"} & set(sys.argv[1:]):  # SIGTERM stops every job, leaving rows
+    The command line is read by Hydra's own argument parser, so its flags (`--cfg`, `-p`,
+    `--info`, `--config-dir`, `-sc install=bash`, ...) reach Hydra untouched and only the real
+    overrides are checked, on the search path the command gives Hydra.
+    """
+    import hydra
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(sys.argv[1:])
+    if args.multirun:  # SIGTERM stops every job, leaving rows
         faults.SweepStop.install_main()
         from hydra_plugins import memtrain_launcher
 
         memtrain_launcher.register()  # hydra/launcher=slurm, local
-    try:
-        runner.check_overrides(args)
-    except ConfigError as e:
-        if any(a.startswith("hydra.verbose=") and not a.endswith("=false") for a in args):
-            traceback.print_exc()
-        _fail(2, f"error: {e}")
+    # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
+    if not (args.shell_completion or args.experimental_rerun):
+        try:
+            runner.check_overrides(args.overrides, config_path=args.config_path,
+                                   config_dir=args.config_dir, config_name=args.config_name,
+                                   multirun=True if args.multirun else None)
+        except ConfigError as e:
+            if any(a.startswith("hydra.verbose=") and not a.endswith("=false")
+                   for a in args.overrides):
+                traceback.print_exc()
+            _fail(2, f"error: {e}")
+    sweeper.register()  # hydra/sweeper=variants
     task = hydra.main(version_base="1.3", config_path=str(runner.conf_dir()),
                       config_name="config")(_hydra_task)
     task()

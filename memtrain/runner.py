@@ -74,29 +74,105 @@ def conf_dir() -> Path:
     return Path(str(resources.files("memtrain.conf")))
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+@contextlib.contextmanager
+def session(config_path: str | None = None, config_dir: str | None = None):
+    """Hydra initialised as `memtrain [--config-path P] [--config-dir D]` initialises it: the same
+    search path (conf/ or P, relative to this package as Hydra reads it; D before the structured
+    configs), built by Hydra's own functions, so the checks see the user's presets too."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.version import setbase
+
+    setbase("1.3")  # what cli.py's @hydra.main says, for callers that do not go through it
+    search = create_automatic_config_search_path(__file__, None, config_path or str(conf_dir()))
+    if config_dir is not None:
+        extra = Path(config_dir).expanduser().resolve()
+        if not extra.is_dir():
+            raise ConfigError(f"--config-dir {config_dir}: no such folder")
+        search.prepend(provider="command-line", path=f"file://{extra}",
+                       anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()
+    Hydra.create_main_hydra2(task_name="memtrain", config_search_path=search)
+    try:
+        yield
+    finally:
+        GlobalHydra.instance().clear()
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], *, config_path: str | None = None,
+                    config_dir: str | None = None, config_name: str | None = None,
+                    multirun: bool | None = False) -> None:
     """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
-    and keys (did-you-mean), wrong types, bad syntax (memtrain/validate.py)."""
+    and keys (did-you-mean), wrong types, bad syntax, presets that do not compose
+    (memtrain/validate.py). The groups' options are those Hydra finds on the search path
+    (`--config-dir`, `hydra.searchpath` included). `multirun`: also check the sweep (its params
+    and variants) the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI
+    without -m). A single job (the API) is checked as itself."""
+    from hydra import compose as hcompose
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
     from memtrain import validate
 
-    validate.check(overrides, conf_dir(), group_options)
+    parsed = validate.parse(overrides)
+    name = config_name or "config"
+    # the user's search path applies to every config the checks compose
+    search = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath"]
+    with session(config_path, config_dir):
+        loader = GlobalHydra.instance().config_loader()
+
+        def options(group: str) -> list[str]:  # schemas (base_*) are extended, not chosen
+            return [o for o in loader.get_group_options(group, ObjectType.CONFIG, name, search)
+                    if not o.startswith("base_")]
+
+        def compose(selection: list[str], hydra: bool = False) -> DictConfig:
+            return hcompose(name, overrides=[*selection, *search], return_hydra_config=hydra)
+
+        validate.check(parsed, options, compose)
+        if multirun is not False:
+            _check_sweep(parsed, options, compose, multirun)
+    validate.check_output_dirs(parsed)  # last: it makes the folders
+
+
+def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
+    """The sweep a command configures: `hydra.sweeper.params` with the command's overrides, and
+    each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides."""
+    from memtrain import validate
+    from memtrain.sweeper import variant_overrides
+
+    own = [o.input_line for o in parsed
+           if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper"))]
+    try:
+        hydra = validate.one_line(compose)(validate.selection(parsed) + own, hydra=True).hydra
+    except ConfigError as e:
+        hint = "; variants need hydra/sweeper=variants" if "variants" in str(e) else ""
+        raise ConfigError(f"{e}{hint}") from None
+    if multirun is None and str(hydra.mode) != "MULTIRUN":
+        return
+    sweeper = hydra.sweeper
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    common = params + [o.input_line for o in parsed]
+    variants = list(sweeper.get("variants") or [])
+    for i, variant in enumerate(variants or ([None] if params else [])):
+        try:
+            lines = variant_overrides(common, variant) if variant else common
+            validate.check(validate.parse(lines), options, compose)
+        except ConfigError as e:
+            where = f"hydra.sweeper.variants[{i}] ({variant})" if variant else \
+                "hydra.sweeper.params"
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
     """The config the CLI would compose for these overrides (hydra node removed), and the group
     choices: Hydra's compose API over the same conf/."""
     from hydra import compose as hcompose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     overrides = list(overrides or [])
     check_overrides(overrides)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with session():
         cfg = hcompose("config", overrides=overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
@@ -138,8 +214,14 @@ def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
     c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
          else cfg[k] for k in cfg if k != "hydra"}
+    trainer = c.get("trainer", {})
     for k in NOT_IN_RUN_ID:
-        c.get("trainer", {}).pop(k, None)
+        trainer.pop(k, None)
+    # the typed trainer node (schema.Trainer) turns `8` into 8.0 in a float field: same value,
+    # same id (as the YAML wrote it before the node was typed)
+    for k, v in trainer.items():
+        if isinstance(v, float) and v.is_integer():
+            trainer[k] = int(v)
     blob = json.dumps(c, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -330,7 +412,10 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
                                resume.find_checkpoints(search) if t.resume else [], stop)
     planned = _prepare(method, model, data, t, device, ckpt)
     summary.update(planned)
-    bar = [loggers.ProgressBar(device)] if t.progress and sys.stderr.isatty() else []
+    live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty())
+    for lg in live:
+        if hasattr(lg, "close"):
+            stack.callback(lg.close)
     # a method that changes the training procedure (synthetic) replaces the loop
     loop = getattr(method, "fit", train)
     with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot:
@@ -338,7 +423,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
             result = TrainResult()
         else:
             result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
-                          checkpointer=ckpt, loggers=bar)
+                          checkpointer=ckpt, loggers=live)
     summary.update(result.summary)
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)

@@ -13,6 +13,7 @@ composes; `check_config` applies it to the composed, resolved config of each job
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -52,6 +53,8 @@ class Trainer:
     eval_max_batches: int | None = None
     log_every: int = 50
     progress: bool = True
+    logger: str = "csv"
+    eval_every_steps: int = 0
     account_memory: bool = True
     grad_clip: float | None = None
     data_on_device: bool = True
@@ -102,6 +105,10 @@ class Trainer:
         check_choice("trainer.precision", self.precision, PRECISIONS)
         check_range("trainer.log_every", self.log_every, 1)
         check_range("trainer.eval_every", self.eval_every, 0)
+        check_range("trainer.eval_every_steps", self.eval_every_steps, 0)
+        from memtrain import loggers
+
+        loggers.check(self.logger)
         dev = str(self.device)
         if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
             raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")
@@ -222,23 +229,60 @@ def expected_type(group: str, key: str, node: DictConfig | dict, default: Any) -
     return hint if hint is not None else type_of_default(default)
 
 
-def check_config(cfg: DictConfig, groups: tuple[str, ...]) -> None:
-    """Every option of the composed config against its type; ConfigError on the first problem.
+def accepted_keys(group: str, target: str | None) -> set[str] | None:
+    """The keys a group's node may hold: its builder's keyword arguments (None: any, a builder
+    that takes **kwargs or cannot be imported; checked where it is built)."""
+    if group == "trainer":
+        return {f.name for f in dataclasses.fields(Trainer)}
+    if group == "optim":
+        from memtrain.optim import build_optimizer, build_scheduler
 
-    Values are resolved first: an unset `${oc.env:...}` is a one-line error here too.
+        # each takes the other's keys through **kwargs: together they take exactly theirs
+        return {p for fn in (build_optimizer, build_scheduler)
+                for p in inspect.signature(fn).parameters
+                if p not in ("model", "optimizer", "total_steps", "_schedule", "_optim")}
+    if not target:
+        return None
+    from hydra.utils import get_method
+
+    try:
+        params = inspect.signature(get_method(target)).parameters.values()
+    except Exception:  # an unimportable target is reported where it is instantiated
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def unknown_key(group: str, key: str, accepted: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.6)
+    return (f"unknown option {group}.{key}"
+            + (f"; did you mean {group}.{close[0]}?" if close else
+               f"; {group} has: {', '.join(sorted(accepted))}"))
+
+
+def check_config(cfg: DictConfig, groups: tuple[str, ...], resolve: bool = True) -> None:
+    """Every option of the composed config against its type, and every key against the keys
+    its builder takes (a preset's typo); ConfigError on the first problem.
+
+    Values are resolved first (`resolve=False`: interpolations are left for the job): an unset
+    `${oc.env:...}` is a one-line error here too.
     """
     for group in groups:
         node = cfg.get(group)
         if not isinstance(node, DictConfig):
             continue
         try:
-            values = OmegaConf.to_container(node, resolve=True)
+            values = OmegaConf.to_container(node, resolve=resolve)
         except Exception as e:  # an interpolation that cannot be resolved, e.g. an unset env var
             msg = str(e).splitlines()[0]
             raise ConfigError(f"{group}: cannot resolve a value: {msg}") from None
+        accepted = accepted_keys(group, values.get("_target_"))
         for key, value in values.items():
             if key == "_target_":
                 continue
+            if accepted is not None and key not in accepted:
+                raise ConfigError(unknown_key(group, key, accepted))
             msg = problem(f"{group}.{key}", expected_type(group, key, values, value), value)
             if msg:
                 raise ConfigError(msg)

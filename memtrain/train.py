@@ -102,6 +102,13 @@ class Records:
         for lg in self.loggers:
             lg.metrics(rows)
 
+    def restore(self, rows: list[dict[str, Any]]) -> None:
+        """Rows of a resumed run's earlier steps: kept, and handed to the loggers again (a live
+        metrics.csv in a new folder holds the whole run)."""
+        self.metrics += rows
+        for lg in self.loggers:
+            lg.metrics(rows)
+
     def failed(self, status: str, message: str, step: int) -> RunFailed:
         return RunFailed(status, message, step, self.summary, self.metrics)
 
@@ -150,6 +157,18 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
             step, start_epoch, loss_val = _restore(state, model, optimizer, scheduler, scaler,
                                                    shuffle_gen, rec, meas)
             replay = step - start_epoch * steps_per_epoch
+    evaluated_at = -1
+
+    def run_eval(at: int, epoch: int) -> None:
+        nonlocal evaluated_at
+        res = evaluate_fn(model, data.test, device, t.eval_batch_size or t.batch_size, autocast,
+                          t.eval_max_batches, t.channels_last)
+        rec.add(at, epoch, "test", res)
+        rec.summary.update({f"test_{k}": v for k, v in res.items()})
+        log.info("%sepoch %d step %d train_loss %.4f test_acc %.4f", metric_prefix, epoch, at,
+                 loss_val, res.get("acc", float("nan")))
+        evaluated_at = at
+
     for lg in loggers:
         lg.start(total_steps, metric_prefix)
     try:
@@ -190,6 +209,9 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                 step += 1
                 for lg in loggers:
                     lg.step(step, epoch, loss_val, meas.samples_s(t.batch_size))
+                if t.eval_every_steps and step % t.eval_every_steps == 0 and step < total_steps:
+                    with meas.outside_window():  # the last step's evaluation is the epoch end's
+                        run_eval(step, epoch)
                 if checkpointer is not None:
                     snapshot = functools.partial(  # built only when a save is due
                         resume.capture, model, optimizer, scheduler, scaler, step=step,
@@ -201,14 +223,10 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                                          "continue with trainer.resume=true", step)
             # ---- end of epoch: evaluation (outside the peak window)
             last = step >= total_steps or epoch == epochs - 1
-            with meas.outside_window():
-                if last or (t.eval_every and (epoch + 1) % t.eval_every == 0):
-                    res = evaluate_fn(model, data.test, device, t.eval_batch_size or t.batch_size,
-                                      autocast, t.eval_max_batches, t.channels_last)
-                    rec.add(step, epoch, "test", res)
-                    rec.summary.update({f"test_{k}": v for k, v in res.items()})
-                    log.info("epoch %d step %d train_loss %.4f test_acc %.4f", epoch, step,
-                             loss_val, res.get("acc", float("nan")))
+            due = last or (t.eval_every and (epoch + 1) % t.eval_every == 0)
+            if due and evaluated_at != step:  # not twice at one step (eval_every_steps)
+                with meas.outside_window():
+                    run_eval(step, epoch)
             if step >= total_steps:
                 break
     except torch.cuda.OutOfMemoryError as e:
@@ -231,7 +249,7 @@ def _restore(state: dict, model, optimizer, scheduler, scaler, shuffle_gen, rec:
     """Load a checkpoint's training state and records; returns (step, epoch, last loss)."""
     extra = resume.restore(state, model, optimizer, scheduler, scaler, shuffle_gen)
     rec.summary.update(extra["summary"])
-    rec.metrics.extend(extra["metrics"])
+    rec.restore(extra["metrics"])
     meas.restore(extra)
     rec.summary["resumed_at_step"] = state["step"]
     return state["step"], state["epoch"], extra["loss"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,24 +162,6 @@ def check_values(parsed: list, compose: Callable[[list[str]], DictConfig]) -> No
                     raise ConfigError(msg + where)
 
 
-def compose_fn(conf_dir: Path) -> Callable[[list[str]], DictConfig]:
-    """A compose(overrides) over conf_dir, for check_values (hydra node kept out)."""
-
-    def compose(overrides: list[str]) -> DictConfig:
-        from hydra import compose as hcompose
-        from hydra import initialize_config_dir
-        from hydra.core.global_hydra import GlobalHydra
-
-        GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-                return hcompose("config", overrides=overrides)
-        finally:
-            GlobalHydra.instance().clear()
-
-    return compose
-
-
 def check_output_dirs(parsed: list) -> None:
     """`hydra.run.dir` / `hydra.sweep.dir` must be a folder we can make (not a file, nor under
     one, nor on a read-only disk): made here, so the failure is one line, not Hydra's traceback."""
@@ -201,11 +184,58 @@ def check_output_dirs(parsed: list) -> None:
                               f"{reason}") from None
 
 
-def check(overrides: list[str], conf_dir: Path, options: Callable[[str], list[str]]) -> None:
-    """All of the above over command-line overrides; raises ConfigError with one line."""
-    parsed = parse(overrides)
+def selection(parsed: list) -> list[str]:
+    """The group options the overrides select (the first of a sweep's)."""
+    return [f"{o.key_or_group}={c[0]}" for o in parsed
+            if o.key_or_group in GROUPS and not o.is_delete() and (c := _choices(o))]
+
+
+def check_selection(parsed: list, compose: Callable[[list[str]], DictConfig]) -> None:
+    """The options the command selects (built-in or the user's presets) compose, and every key
+    they set is an option of its type (`schema.check_config`, interpolations left for the job)."""
+    schema.check_config(compose(selection(parsed)), GROUPS, resolve=False)
+
+
+def check(parsed: list, options: Callable[[str], list[str]],
+          compose: Callable[[list[str]], DictConfig]) -> None:
+    """All of the above but the output folders over parsed command-line overrides; raises
+    ConfigError with one line. The caller checks the folders last (`check_output_dirs` makes
+    them, which a bad value must not leave).
+
+    `options(group)` lists a group's options and `compose(overrides)` composes a config, both on
+    the search path of the command (runner.check_overrides)."""
     check_groups(parsed, options)
+    compose = one_line(compose)
+    check_selection(parsed, compose)
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
-        check_values(parsed, compose_fn(conf_dir))
-    check_output_dirs(parsed)  # last: it makes the folder, which a bad value must not leave
+        check_values(parsed, compose)
+
+
+def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]], DictConfig]:
+    """compose, with Hydra's composition errors (a preset setting a key its schema lacks, a
+    missing default) as one ConfigError line: the most specific line of Hydra's message."""
+
+    def wrapped(overrides: list[str], **kwargs) -> DictConfig:
+        from hydra.errors import HydraException
+        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+        try:
+            return compose(overrides, **kwargs)
+        except (HydraException, OmegaConfBaseException) as e:
+            # Hydra re-raises OmegaConf's error (which names the key) as its context
+            inner = e.__cause__ or e.__context__
+            cause = inner if isinstance(inner, OmegaConfBaseException) else e
+            key = getattr(cause, "full_key", None) or ""
+            group, _, name = key.partition(".")
+            accepted = schema.accepted_keys(group, None) if name else None
+            if isinstance(cause, ConfigKeyError) and accepted is not None:  # a typed group
+                raise ConfigError(schema.unknown_key(group, name, accepted)) from None
+            lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+            msg = lines[0] if lines else type(cause).__name__
+            where = re.match(r"In '([^']+)'", str(e))
+            msg = f"{key}: {msg}" if key else msg
+            raise ConfigError(msg + (f" (in {where[1]})" if where and cause is not e
+                                     else "")) from None
+
+    return wrapped

@@ -206,7 +206,7 @@ def test_dry_run_prints_plan_and_does_not_train(in_tmp):
                      "method=checkpoint", "method.dry_run=true", "trainer.threads=1",
                      cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "layer4.1" in p.stdout and "activation peak: baseline" in p.stdout
+    assert "layer4.1" in p.stdout and p.stdout.count("activation peak: baseline") == 1
     (summary,) = in_tmp.glob("runs/*/*_checkpoint_*/summary.json")
     s = __import__("json").loads(summary.read_text())
     assert s["dry_run"] is True and s["steps"] == 0 and s["plan_peak_bytes"] > 0
@@ -291,3 +291,16 @@ def test_same_profile_gives_the_same_plan():
         plans.append(planner.plan_budget(m.profile, 0.5 * m.profile.baseline_peak).groups)
         assert m.profile.flops and all(f > 0 for f in m.profile.flops)
     assert plans[0] == plans[1]
+
+
+def test_plan_table_of_a_small_model_reads_in_its_unit():
+    """mlp6 at batch 8: KiB, not rows of 0.00 MiB; its zero inner bytes are explained."""
+    data, model, method = api.build(["model=mlp6", "method=checkpoint", "method.strategy=uniform",
+                                     "dataset.image_size=8", "trainer=smoke"])
+    x, y = next(iter(data.train.batches(8, torch.device("cpu"))))
+    method.prepare(model, x, y)
+    lines = method.table().splitlines()
+    assert lines[0].split()[2:6] == ["inner", "KiB", "out", "KiB"]
+    rows = [ln.split() for ln in lines[1:] if ln.split()[0].isdigit()]
+    assert rows and all(float(r[3]) > 0 for r in rows)  # every output shows
+    assert "inner 0 in every segment" in method.table()

@@ -108,7 +108,7 @@ STORED_RUN_IDS = [
     (["method=synthetic", "model=resnet18", "dataset=cifar10", "optim=adamw"], "06d84cdf4302"),
     (["experiment=quick", "method=pool"], "dc7294d99c54"),
     (["method=prune", "method.sparsity=0.75", "trainer.gpu_memory_gb=4", "trainer.fault=nan"],
-     "79e156c5118d"),
+     "7858e1c097fe"),
 ]
 
 

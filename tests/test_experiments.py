@@ -4,6 +4,8 @@ baseline) trains a few steps and leaves an ok row. A preset that composes but ca
 here. One point per preset keeps it affordable on 2 cores; test_every_experiment_composes
 (test_config.py) composes them all."""
 
+import shlex
+
 import pytest
 import yaml
 from conftest import CONF, conf_options
@@ -16,9 +18,12 @@ TINY = ["trainer=smoke", "trainer.max_steps=2", "trainer.warmup_steps=1", "train
 
 
 def last_point(exp: str) -> list[str]:
-    """The overrides of the preset's last sweep point."""
-    params = yaml.safe_load((CONF / "experiment" / f"{exp}.yaml").read_text())
-    params = params.get("hydra", {}).get("sweeper", {}).get("params", {})
+    """The overrides of the preset's last sweep point (of its last variant, if it has some)."""
+    sweeper = yaml.safe_load((CONF / "experiment" / f"{exp}.yaml").read_text())
+    sweeper = sweeper.get("hydra", {}).get("sweeper", {})
+    params = dict(sweeper.get("params") or {})
+    if sweeper.get("variants"):  # hydra/sweeper=variants: a line of overrides each
+        params.update(t.split("=", 1) for t in shlex.split(sweeper["variants"][-1]))
     # the dataset is replaced by tiny synthetic data below, whatever the sweep names; glob(*)
     # sweeps every option of the group, in Hydra's (sorted) order
     choices = {k: conf_options(k) if v == "glob(*)" else str(v).split(",")

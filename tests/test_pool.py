@@ -1,6 +1,8 @@
 """method=pool on whole models: exactness at kernel_size=1, the ReLU pitfall, saved-bytes ratios
 against method=none (same model, batch and seed), autocast, options, training."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,29 +228,27 @@ def test_training_converges_like_none_at_equal_epochs():
     assert acc["pool"] >= acc["none"] - 0.03, acc
 
 
-STUDY = ["none", "compaction_only", "k2_upsample", "k2_pooled", "k4_upsample", "k4_pooled"]
-
-
 def test_pool_study_variants_compose_to_the_intended_methods():
     import yaml
     from conftest import CONF
 
+    from memtrain.sweeper import variant_overrides
+
     sweep = yaml.safe_load((CONF / "experiment" / "pool_study.yaml").read_text())
-    assert sweep["hydra"]["sweeper"]["params"]["+experiment/pool_study@_global_"] == \
-        ",".join(STUDY)
-    for variant in STUDY:
-        cfg, choices = api.compose(["experiment=pool_study", "trainer=smoke",
-                                    f"+experiment/pool_study@_global_={variant}"])
-        assert cfg.trainer.max_steps == 4 and cfg.trainer.batch_size == 8  # smoke still wins
-        if variant == "none":
-            assert choices["method"] == "none"
-            continue
-        if variant == "compaction_only":  # no pooling: only the exact add-ons
-            assert cfg.method.kernel_size == 1 and cfg.method.relu_mask == "bits"
-            continue
-        k, mode = variant[1:].split("_")
-        assert choices["method"] == "pool"
-        assert (cfg.method.kernel_size, cfg.method.mode) == (int(k), mode)
+    variants = sweep["hydra"]["sweeper"]["variants"]
+    got = []
+    for line in variants:  # each variant's jobs: its sweeps expanded
+        over = variant_overrides(["experiment=pool_study", "trainer=smoke"], line)
+        sweeps = [[f"{o.split('=')[0]}={v}" for v in o.split("=", 1)[1].split(",")]
+                  for o in over]
+        for job in itertools.product(*sweeps):
+            cfg, choices = api.compose(list(job))
+            assert cfg.trainer.max_steps == 4 and cfg.trainer.batch_size == 8  # smoke still wins
+            m = cfg.method
+            got.append((choices["method"], m.get("kernel_size"), m.get("mode")))
+    assert got == [("none", None, None), ("pool", 1, "upsample"),  # compaction only
+                   ("pool", 2, "upsample"), ("pool", 2, "pooled"),
+                   ("pool", 4, "upsample"), ("pool", 4, "pooled")]
 
 
 def test_pool_smoke_run_records_options_and_saves_less(in_tmp):
@@ -291,3 +291,15 @@ def test_compression_temporaries_do_not_set_the_activation_peak():
     s1, a1 = _saved_and_act_peak(net1, x, y)
     assert s1 / s0 < 0.7
     assert abs(a1 / a0 - s1 / s0) <= 0.1, (s1 / s0, a1 / a0)
+
+
+def test_pool_on_a_model_without_convolutions_says_so(caplog):
+    with caplog.at_level("WARNING", logger="memtrain.methods.pool"):
+        api.build(["model=mlp6", "method=pool", "dataset.image_size=8"])
+    (rec,) = [r for r in caplog.records if r.name == "memtrain.methods.pool"]
+    assert rec.getMessage() == ("method=pool found no nn.Conv2d in MLP: nothing is "
+                                "pooled, only its ReLUs and max-pools change")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="memtrain.methods.pool"):
+        api.build(["model=resnet18", "method=pool", "dataset.image_size=8"])
+    assert not [r for r in caplog.records if r.name == "memtrain.methods.pool"]

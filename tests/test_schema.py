@@ -41,7 +41,10 @@ KEYS = _numeric_keys()
 
 @functools.cache
 def _compose(overrides: tuple[str, ...]):
-    return validate.compose_fn(runner.conf_dir())(list(overrides))
+    from hydra import compose
+
+    with runner.session():
+        return compose("config", overrides=list(overrides))
 
 
 def test_the_generated_cases_cover_known_options():
@@ -74,6 +77,7 @@ def test_integer_options_reject_non_integers(override):
 
 def test_trainer_schema_matches_its_yaml():
     yaml = OmegaConf.to_container(OmegaConf.load(CONF / "trainer" / "default.yaml"))
+    assert yaml.pop("defaults") == ["base_trainer", "_self_"]  # typed by the schema in Hydra
     fields = {f.name: f.default for f in dataclasses.fields(schema.Trainer)}
     assert fields == yaml
 

@@ -99,11 +99,13 @@ def test_bad_value_in_a_multirun_is_that_jobs_row(in_tmp):
     assert "memtrain: 2 jobs: ok 1, error 1" in p.stdout
 
 
-def test_method_sweep_checks_keys_against_each_option(monkeypatch):
+def test_method_sweep_checks_keys_against_each_option():
+    from hydra import compose
+
     from memtrain import validate
 
     seen = []
-    compose = validate.compose_fn(runner.conf_dir())
-    monkeypatch.setattr(validate, "compose_fn", lambda d: lambda o: seen.append(o) or compose(o))
-    runner.check_overrides(["trainer=default,smoke", "trainer.batch_size=3"])
+    with runner.session():
+        validate.check_values(validate.parse(["trainer=default,smoke", "trainer.batch_size=3"]),
+                              lambda o: seen.append(o) or compose("config", overrides=o))
     assert sorted(seen) == [["trainer=default"], ["trainer=smoke"]]

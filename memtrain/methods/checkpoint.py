@@ -135,9 +135,9 @@ class CheckpointMethod:
             plan = self._plan_budget(prof)
         self.plan = plan
         carry["checkpoint_plan"] = [list(g) for g in plan.groups]
+        # once, through logging: memtrain.log and the console (a dry run asks for nothing else)
         log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
         if self.dry_run:
-            print(self.table())
             return {**self.summary_columns(), "dry_run": True, "steps": 0}
         apply_groups(model, self.segments, plan.groups)
         return self.summary_columns()
@@ -178,16 +178,23 @@ class CheckpointMethod:
         """The profile and the plan, one row per segment (what `dry_run` prints)."""
         prof, p = self.profile, self.plan
         group_of = {i: g for g in p.groups for i in range(g[0], g[1] + 1)}
-        lines = [f"{'#':>3} {'segment':<14} {'inner MiB':>10} {'out MiB':>9} {'fwd ms':>8}  "
-                 f"decision"]
+        # the unit that shows the largest segment with 1-4 integer digits: small models in KiB
+        biggest = max([*prof.inner, *prof.out, 1])
+        unit, scale = next((u, 2**e) for u, e in (("GiB", 30), ("MiB", 20), ("KiB", 10), ("B", 0))
+                           if biggest >= 2**e)
+        lines = [f"{'#':>3} {'segment':<14} {'inner ' + unit:>10} {'out ' + unit:>9} "
+                 f"{'fwd ms':>8}  decision"]
         for i in range(prof.n):
             g = group_of.get(i)
             what = "keep" if g is None else (f"recompute (group {g[0]}-{g[1]})")
-            lines.append(f"{i:>3} {prof.names[i]:<14} {prof.inner[i] / 2**20:>10.2f} "
-                         f"{prof.out[i] / 2**20:>9.2f} {prof.time[i] * 1e3:>8.2f}  {what}")
-        lines.append(f"tail (kept): {prof.tail / 2**20:.2f} MiB; baseline step "
+            lines.append(f"{i:>3} {prof.names[i]:<14} {prof.inner[i] / scale:>10.2f} "
+                         f"{prof.out[i] / scale:>9.2f} {prof.time[i] * 1e3:>8.2f}  {what}")
+        if not any(prof.inner):
+            lines.append("inner 0 in every segment: each saves only its input and output (e.g. "
+                         "Linear + ReLU), so recomputing one frees its output only")
+        lines.append(f"tail (kept): {prof.tail / scale:.2f} {unit}; baseline step "
                      f"{prof.step_time * 1e3:.1f} ms")
-        lines.append(f"activation peak: baseline {prof.baseline_peak / 2**20:.2f} MiB -> plan "
-                     f"{p.peak / 2**20:.2f} MiB ({p.peak / prof.baseline_peak:.3f}x); predicted "
+        lines.append(f"activation peak: baseline {prof.baseline_peak / scale:.2f} {unit} -> plan "
+                     f"{p.peak / scale:.2f} {unit} ({p.peak / prof.baseline_peak:.3f}x); predicted "
                      f"overhead +{100 * p.overhead:.1f}% step time")
         return "\n".join(lines)

@@ -14,6 +14,8 @@ whole step, so a compressed copy adds memory and only degrades the first layer's
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,8 @@ from memtrain.methods._pool_ops import (
     autocast_dtype,
 )
 from memtrain.methods._swap import swap_modules
+
+log = logging.getLogger(__name__)
 
 POOL_TYPES = ("avg", "max")
 MODES = ("upsample", "pooled")
@@ -60,8 +64,11 @@ class PoolMethod:
     def wrap(self, model: nn.Module) -> nn.Module:
         pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size,
                        compress_input=self.compress_input)
-        swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
-                     lambda _, m: _recast(m, PooledConv2d, mode=self.mode, **pooling))
+        convs = swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
+                             lambda _, m: _recast(m, PooledConv2d, mode=self.mode, **pooling))
+        if not convs:  # not silent: its ReLU masks alone can cost memory (Linear keeps the input)
+            log.warning("method=pool found no nn.Conv2d in %s: nothing is pooled, only its ReLUs "
+                        "and max-pools change", type(model).__name__)
         if self.targets == "conv+bn":
             swap_modules(model, lambda _, m: type(m) is nn.BatchNorm2d,
                          lambda _, m: _recast(m, PooledBatchNorm2d, **pooling))
