@@ -193,8 +193,12 @@ class NearestColumn(nn.Module):
 
 
 def mse_to_label(out: torch.Tensor, y: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """MSE of a partition's output [B, ...] against its class targets (rows of S^T)."""
-    return F.mse_loss(out.flatten(1).float(), targets[y])
+    """MSE of a partition's output [B, ...] against its class targets (rows of S^T).
+
+    Unreduced, then averaged: torch's CPU mse_loss(reduction="mean") returns a 0-dim loss on a
+    storage of the output's full size, held for as long as the loss is (through backward), which
+    the estimate's fake tensors cannot show; the unreduced map is freed once averaged."""
+    return F.mse_loss(out.flatten(1).float(), targets[y], reduction="none").mean()
 
 
 def evaluate_decoded(model, split, device, batch_size, autocast, max_batches=None,
