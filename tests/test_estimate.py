@@ -143,3 +143,27 @@ def test_cli_find_max_batch_on_the_cpu_without_a_cap_is_one_line_and_no_folder(t
         "memtrain: error: trainer.find_max_batch on the CPU compares the estimate with a memory "
         "cap: set trainer.gpu_memory_gb (GiB), or run on a GPU"]
     assert not (tmp_path / "runs").exists()
+
+
+def test_triton_launchers_on_fake_tensors_only_allocate_their_outputs():
+    """What pool's and prune's kernels allocate, with no launch (a fake tensor has no data)."""
+    from memtrain.kernels import bitmask, bsr, is_fake, triton_available
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from memtrain.kernels import prune as kernels
+
+    with FakeTensorMode():
+        x = torch.randn(4, 33)
+        bits = bitmask.pack_triton(x)
+        assert is_fake(bits) and bits.shape == (bitmask.n_bytes(132),)
+        assert bitmask.masked_grad_triton(x, bits).shape == x.shape
+        a = torch.randn(40, 70)  # 3 x 5 blocks of 16
+        scores = kernels.block_scores(a, 16)
+        rows, cols, col_ptr = bsr.select_blocks(scores, 0.5)
+        values = kernels.compact_blocks(a, rows, cols, 16)
+        assert scores.shape == (3, 5) and values.shape == (bsr.n_kept(15, 0.5), 16, 16)
+        assert col_ptr.shape == (6,)
+        grad_w = kernels.bsr_grad_weight(torch.randn(40, 24), values, rows, col_ptr, 70)
+        assert grad_w.shape == (24, 70)
