@@ -29,8 +29,11 @@ VARIANTS = {
     "prune": [["method.sparsity=0.9", "method.block_size=16", "method.prune_shared=true"]],
     "pool": [["method.targets=conv+bn"]],
 }
+# checkpoint's default budget (half of none's activation peak) is infeasible on mlp6, whose
+# smallest feasible plan keeps ~0.62 of it: the run refuses it, so the estimate has no row to match
+DEFAULTS = {"checkpoint": ["method.budget_fraction=0.7"]}
 CASES = [(method, extra) for method in conf_options("method")
-         for extra in [[], *VARIANTS.get(method, [])]]
+         for extra in [DEFAULTS.get(method, []), *VARIANTS.get(method, [])]]
 PAIRS = {"mem_estimate_bytes": "mem_tracker_peak_bytes",
          "mem_estimate_act_bytes": "mem_peak_act_bytes"}
 RATIOS: dict[str, float] = {}  # printed with -s: the figures the note quotes
