@@ -25,3 +25,12 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def is_fake(t) -> bool:
+    """A tensor without data: fake (the memory estimate runs the step on FakeTensorMode) or meta.
+    Launchers then only allocate their outputs and skip the kernel, so the estimate sees exactly
+    what a kernel allocates and never hands Triton a pointer that is not there."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return t.device.type == "meta" or _is_fake(t)

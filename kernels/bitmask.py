@@ -19,7 +19,7 @@ import functools
 import math
 
 import torch
-from memtrain.kernels import triton_available
+from memtrain.kernels import is_fake, triton_available
 
 BLOCK_BYTES = 1024  # bytes per program in the pack kernel (8x as many elements)
 BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
@@ -82,7 +82,7 @@ def pack_triton(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     n = x.numel()
     bits = torch.empty(n_bytes(n), dtype=torch.uint8, device=x.device)
-    if n:
+    if n and not is_fake(x):
         pack_kernel, _ = _kernels()
         grid = (_cdiv(n_bytes(n), BLOCK_BYTES),)
         pack_kernel[grid](x, bits, n, n_bytes(n), BLOCK=BLOCK_BYTES)
@@ -94,7 +94,7 @@ def masked_grad_triton(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     grad = grad.contiguous()
     out = torch.empty_like(grad)
     n = grad.numel()
-    if n:
+    if n and not is_fake(grad):
         _, masked_kernel = _kernels()
         masked_kernel[(_cdiv(n, BLOCK_ELEMS),)](grad, bits, out, n, BLOCK=BLOCK_ELEMS)
     return out
@@ -115,8 +115,10 @@ def _weights(device: torch.device) -> torch.Tensor:
     if torch._guards.detect_fake_mode() is not None:
         return torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=device)
     if device not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
-                                            device=device)
+        w = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=device)
+        if is_fake(w):  # made under the estimate's FakeTensorMode: no use to a real step
+            return w
+        _BIT_WEIGHTS[device] = w
     return _BIT_WEIGHTS[device]
 
 

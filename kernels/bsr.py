@@ -112,7 +112,8 @@ def grad_weight_torch(g: torch.Tensor, bs: BlockSparse) -> torch.Tensor:
     (m, k), b = bs.shape, bs.block
     nbr, nbc = math.ceil(m / b), bs.col_ptr.numel() - 1
     cols = torch.repeat_interleave(torch.arange(nbc, device=g.device),
-                                   (bs.col_ptr[1:] - bs.col_ptr[:-1]).long())
+                                   (bs.col_ptr[1:] - bs.col_ptr[:-1]).long(),
+                                   output_size=bs.rows.numel())  # a fixed shape: fake tensors
     dense = bs.values.new_zeros(nbr, nbc, b, b)
     dense[bs.rows.long(), cols] = bs.values
     a = dense.transpose(1, 2).reshape(nbr * b, nbc * b)[:m, :k]
@@ -135,8 +136,10 @@ def select_blocks(scores: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, 
     r, c = order // nbc, order % nbc
     key = torch.sort(c * nbr + r).values  # column-major: the order grad_weight consumes them
     rows, cols = (key % nbr).int(), (key // nbr).int()
-    counts = torch.bincount(cols, minlength=nbc)
-    col_ptr = F.pad(torch.cumsum(counts, 0), (1, 0)).int()
+    # cols is sorted: column c's blocks start at the first index with cols >= c. A fixed output
+    # shape (bincount's depends on the data), so fake tensors (the estimate) run it too.
+    col_ptr = torch.searchsorted(cols, torch.arange(nbc + 1, device=cols.device,
+                                                    dtype=cols.dtype)).int()
     return rows, cols, col_ptr
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from memtrain.kernels import is_fake
 
 
 @triton.jit
@@ -135,6 +136,8 @@ def block_scores(a: torch.Tensor, block: int, criterion: str = "l2") -> torch.Te
     m, k = a.shape
     nbr, nbc = triton.cdiv(m, block), triton.cdiv(k, block)
     scores = torch.empty(nbr, nbc, device=a.device, dtype=torch.float32)
+    if is_fake(a):  # the estimate: the output's size is all it needs
+        return scores
     _block_score_kernel[(nbr, nbc)](a, scores, m, k, a.stride(0), a.stride(1), nbc, B=block,
                                     L1=criterion == "l1")
     return scores
@@ -145,7 +148,7 @@ def compact_blocks(a: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
     """values [nnz, B, B]: block (rows[j], cols[j]) of A, zero-padded past A's edges."""
     m, k = a.shape
     values = torch.empty(rows.numel(), block, block, device=a.device, dtype=a.dtype)
-    if rows.numel():
+    if rows.numel() and not is_fake(a):
         _block_compact_kernel[(rows.numel(),)](a, rows, cols, values, m, k, a.stride(0),
                                                a.stride(1), B=block)
     return values
@@ -175,7 +178,9 @@ def bsr_grad_weight(g: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
     grid_n = triton.cdiv(n, block_n)
     if split is None:
         counts = col_ptr[1:] - col_ptr[:-1]
-        max_per_col = int(counts.max()) if nbc else 0
+        # a fake tensor (the estimate) has no data: the most blocks a column can hold
+        max_per_col = (triton.cdiv(m, block) if is_fake(col_ptr)
+                       else int(counts.max()) if nbc else 0)
         split = _auto_split(g.device, grid_n * nbc, max_per_col)
     if split > 1:
         out = torch.empty(split, n, k, device=g.device, dtype=torch.float32)
@@ -187,6 +192,8 @@ def bsr_grad_weight(g: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
     # Triton 3.8's interpreter returns garbage for a bf16/fp16 tl.dot; bf16 x bf16 products are
     # exact in fp32 and both paths accumulate in fp32, so fp32 operands compute the same sums.
     upcast = g.device.type != "cuda" and g.dtype != torch.float32
+    if is_fake(g):
+        return out.sum(0).to(g.dtype) if split > 1 else out
     _bsr_grad_weight_kernel[(grid_n, nbc, split)](
         g, values, rows, col_ptr, out, m, n, k, g.stride(0), g.stride(1), *strides,
         SPLIT=split, B=block, BLOCK_N=block_n, IEEE=ieee, UPCAST=upcast)

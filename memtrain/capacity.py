@@ -90,7 +90,8 @@ def cuda_fits(make_step: Callable[[int], Callable[[], None]], device: torch.devi
             ok = False
         step = None  # noqa: F841 (free the probe's model and batch before emptying the cache)
         torch.cuda.empty_cache()
-        log.info("find_max_batch: batch %d %s", b, "fits" if ok else "does not fit")
+        log.info("find_max_batch: batch %d: %d real training steps: %s", b, steps,
+                 "fits" if ok else "does not fit (out of memory)")
         return ok
 
     return fits
@@ -101,8 +102,10 @@ def estimate_fits(estimate_bytes: Callable[[int], int], cap_bytes: int) -> Calla
 
     def fits(b: int) -> bool:
         need = estimate_bytes(b)
-        log.info("find_max_batch: batch %d needs ~%.2f GiB (estimate)", b, need / GiB)
-        return need <= cap_bytes
+        ok = need <= cap_bytes
+        log.info("find_max_batch: batch %d: estimate %.4f GiB, cap %.4f GiB: %s", b, need / GiB,
+                 cap_bytes / GiB, "fits" if ok else "does not fit")
+        return ok
 
     return fits
 

@@ -5,16 +5,24 @@ building the model (the method applied), the optimizer and a batch, and running 
 steps costs no memory and little time. torch's MemTracker (`measure.PeakTracker`) follows the
 second step, as it does on a real run's accounting step, and its peak is the estimate.
 
+Every method is estimated as its run measures it (`probe_steps`): checkpoint with its
+recomputation plan (profiled and solved on the fake batch: bytes and FLOPs need no data),
+synthetic per phase (the largest phase is the row's), prune with the configured sparsity (the
+number of kept blocks is ceil((1 - s) n), a shape, not data), pool's and prune's Triton
+kernels as the outputs they allocate (`kernels.is_fake`: the launch is skipped).
+
 What it cannot see, so what the estimate leaves out: the CUDA caching allocator's rounding and
-fragmentation, cuDNN/cuBLAS workspaces, the CUDA context, and kernels with no fake
-implementation (a Triton kernel without a registered fake: the estimate then fails and says so).
-Fake tensors are made on the CPU when no GPU is present, so autocast follows the CPU's op policy.
+fragmentation, cuDNN/cuBLAS workspaces, the CUDA context, and ops with no fake implementation
+(the estimate then fails and says so). Fake tensors are made on the CPU when no GPU is present,
+so autocast follows the CPU's op policy.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +34,32 @@ from memtrain.train import autocast_factory
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class ProbeStep:
+    """One training step as a run's accounting step measures it: the module that trains, its
+    input batch and targets, its loss. `name` is the phase (synthetic: part0, part1, recovery;
+    "" for a method that trains the whole model in one loop)."""
+
+    module: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    name: str = ""
+
+
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                   y: torch.Tensor, precision: str = "fp32",
-                  saved: measure.SavedBytes | None = None) -> None:
-    """Forward, backward, update: the memory-relevant part of train.train's step."""
+                  saved: measure.SavedBytes | None = None,
+                  loss_fn: Callable = F.cross_entropy) -> None:
+    """Forward, backward, update: the memory-relevant part of train.train's step, which also
+    keeps the output alive until the update is done (a partition's output is no small logit)."""
     with measure.maybe(saved, saved is not None), autocast_factory(x.device.type, precision)():
-        loss = F.cross_entropy(model(x).float(), y)
+        out = model(x)
+        loss = loss_fn(out, y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    del out
 
 
 def random_batch(batch_size: int, input_shape: tuple[int, ...], num_classes: int,
@@ -44,45 +69,67 @@ def random_batch(batch_size: int, input_shape: tuple[int, ...], num_classes: int
     return x, y
 
 
-class FakeSavedBytes(measure.SavedBytes):
-    """SavedBytes for fake tensors: they have no data pointer, so storages are told apart by
-    their C++ object."""
+def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
+                input_shape: tuple[int, ...], num_classes: int, device: torch.device,
+                precision: str = "fp32") -> list[ProbeStep]:
+    """The steps a run of this model and method measures, on a batch of `batch_size`.
 
-    def storage_id(self, t: torch.Tensor) -> tuple[str, int]:
-        return (str(t.device), t.untyped_storage()._cdata)
+    `make()` returns a fresh model with the method applied, and the method. A method whose run
+    measures something other than one step of the wrapped model says so with an optional
+    `probe_steps(model, x, y, *, autocast, num_classes) -> list[ProbeStep]` (checkpoint: its
+    recomputation plan applied; synthetic: one step per phase); otherwise that one step.
+    """
+    model, method = make()
+    if any(p.device != device for p in model.parameters()):  # a real probe (fake: made there)
+        model.to(device)
+    model.train()
+    x, y = random_batch(batch_size, input_shape, num_classes, device)
+    own = getattr(method, "probe_steps", None)
+    if own is None:
+        return [ProbeStep(model, x, y)]
+    return own(model, x, y, autocast=autocast_factory(device.type, precision),
+               num_classes=num_classes)
 
 
-def estimate_peak(make_model: Callable[[], nn.Module],
+def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+               precision: str) -> dict[str, int]:
+    """One warm-up step (optimizer state allocated), then the tracked one."""
+    optimizer = make_optimizer(step.module)
+    training_step(step.module, optimizer, step.x, step.y, precision, loss_fn=step.loss_fn)
+    saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y))
+    with measure.PeakTracker(step.module, optimizer, step.x, step.y) as tracker:
+        training_step(step.module, optimizer, step.x, step.y, precision, saved, step.loss_fn)
+    out = {"mem_estimate_bytes": tracker.peak_bytes,
+           "mem_estimate_act_bytes": tracker.act_peak_bytes,
+           "mem_estimate_saved_bytes": saved.bytes}
+    out.update({f"mem_estimate_at_peak_{k}_bytes": v for k, v in tracker.at_peak.items()})
+    out.update({f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()})
+    return out
+
+
+def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                   input_shape: tuple[int, ...], num_classes: int, batch_size: int,
                   precision: str = "fp32", device: str = "cpu") -> dict[str, int | str]:
     """Predicted memory of one training step after warm-up (optimizer state allocated).
 
-    Returns `mem_estimate_bytes` (the peak of live tensors), `mem_estimate_act_bytes` (the peak
-    of activation memory, as `mem_peak_act_bytes`), `mem_estimate_saved_bytes` (saved for
-    backward, as `mem_act_saved_bytes`) and the breakdown at the peak.
+    Predicts what the run's accounting step reports: `mem_estimate_bytes` the tracker's peak of
+    live tensors (`mem_tracker_peak_bytes`, on the CPU `mem_peak_alloc_bytes`),
+    `mem_estimate_act_bytes` the peak of activation memory (`mem_peak_act_bytes`, recomputation
+    included), `mem_estimate_saved_bytes` the bytes saved for backward (`mem_act_saved_bytes`),
+    and the breakdown at the peak. A method with several phases (synthetic) is estimated per
+    phase and the row gets the phase with the largest peak, as its run's row does
+    (`mem_estimate_phase`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dev = torch.device(device)
     with FakeTensorMode(), torch.device(dev):
-        model = make_model()
-        optimizer = make_optimizer(model)
-        x, y = random_batch(batch_size, input_shape, num_classes, dev)
-        model.train()
-        training_step(model, optimizer, x, y, precision)  # warm-up: optimizer state exists
-        saved = FakeSavedBytes(measure.alive_before_step(model, x, y))
-        with measure.PeakTracker(model, optimizer, x, y) as tracker:
-            training_step(model, optimizer, x, y, precision, saved)
-    out: dict[str, int | str] = {
-        "mem_estimate_bytes": tracker.peak_bytes,
-        "mem_estimate_act_bytes": tracker.act_peak_bytes,
-        "mem_estimate_saved_bytes": saved.bytes,
-        "mem_estimate_device": dev.type,
-    }
-    out.update({f"mem_estimate_at_peak_{k}_bytes": v for k, v in tracker.at_peak.items()})
-    out.update({f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()})
-    return out
+        steps = probe_steps(make, batch_size, input_shape, num_classes, dev, precision)
+        peaks = [(s.name, _step_peak(s, make_optimizer, precision)) for s in steps]
+    name, out = max(peaks, key=lambda p: p[1]["mem_estimate_bytes"])
+    return {**out, "mem_estimate_device": dev.type, **({"mem_estimate_phase": name} if name
+                                                        else {})}
 
 
 def estimate_device(device: torch.device) -> str:

@@ -133,3 +133,25 @@ class SweepLock(Callback):
         if self._fd is not None:
             os.close(self._fd)  # releases the flock
             self._fd = None
+
+
+class ProbeCheck(Callback):
+    """A single run whose probes cannot work here (`probes.check`: find_max_batch on the CPU
+    without a cap) stops with one line and exit status 2 before Hydra makes its run folder
+    (`on_run_start` sees the composed config, user presets included). Other problems of the
+    trainer options are left to the job, which records them in its row."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from memtrain import probes
+        from memtrain.errors import ConfigError
+        from memtrain.schema import Trainer
+
+        try:
+            t = Trainer.from_config(config.trainer)
+        except Exception:  # the job reports it, with its row
+            return
+        try:
+            probes.check(t)
+        except ConfigError as e:
+            print(f"memtrain: error: {e}", file=sys.stderr)
+            sys.exit(2)

@@ -29,9 +29,12 @@ from torch import nn
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """(device, data pointer) of t's storage: views of one storage share it."""
+    """(device, data pointer) of t's storage: views of one storage share it. A fake tensor (the
+    estimate) has no data pointer; its storage object's address tells storages apart instead."""
+    from torch._subclasses.fake_tensor import is_fake
+
     s = t.untyped_storage()
-    return (str(t.device), s.data_ptr())
+    return (str(t.device), s._cdata if is_fake(t) else s.data_ptr())
 
 
 def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[torch.Tensor]:
@@ -54,13 +57,9 @@ class SavedBytes:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {self.storage_id(t) for t in exclude}
+        self._exclude = {storage_key(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx = None
-
-    def storage_id(self, t: torch.Tensor) -> tuple[str, int]:
-        """What tells one storage from another (a subclass for fake tensors overrides it)."""
-        return storage_key(t)
 
     def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
         """Called once per packed tensor that counts; subclasses attribute it further."""
@@ -68,7 +67,7 @@ class SavedBytes:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not isinstance(t, nn.Parameter):
-            key = self.storage_id(t)
+            key = storage_key(t)
             if key not in self._exclude and key[1] != 0:
                 self.record(key, t)
         return t

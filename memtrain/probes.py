@@ -1,5 +1,10 @@
 """The probes a job runs before training (`trainer.estimate`, `trainer.find_max_batch`), each on
-fresh models built for it, never the run's own."""
+fresh models built for it, never the run's own.
+
+Both see a method as its run measures it (`estimate.probe_steps`): checkpoint's recomputation,
+synthetic's phases. Every probe step is logged: the batch tried, its estimate (or real steps on
+CUDA) and whether it fits.
+"""
 
 from __future__ import annotations
 
@@ -17,47 +22,67 @@ from memtrain.schema import Trainer
 
 log = logging.getLogger("memtrain")
 
+MakeModel = Callable[[], tuple[nn.Module, Any]]  # a fresh model, the method applied; the method
 
-def run(t: Trainer, data: Data, device: torch.device, make_model: Callable[[], nn.Module],
+
+def check(t: Trainer) -> None:
+    """Probe options that cannot work on this machine, as a one-line ConfigError, before a job
+    starts (the CLI calls it before Hydra makes a run folder)."""
+    if not t.find_max_batch or t.gpu_memory_gb is not None:
+        return
+    dev = str(t.device)
+    if dev == "cpu" or (dev == "auto" and not torch.cuda.is_available()):
+        raise ConfigError("trainer.find_max_batch on the CPU compares the estimate with a "
+                          "memory cap: set trainer.gpu_memory_gb (GiB), or run on a GPU")
+
+
+def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
         make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]) -> dict[str, Any]:
     """The probes' summary columns (none asked: {})."""
     out: dict[str, Any] = {}
     if not (t.estimate or t.find_max_batch):
         return out
+    check(t)
     est_dev = estimate.estimate_device(device)
 
     def predict(b: int) -> dict[str, Any]:
-        return estimate.estimate_peak(make_model, make_optimizer, data.input_shape,
-                                      data.num_classes, b, t.precision, est_dev)
+        return estimate.estimate_peak(make, make_optimizer, data.input_shape, data.num_classes,
+                                      b, t.precision, est_dev)
 
     if t.estimate:
         try:
             out.update(predict(t.batch_size))
-            log.info("estimated peak %.3f GiB (activations %.3f GiB)",
-                     out["mem_estimate_bytes"] / 2**30, out["mem_estimate_act_bytes"] / 2**30)
-        except Exception as e:  # a kernel without a fake implementation: say so, train anyway
+            phase = out.get("mem_estimate_phase")
+            log.info("estimate: batch %d: peak %.4f GiB, activations %.4f GiB%s (%s, fake "
+                     "tensors)", t.batch_size, out["mem_estimate_bytes"] / capacity.GiB,
+                     out["mem_estimate_act_bytes"] / capacity.GiB,
+                     f", largest phase {phase}" if phase else "", est_dev)
+        except Exception as e:  # an op without a fake implementation: say so, train anyway
             out["mem_estimate_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("trainer.estimate failed: %s", out["mem_estimate_error"])
     if t.find_max_batch:
-        out["max_batch_size"] = _find_max_batch(t, data, device, make_model, make_optimizer,
-                                                predict)
+        out["max_batch_size"] = _find_max_batch(t, data, device, make, make_optimizer, predict)
     return out
 
 
-def _find_max_batch(t: Trainer, data: Data, device: torch.device, make_model, make_optimizer,
-                    predict) -> int:
+def _find_max_batch(t: Trainer, data: Data, device: torch.device, make: MakeModel,
+                    make_optimizer, predict) -> int:
     if device.type == "cuda":
         def make_step(b: int):
-            model = make_model().to(device)
-            opt = make_optimizer(model)
-            x, y = estimate.random_batch(b, data.input_shape, data.num_classes, device)
-            return lambda: estimate.training_step(model, opt, x, y, t.precision)
+            steps = estimate.probe_steps(make, b, data.input_shape, data.num_classes, device,
+                                         t.precision)
+
+            def run_steps():  # every phase in turn, each with its own optimizer
+                for s in steps:
+                    opt = make_optimizer(s.module)
+                    estimate.training_step(s.module, opt, s.x, s.y, t.precision,
+                                           loss_fn=s.loss_fn)
+            return run_steps
 
         fits = capacity.cuda_fits(make_step, device)
     else:
-        if t.gpu_memory_gb is None:
-            raise ConfigError("trainer.find_max_batch on the CPU compares the estimate with a "
-                              "cap: set trainer.gpu_memory_gb")
+        if t.gpu_memory_gb is None:  # check() said so already; kept for direct callers
+            raise ConfigError("trainer.find_max_batch on the CPU needs trainer.gpu_memory_gb")
         fits = capacity.estimate_fits(lambda b: predict(b)["mem_estimate_bytes"],
                                       int(t.gpu_memory_gb * capacity.GiB))
     best = capacity.find_max_batch(fits, limit=len(data.train), start=t.batch_size)

@@ -384,6 +384,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
          stack: contextlib.ExitStack, search: Path) -> list[dict]:
     """The body of one job: device, build, probes, training; fills `summary`, returns metrics."""
     t = trainer_of(cfg)  # before the device and the memory cap use any value
+    probes.check(t)
     if t.threads:
         torch.set_num_threads(t.threads)
     device = stack.enter_context(capacity.claim_device(t.device))
@@ -400,7 +401,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
                     "input_shape": "x".join(map(str, data.input_shape)),
                     "params": sum(p.numel() for p in model.parameters())})
     optim = _kwargs(cfg.optim)
-    summary.update(probes.run(t, data, device, lambda: make_model(cfg, data)[0],
+    summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
                               lambda m: build_optimizer(m, **optim)))
     total_steps = t.schedule(len(data.train))[1]
     if total_steps == 0:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
+from memtrain.estimate import ProbeStep
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods._segments import Segment, apply_groups, discover
 
@@ -117,22 +118,8 @@ class CheckpointMethod:
             return {}
         carry = {} if carry is None else carry
         groups = carry.get("checkpoint_plan")
-        pb = self.profile_batch
-        scale = 1.0
-        if pb is not None and pb < x.shape[0]:
-            scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
-        self.profile = prof = planner.profile(model, self.segments, x,
-                                              lambda out: F.cross_entropy(out.float(), y),
-                                              autocast, self.profile_repeats, scale)
-        n = prof.n
-        if groups is not None:  # a resumed run keeps its plan, whatever a new profile says
-            plan = planner.make_plan(prof, [(int(a), int(b)) for a, b in groups])
-        elif self.strategy == "uniform":
-            plan = planner.make_plan(prof, planner.uniform_groups(n, self.every))
-        elif self.strategy == "sqrt":
-            plan = planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
-        else:
-            plan = self._plan_budget(prof)
+        plan = self._choose(model, x, y, autocast,
+                            None if groups is None else [(int(a), int(b)) for a, b in groups])
         self.plan = plan
         carry["checkpoint_plan"] = [list(g) for g in plan.groups]
         # once, through logging: memtrain.log and the console (a dry run asks for nothing else)
@@ -141,6 +128,37 @@ class CheckpointMethod:
             return {**self.summary_columns(), "dry_run": True, "steps": 0}
         apply_groups(model, self.segments, plan.groups)
         return self.summary_columns()
+
+    def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
+                groups: list[tuple[int, int]] | None = None) -> planner.Plan:
+        """Profile the segments on `x` and choose the groups (`groups`: a plan kept by a resumed
+        run, used whatever a new profile says); sets `self.profile`."""
+        scale = 1.0
+        pb = self.profile_batch
+        if pb is not None and pb < x.shape[0]:
+            scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
+        self.profile = prof = planner.profile(model, self.segments, x,
+                                              lambda out: F.cross_entropy(out.float(), y),
+                                              autocast, self.profile_repeats, scale)
+        n = prof.n
+        if groups is not None:
+            return planner.make_plan(prof, groups)
+        if self.strategy == "uniform":
+            return planner.make_plan(prof, planner.uniform_groups(n, self.every))
+        if self.strategy == "sqrt":
+            return planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
+        return self._plan_budget(prof)
+
+    def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
+                    num_classes: int) -> list[ProbeStep]:
+        """For the probes (`estimate.probe_steps`): the step a run measures, the plan that
+        `prepare` would choose on this batch applied (profiled on the probe's own batch: on fake
+        tensors bytes and FLOPs are exact, times meaningless, and only the budget strategy's
+        objective could use times, which it does not when FLOPs were counted)."""
+        if self.strategy in PLANNED:
+            self.plan = self._choose(model, x, y, autocast)
+            apply_groups(model, self.segments, self.plan.groups)
+        return [ProbeStep(model, x, y)]
 
     def _budget(self, prof: planner.Profile) -> int:
         if self.budget_bytes is not None:

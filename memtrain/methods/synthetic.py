@@ -23,13 +23,16 @@ import logging
 import math
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
+from memtrain.estimate import ProbeStep
 from memtrain.methods._cuts import (
     PROFILE_BATCH,
     Partitioned,
@@ -41,10 +44,13 @@ from memtrain.methods._cuts import (
 )
 from memtrain.methods._partition import (
     Phase,
+    frozen_input,
     label_matrix,
     lr_factors,
+    mse_to_label,
     optimizer_spec,
     run_phase,
+    synthetic_input,
 )
 from memtrain.models import chain_of
 from memtrain.schema import Trainer
@@ -201,6 +207,33 @@ class Synthetic:
         phase_kw = {"trainer": replace(trainer, epochs=epochs), "device": device, **loop}
         return [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
                             len(data.train)) for j in range(len(model))]
+
+    def probe_steps(self, model: Partitioned, x: torch.Tensor, y: torch.Tensor, *, autocast,
+                    num_classes: int) -> list[ProbeStep]:
+        """For the probes (`estimate.probe_steps`): one step per phase as `fit` runs it: the
+        partition alone on its input (the batch, the previous cut's label plus noise, or the
+        frozen earlier partitions' output, made before the step as the phase's data is) against
+        its target (this cut's labels by MSE, the classes for the last), then the end-to-end
+        recovery step when there is one. The label matrices' values do not matter here (seed 0)."""
+        if not model.cuts:  # automatic cuts are chosen on the data in fit(): choose them here too
+            model.cut(self.cuts or self.choose_cuts(model, x[:PROFILE_BATCH], autocast()))
+        shapes = cut_shapes(model, tuple(x.shape[1:]))
+        labels = [label_matrix(0, j, math.prod(s), num_classes, self.kappa)
+                  for j, s in enumerate(shapes)]
+        steps = []
+        for j, part in enumerate(model):
+            xj = x
+            if j and self.right_input == "left":
+                xj = frozen_input(nn.Sequential(*list(model)[:j]), x, y)
+            elif j:
+                xj = synthetic_input(labels[j - 1].t().contiguous(), shapes[j - 1],
+                                     self.noise * self.kappa, x, y)
+            loss = (partial(mse_to_label, targets=labels[j].t().contiguous())
+                    if j < len(model) - 1 else F.cross_entropy)
+            steps.append(ProbeStep(part, xj, y, loss, f"part{j}"))
+        if self.recovery_epochs:
+            steps.append(ProbeStep(model, x, y, F.cross_entropy, "recovery"))
+        return steps
 
     def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, n_train) -> Phase:
         part = model[j]
