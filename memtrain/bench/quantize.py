@@ -66,19 +66,20 @@ def saved_all(cells: list[tuple[str, int, int]]) -> list[dict]:
 
 SUITES = {  # CPU-sized: a shared 2-core machine trains these in minutes
     "mlp6 fashion_mnist": ["model=mlp6", "dataset=fashion_mnist",
-                           "trainer.batch_size=128", "trainer.epochs=1"],
+                           "trainer.batch_size=128", "trainer.max_steps=200"],
     "resnet18 synthetic 16px": ["model=resnet18", "dataset=synthetic", "dataset.image_size=16",
                                 "dataset.train_size=2048", "dataset.test_size=1000",
                                 "trainer.batch_size=64", "trainer.epochs=3"],
 }
 
 
-def accuracy_all(seeds: list[int], runs: Path, extra: list[str]) -> list[dict]:
+def accuracy_all(seeds: list[int], bits: list[int], runs: Path,
+                 extra: list[str]) -> list[dict]:
     rows = []
     for suite, over in SUITES.items():
         variants = {"none": ["method=none"],
                     **{f"quantize bits={b}": ["method=quantize", f"method.bits={b}"]
-                       for b in BITS}}
+                       for b in bits}}
         accs: dict[str, list[float]] = {}
         for label, method in variants.items():
             for seed in seeds:
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cells", default="resnet50:224:2,resmlp24:224:2",
                    help="saved: comma list of model:size:batch")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--bits", type=int, nargs="+", default=list(BITS), help="accuracy: bit widths")
     p.add_argument("--runs", type=Path, default=Path("runs/bench_quantize"))
     p.add_argument("--out", default=None, help="write the markdown table here")
     p.add_argument("overrides", nargs="*", help="accuracy: extra memtrain overrides")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         title = "method=quantize vs none: saved activations"
     else:
         runs = a.runs / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-        rows = accuracy_all(a.seeds, runs, a.overrides)
+        rows = accuracy_all(a.seeds, a.bits, runs, a.overrides)
         note = (f"Device: {bench.device_line(device)}. Test accuracy (%) after the same steps; "
                 f"suites: " + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in SUITES.items()))
         title = "method=quantize vs none: accuracy"
