@@ -12,8 +12,8 @@ can hand a single tensor on (to an offloader, to the accounting).
 Three implementations of `quantize(x, ...) -> buffer` and `dequantize(buffer, n, ...) -> flat x`:
 - Triton kernels (`_quant_pack_kernel`: min/max, rounding and packing fused, one program per
   group; `_unpack_dequant_kernel`): CUDA, or the CPU under TRITON_INTERPRET=1 (tests);
-- vectorised torch (`quantize_torch`, `dequantize_torch`), any device, a chunk of groups at a
-  time so its fp32 temporaries stay a fraction of the tensor;
+- vectorised torch (`quantize_torch`, `dequantize_torch`), any device, ~1/16 of the groups at
+  a time so its fp32 temporaries stay a fraction of the tensor (not the activation peak);
 - the eager oracle in kernels/reference.py (section quantize).
 `quantize` / `dequantize` pick Triton on CUDA, torch elsewhere. The noise of stochastic rounding
 comes from torch's generator (torch path, or `noise=` for tests) or from `tl.rand(seed, index)`
@@ -29,7 +29,8 @@ from memtrain.kernels import triton_available
 
 BITS = (2, 4, 8)
 GROUP_MULTIPLE = 32  # group sizes are multiples of this: a group's codes fill whole 32-bit words
-CHUNK_ELEMS = 1 << 20  # torch path: groups quantized ~1M elements at a time
+CHUNK_ELEMS = 1 << 20  # torch path: at most ~1M elements at a time ...
+CHUNKS = 16  # ... and at most 1/16 of the tensor, so its temporaries never set the act. peak
 
 triton = tl = None  # module globals bound on first use (the kernels resolve `tl` through them)
 
@@ -163,17 +164,22 @@ def dequantize_triton(buf: torch.Tensor, n: int, bits: int, group_size: int,
 # ---------------------------------------------------------------- torch fallback
 
 
+def _groups_per_chunk(n: int, group_size: int) -> int:
+    """Groups per chunk: ~1/CHUNKS of the tensor, at most CHUNK_ELEMS elements, at least one."""
+    return max(1, min(CHUNK_ELEMS, -(-n // CHUNKS)) // group_size)
+
+
 def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
                    noise: torch.Tensor | None = None) -> torch.Tensor:
     """The packed buffer of x (read flat, contiguous) with vectorised torch ops, any device.
-    Works a chunk of groups at a time (CHUNK_ELEMS): its fp32 temporaries stay bounded."""
+    Works a chunk of groups at a time (`_groups_per_chunk`): its fp32 temporaries stay small."""
     flat = x.reshape(-1)  # a view when x is contiguous (callers pass memory-order views)
     n = flat.numel()
     buf = torch.empty(buffer_bytes(n, bits, group_size), dtype=torch.uint8, device=x.device)
     codes, mn, scale = split(buf, n, bits, group_size)
     per, levels = 8 // bits, (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
-    step = max(1, CHUNK_ELEMS // group_size)  # groups per chunk
+    step = _groups_per_chunk(n, group_size)
     for g0 in range(0, n_groups(n, group_size), step):
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
         part = flat[g0 * group_size:(g0 + step) * group_size].to(torch.float32, copy=True)
@@ -209,7 +215,7 @@ def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
     out = torch.empty(n, dtype=dtype, device=buf.device)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
     mask = (1 << bits) - 1
-    step = max(1, CHUNK_ELEMS // group_size)
+    step = _groups_per_chunk(n, group_size)
     rows = codes.view(-1, group_size * bits // 8)
     for g0 in range(0, rows.shape[0], step):
         q = (rows[g0:g0 + step, :, None] >> shifts) & mask  # [groups, bytes, per]

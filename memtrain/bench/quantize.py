@@ -37,28 +37,33 @@ def _variants() -> dict:
                                    for b in BITS}}
 
 
-def saved_one(model_name: str, size: int, batch: int, variant: str) -> dict:
-    """Saved bytes and activation peak of one fp32 CPU training step."""
+def saved_one(model_name: str, size: int, batch: int, variant: str, peak: bool = True) -> dict:
+    """Saved bytes and (`peak`) the activation peak of one fp32 CPU training step."""
     torch.manual_seed(0)
     net = getattr(models, model_name)(num_classes=1000, input_shape=(3, size, size))
     net = _variants()[variant]().wrap(net).train()
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 1000, (batch,))
     saved = measure.SavedBytes(measure.alive_before_step(net, x, y))
-    with measure.PeakTracker(x, y) as peak:
+    row = {"model": model_name, "size": size, "batch": batch, "method": variant}
+    if not peak:  # the forward alone: what it saves
+        with saved:
+            net(x)
+        return {**row, "saved_mib": saved.bytes / MIB}
+    with measure.PeakTracker(x, y) as tracker:
         with saved:
             loss = F.cross_entropy(net(x), y)
         loss.backward()
-    return {"model": model_name, "size": size, "batch": batch, "method": variant,
-            "saved_mib": saved.bytes / MIB, "act_peak_mib": peak.act_peak_bytes / MIB}
+    return {**row, "saved_mib": saved.bytes / MIB, "act_peak_mib": tracker.act_peak_bytes / MIB}
 
 
-def saved_all(cells: list[tuple[str, int, int]]) -> list[dict]:
+def saved_all(cells: list[tuple[str, int, int]], peak: bool = True) -> list[dict]:
     rows = []
     for cell in cells:
-        group = [saved_one(*cell, v) for v in _variants()]
+        group = [saved_one(*cell, v, peak) for v in _variants()]
         for r in group:
             r["saved_vs_none"] = r["saved_mib"] / group[0]["saved_mib"]
-            r["act_peak_vs_none"] = r["act_peak_mib"] / group[0]["act_peak_mib"]
+            if peak:
+                r["act_peak_vs_none"] = r["act_peak_mib"] / group[0]["act_peak_mib"]
             print(r, flush=True)
         rows += group
     return rows
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("part", choices=["saved", "accuracy"])
     p.add_argument("--cells", default="resnet50:224:2,resmlp24:224:2",
                    help="saved: comma list of model:size:batch")
+    p.add_argument("--no-peak", action="store_true", help="saved: forward only, no tracker")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--bits", type=int, nargs="+", default=list(BITS), help="accuracy: bit widths")
     p.add_argument("--runs", type=Path, default=Path("runs/bench_quantize"))
@@ -111,10 +117,11 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu")
     if a.part == "saved":
         cells = [(m, int(s), int(b)) for m, s, b in (c.split(":") for c in a.cells.split(","))]
-        rows = saved_all(cells)
+        rows = saved_all(cells, not a.no_peak)
         note = (f"Device: {bench.device_line(device)}. One fp32 training step per row, same "
                 f"weights, batch and seed; saved bytes per storage (parameters and batch "
-                f"excluded); activation peak tracked live (MemTracker).")
+                f"excluded)" + ("." if a.no_peak else "; activation peak tracked live "
+                                "(MemTracker)."))
         title = "method=quantize vs none: saved activations"
     else:
         runs = a.runs / datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
