@@ -58,8 +58,7 @@ def split(buf: torch.Tensor, n: int, bits: int, group_size: int):
 
 @functools.cache
 def _kernels():
-    """Define the kernels on first use: importing this module never needs Triton, and
-    TRITON_INTERPRET (read when a kernel is defined) may be set until then."""
+    """The kernels, defined on first use as in kernels/bitmask.py (why: there)."""
     global triton, tl
     import triton
     import triton.language as tl
