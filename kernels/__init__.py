@@ -4,7 +4,9 @@ oracle; a leaf package: it imports torch, triton and numpy only, never the rest 
 - `bitmask.py`: 1-bit ReLU masks (method pool): Triton kernels and their torch fallback.
 - `prune.py`: block scores, compaction and the block-sparse grad_weight (method prune), Triton;
   `bsr.py`: their storage format, the block selection, the torch fallback and the dispatch.
-- `reference.py`: the eager oracles of both, one section per method.
+- `quant.py`: low-bit group quantization of saved activations (method quantize): fused Triton
+  quantize+pack and unpack+dequantize, the vectorised torch path, the dispatch.
+- `reference.py`: the eager oracles of all three, one section per method.
 - `aot.py`: every kernel compiled ahead of time for sm_80/sm_90 (no GPU needed).
 
 Kernels run on CUDA; on the CPU they run under TRITON_INTERPRET=1 (tests use small shapes), and

@@ -50,17 +50,34 @@ def _bitmask_specs(bitmask) -> list:
     return specs
 
 
+def _quant_specs(quant) -> list:
+    """Every dtype at 2 bits with tl.rand's noise (the training path), every bit width in fp32
+    with nearest rounding (NOISE=1, noise from a pointer, serves the interpreted tests only)."""
+    qk, dk = quant._kernels()
+    cells = [(dt, 2, 2) for dt in ("fp32", "bf16", "fp16")] + [("fp32", b, 0) for b in (4, 8)]
+    specs = []
+    for dt, bits, noise in cells:
+        specs.append((qk, {"x_ptr": f"*{dt}", "codes_ptr": "*u8", "mn_ptr": "*fp32",
+                           "scale_ptr": "*fp32", "noise_ptr": "*fp32", "n": "i32", "seed": "i32",
+                           "G": "constexpr", "BITS": "constexpr", "NOISE": "constexpr"},
+                      {"G": 256, "BITS": bits, "NOISE": noise}))
+        specs.append((dk, {"codes_ptr": "*u8", "mn_ptr": "*fp32", "scale_ptr": "*fp32",
+                           "out_ptr": f"*{dt}", "n": "i32", "G": "constexpr",
+                           "BITS": "constexpr"}, {"G": 256, "BITS": bits}))
+    return specs
+
+
 def compile_all(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, int, int]]:
     """(kernel name, arch, cubin bytes) for every kernel and dtype memtrain launches."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     import triton
-    from memtrain.kernels import bitmask, prune
+    from memtrain.kernels import bitmask, prune, quant
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     done = []
-    for fn, sig, consts in _prune_specs(prune) + _bitmask_specs(bitmask):
+    for fn, sig, consts in _prune_specs(prune) + _bitmask_specs(bitmask) + _quant_specs(quant):
         for arch in archs:
             kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32))
             done.append((fn.__name__, arch, len(kernel.asm["cubin"])))

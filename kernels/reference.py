@@ -1,5 +1,5 @@
 """Eager oracles for the Triton kernels in kernels/: slow, obviously correct, independent of the
-kernels they check. Each method keeps its own self-contained section."""
+kernels they check. Each method keeps its own self-contained section (pool, prune, quantize)."""
 
 from __future__ import annotations
 
@@ -80,3 +80,46 @@ def prune_grad_weight_ref(g: torch.Tensor, a: torch.Tensor, kept: list[tuple[int
     """grad_weight = G^T @ (A with every pruned block zeroed), in fp64."""
     mask = prune_mask_ref(tuple(a.shape), kept, b)
     return g.double().t() @ (a.double() * mask)
+
+
+# ================================================================ quantize (kernels/quant.py)
+# Group by group and element by element in numpy fp32, the formula of kernels/quant.py written
+# out plainly: independent of the vectorised torch path and of the kernels, small shapes only.
+
+
+def quant_ref(x: torch.Tensor, bits: int, group_size: int,
+              noise: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint8 [groups * G * bits / 8], mn fp32 [groups], scale fp32 [groups]) of x read
+    flat; `noise` (uniform [0, 1), x's numel) for stochastic rounding, None for nearest."""
+    flat = x.detach().float().reshape(-1).cpu().numpy()
+    u = None if noise is None else noise.float().reshape(-1).cpu().numpy()
+    levels = np.float32((1 << bits) - 1)
+    groups = math.ceil(flat.size / group_size)
+    codes = np.zeros(groups * group_size, dtype=np.uint8)
+    mns, scales = np.zeros(groups, np.float32), np.zeros(groups, np.float32)
+    for g in range(groups):
+        lo_i, hi_i = g * group_size, min((g + 1) * group_size, flat.size)
+        grp = flat[lo_i:hi_i]
+        mn, mx = grp.min(), grp.max()
+        rng = np.float32(mx - mn)
+        inv = np.float32(levels / rng) if rng > 0 else np.float32(0)
+        for i in range(lo_i, hi_i):
+            r = np.float32(0.5) if u is None else u[i]
+            q = np.floor(np.float32(np.float32(flat[i] - mn) * inv) + r)
+            codes[i] = int(min(max(q, 0), levels))
+        mns[g], scales[g] = mn, np.float32(rng / levels)
+    packed = np.zeros(codes.size * bits // 8, dtype=np.uint8)
+    for i, c in enumerate(codes):  # element i: byte i * bits // 8, bit (i * bits) % 8
+        packed[i * bits // 8] |= np.uint8(int(c) << (i * bits % 8))
+    return packed, mns, scales
+
+
+def dequant_ref(codes: np.ndarray, mns: np.ndarray, scales: np.ndarray, n: int, bits: int,
+                group_size: int) -> torch.Tensor:
+    """The first n values (fp32, flat) of packed codes: code * scale + mn per group."""
+    out = np.zeros(n, dtype=np.float32)
+    for i in range(n):
+        c = (int(codes[i * bits // 8]) >> (i * bits % 8)) & ((1 << bits) - 1)
+        g = i // group_size
+        out[i] = np.float32(np.float32(c) * scales[g]) + mns[g]
+    return torch.from_numpy(out)

@@ -21,6 +21,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     lines = [line.split() for line in out.stdout.splitlines()]
     built = {(name, arch) for name, arch, *_ in lines}
     names = {"_block_score_kernel", "_block_compact_kernel", "_bsr_grad_weight_kernel",
-             "_pack_kernel", "_masked_grad_kernel"}
+             "_pack_kernel", "_masked_grad_kernel", "_quant_pack_kernel",
+             "_unpack_dequant_kernel"}
     assert built == {(n, f"sm_{a}:") for n in names for a in (80, 90)}
     assert all(int(size) > 0 for *_, size, _unit in lines)

@@ -1,0 +1,245 @@
+"""Low-bit group quantization of saved activations (method quantize; ActNN, GACT).
+
+Format. A tensor of n elements, read in memory order, is cut into groups of G elements (the last
+one zero-padded). Per group: mn = min, rng = max - mn, scale = rng / L with L = 2^bits - 1, and
+each element's code q = floor((x - mn) * inv + u) clamped to [0, L], where inv = L / rng (0 for a
+constant group) and u is uniform in [0, 1) (stochastic rounding: E[q * scale + mn] = x) or 0.5
+(nearest). Codes are packed 8 / bits to a byte, element j of a byte at bit j * bits (little
+order, as kernels/bitmask.py); padding codes are 0. Everything lives in one uint8 buffer:
+`[codes: ngroups * G * bits / 8 | mn: ngroups fp32 | scale: ngroups fp32]`, so a saved-tensor hook
+can hand a single tensor on (to an offloader, to the accounting).
+
+Three implementations of `quantize(x, ...) -> buffer` and `dequantize(buffer, n, ...) -> flat x`:
+- Triton kernels (`_quant_pack_kernel`: min/max, rounding and packing fused, one program per
+  group; `_unpack_dequant_kernel`): CUDA, or the CPU under TRITON_INTERPRET=1 (tests);
+- vectorised torch (`quantize_torch`, `dequantize_torch`), any device, ~1/16 of the groups at
+  a time so its fp32 temporaries stay a fraction of the tensor (not the activation peak);
+- the eager oracle in kernels/reference.py (section quantize).
+`quantize` / `dequantize` pick Triton on CUDA, torch elsewhere. The noise of stochastic rounding
+comes from torch's generator (torch path, or `noise=` for tests) or from `tl.rand(seed, index)`
+with a seed drawn from torch's generator (Triton), so `torch.manual_seed` fixes both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from memtrain.kernels import triton_available
+
+BITS = (2, 4, 8)
+GROUP_MULTIPLE = 32  # group sizes are multiples of this: a group's codes fill whole 32-bit words
+CHUNK_ELEMS = 1 << 20  # torch path: at most ~1M elements at a time ...
+CHUNKS = 16  # ... and at most 1/16 of the tensor, so its temporaries never set the act. peak
+
+triton = tl = None  # module globals bound on first use (the kernels resolve `tl` through them)
+
+
+def buffer_bytes(n: int, bits: int, group_size: int) -> int:
+    """Bytes of the packed buffer of n elements."""
+    groups = n_groups(n, group_size)
+    return groups * group_size * bits // 8 + 8 * groups
+
+
+def n_groups(n: int, group_size: int) -> int:
+    return -(-n // group_size)
+
+
+def split(buf: torch.Tensor, n: int, bits: int, group_size: int):
+    """Views of a buffer: codes (uint8), mn (fp32 [groups]) and scale (fp32 [groups])."""
+    groups = n_groups(n, group_size)
+    nb = groups * group_size * bits // 8  # a multiple of 4: the fp32 views stay aligned
+    stats = buf[nb:].view(torch.float32)
+    return buf[:nb], stats[:groups], stats[groups:]
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+
+@functools.cache
+def _kernels():
+    """The kernels, defined on first use as in kernels/bitmask.py (why: there)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quant_pack_kernel(
+        x_ptr,  # *T    input, n elements, contiguous
+        codes_ptr,  # *u8  output, G * BITS / 8 bytes per group
+        mn_ptr,  # *f32     output, one min per group
+        scale_ptr,  # *f32  output, one scale per group
+        noise_ptr,  # *f32  uniform noise, n elements (NOISE == 1), else unused
+        n,  # number of elements
+        seed,  # Philox seed of tl.rand (NOISE == 2)
+        G: tl.constexpr,  # group size
+        BITS: tl.constexpr,  # 2 | 4 | 8
+        NOISE: tl.constexpr,  # 0 nearest | 1 noise from noise_ptr | 2 tl.rand
+    ):
+        PER: tl.constexpr = 8 // BITS  # codes per byte
+        NB: tl.constexpr = G // PER  # bytes per group
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        pid = tl.program_id(0).to(tl.int64)
+        byte = tl.arange(0, NB)  # [NB]
+        slot = tl.arange(0, PER)  # [PER] code within a byte
+        idx = pid * G + byte[:, None] * PER + slot[None, :]  # [NB, PER] element index
+        inside = idx < n
+        x = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        mn = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=1), axis=0)
+        mx = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=1), axis=0)
+        rng = mx - mn
+        inv = tl.where(rng > 0, LEVELS / tl.where(rng > 0, rng, 1.0), 0.0)  # no 0 division
+        if NOISE == 1:
+            u = tl.load(noise_ptr + idx, mask=inside, other=0.0)
+        elif NOISE == 2:
+            u = tl.rand(seed, idx.to(tl.int32))  # wraps past 2^31 elements: still uniform
+        else:
+            u = tl.full(idx.shape, 0.5, tl.float32)
+        q = tl.floor((x - mn) * inv + u)
+        q = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+        q = tl.where(inside, q, 0)
+        packed = tl.sum(q << (slot[None, :] * BITS), axis=1)  # codes never overlap: sum == or
+        tl.store(codes_ptr + pid * NB + byte, packed.to(tl.uint8))
+        tl.store(mn_ptr + pid, mn)
+        tl.store(scale_ptr + pid, rng / LEVELS)
+
+    @triton.jit
+    def _unpack_dequant_kernel(
+        codes_ptr,  # *u8   packed codes (from _quant_pack_kernel)
+        mn_ptr,  # *f32     min per group
+        scale_ptr,  # *f32  scale per group
+        out_ptr,  # *T      output, n elements, contiguous
+        n,  # number of elements
+        G: tl.constexpr,  # group size
+        BITS: tl.constexpr,  # 2 | 4 | 8
+    ):
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = G // PER
+        pid = tl.program_id(0).to(tl.int64)
+        byte = tl.arange(0, NB)
+        slot = tl.arange(0, PER)
+        idx = pid * G + byte[:, None] * PER + slot[None, :]
+        packed = tl.load(codes_ptr + pid * NB + byte).to(tl.int32)
+        q = (packed[:, None] >> (slot[None, :] * BITS)) & ((1 << BITS) - 1)
+        x = q.to(tl.float32) * tl.load(scale_ptr + pid) + tl.load(mn_ptr + pid)
+        tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
+
+    return _quant_pack_kernel, _unpack_dequant_kernel
+
+
+def quantize_triton(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
+                    noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed buffer of x (read flat, contiguous) by the fused Triton kernel. Stochastic
+    rounding draws from `tl.rand` unless `noise` (fp32, x's numel) is given (tests)."""
+    x = x.contiguous()
+    n = x.numel()
+    buf = torch.empty(buffer_bytes(n, bits, group_size), dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return buf
+    codes, mn, scale = split(buf, n, bits, group_size)
+    mode, seed = 0, 0
+    if stochastic:
+        mode = 1 if noise is not None else 2
+        seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
+    quant_kernel, _ = _kernels()
+    noise_arg = noise.contiguous() if noise is not None else mn
+    quant_kernel[(n_groups(n, group_size),)](x, codes, mn, scale, noise_arg, n, seed,
+                                             G=group_size, BITS=bits, NOISE=mode)
+    return buf
+
+
+def dequantize_triton(buf: torch.Tensor, n: int, bits: int, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The n dequantized elements (flat, `dtype`) of a buffer, by the Triton kernel."""
+    out = torch.empty(n, dtype=dtype, device=buf.device)
+    if n:
+        codes, mn, scale = split(buf, n, bits, group_size)
+        _, dequant_kernel = _kernels()
+        dequant_kernel[(n_groups(n, group_size),)](codes, mn, scale, out, n, G=group_size,
+                                                   BITS=bits)
+    return out
+
+
+# ---------------------------------------------------------------- torch fallback
+
+
+def _groups_per_chunk(n: int, group_size: int) -> int:
+    """Groups per chunk: ~1/CHUNKS of the tensor, at most CHUNK_ELEMS elements, at least one."""
+    return max(1, min(CHUNK_ELEMS, -(-n // CHUNKS)) // group_size)
+
+
+def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
+                   noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed buffer of x (read flat, contiguous) with vectorised torch ops, any device.
+    Works a chunk of groups at a time (`_groups_per_chunk`): its fp32 temporaries stay small."""
+    flat = x.reshape(-1)  # a view when x is contiguous (callers pass memory-order views)
+    n = flat.numel()
+    buf = torch.empty(buffer_bytes(n, bits, group_size), dtype=torch.uint8, device=x.device)
+    codes, mn, scale = split(buf, n, bits, group_size)
+    per, levels = 8 // bits, (1 << bits) - 1
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
+    step = _groups_per_chunk(n, group_size)
+    for g0 in range(0, n_groups(n, group_size), step):
+        # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
+        part = flat[g0 * group_size:(g0 + step) * group_size].to(torch.float32, copy=True)
+        groups = -(-part.numel() // group_size)
+        pad = groups * group_size - part.numel()
+        if pad:  # repeat the last element: min and max unchanged; its codes zeroed below
+            part = torch.cat([part, part[-1:].expand(pad)])
+        xg = part.view(groups, group_size)
+        lo, hi = xg.aminmax(dim=1)
+        rng = hi - lo
+        inv = torch.where(rng > 0, levels / torch.where(rng > 0, rng, 1.0), 0.0)
+        v = xg.sub_(lo[:, None]).mul_(inv[:, None])
+        if stochastic:
+            real = v.numel() - pad  # the padding's codes are zeroed below: no noise needed
+            u = noise.reshape(-1)[g0 * group_size:g0 * group_size + real].float() \
+                if noise is not None else torch.rand(real, device=x.device)
+            v.view(-1)[:real].add_(u)
+        else:
+            v.add_(0.5)
+        q = v.floor_().clamp_(0, levels).to(torch.uint8)
+        if pad:
+            q.view(-1)[-pad:] = 0
+        packed = (q.view(groups, group_size // per, per) << shifts).sum(-1, dtype=torch.uint8)
+        codes.view(-1, group_size * bits // 8)[g0:g0 + groups] = packed
+        mn[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng / levels
+    return buf
+
+
+def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The n dequantized elements (flat, `dtype`) of a buffer, vectorised torch, chunked."""
+    codes, mn, scale = split(buf, n, bits, group_size)
+    out = torch.empty(n, dtype=dtype, device=buf.device)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
+    mask = (1 << bits) - 1
+    step = _groups_per_chunk(n, group_size)
+    rows = codes.view(-1, group_size * bits // 8)
+    for g0 in range(0, rows.shape[0], step):
+        q = (rows[g0:g0 + step, :, None] >> shifts) & mask  # [groups, bytes, per]
+        x = q.view(q.shape[0], group_size).float()
+        x.mul_(scale[g0:g0 + step, None]).add_(mn[g0:g0 + step, None])
+        lo = g0 * group_size
+        out[lo:lo + x.numel()] = x.view(-1)[:n - lo]
+    return out
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and triton_available()
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> torch.Tensor:
+    """Packed buffer of x read flat (x contiguous): Triton on CUDA, torch elsewhere."""
+    fn = quantize_triton if _use_triton(x) else quantize_torch
+    return fn(x, bits, group_size, stochastic)
+
+
+def dequantize(buf: torch.Tensor, n: int, bits: int, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The n elements (flat, `dtype`) held in a buffer: Triton on CUDA, torch elsewhere."""
+    fn = dequantize_triton if _use_triton(buf) else dequantize_torch
+    return fn(buf, n, bits, group_size, dtype)
