@@ -215,8 +215,8 @@ class Synthetic:
         frozen earlier partitions' output, made before the step as the phase's data is) against
         its target (this cut's labels by MSE, the classes for the last), then the end-to-end
         recovery step when there is one. The label matrices' values do not matter here (seed 0)."""
-        if not model.cuts:  # automatic cuts are chosen on the data in fit(): choose them here too
-            model.cut(self.cuts or self.choose_cuts(model, x[:PROFILE_BATCH], autocast()))
+        if not model.cuts:  # explicit cuts were applied in wrap(); automatic ones as fit() does
+            model.cut(self.choose_cuts(model, x[:PROFILE_BATCH], autocast()))
         shapes = cut_shapes(model, tuple(x.shape[1:]))
         labels = [label_matrix(0, j, math.prod(s), num_classes, self.kappa)
                   for j, s in enumerate(shapes)]
