@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import faults, runner, sweeper
+from memtrain import faults, runner
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
@@ -70,6 +70,23 @@ def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
     return continue_command(hc.overrides, run_dir=run_dir)
 
 
+def _register_plugins(launchers: bool) -> None:
+    """Make memtrain's Hydra plugins known: `hydra/sweeper=variants` always, and for a multirun
+    `hydra/launcher=slurm|local` (they import submitit). Hydra's own plugin scan finds them in a
+    regular install but not in an editable one (setuptools' editable finder gives the
+    hydra_plugins namespace no folder to list), hence this explicit registration."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.memtrain_sweeper import VariantSweeper
+
+    classes: list[type] = [VariantSweeper]
+    if launchers:
+        from hydra_plugins.memtrain_launcher import LocalLauncher, SlurmLauncher
+
+        classes += [SlurmLauncher, LocalLauncher]
+    for cls in classes:
+        Plugins.instance().register(cls)
+
+
 def main() -> None:
     """Console entry point: validate the overrides, then hand over to Hydra.
 
@@ -83,9 +100,6 @@ def main() -> None:
     args = get_args_parser().parse_args(sys.argv[1:])
     if args.multirun:  # SIGTERM stops every job, leaving rows
         faults.SweepStop.install_main()
-        from hydra_plugins import memtrain_launcher
-
-        memtrain_launcher.register()  # hydra/launcher=slurm, local
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
     if not (args.shell_completion or args.experimental_rerun):
         try:
@@ -97,7 +111,7 @@ def main() -> None:
                    for a in args.overrides):
                 traceback.print_exc()
             _fail(2, f"error: {e}")
-    sweeper.register()  # hydra/sweeper=variants
+    _register_plugins(launchers=bool(args.multirun))
     task = hydra.main(version_base="1.3", config_path=str(runner.conf_dir()),
                       config_name="config")(_hydra_task)
     task()

@@ -18,8 +18,8 @@ replaces the same key of the common parameters for that variant's jobs:
 
 gives 2 x (1 + 4) = 10 jobs. Without variants it is the basic sweeper. Hydra accepts sweepers from
 its `hydra_plugins` namespace only: the class is `memtrain/hydra_plugins/memtrain_sweeper`'s
-`VariantSweeper` (`register` makes it known where Hydra's scan misses it, as in an editable
-install); conf/hydra/sweeper/variants.yaml selects it. This module keeps what the checks share.
+`VariantSweeper` (cli registers it where Hydra's scan misses it, as in an editable install);
+conf/hydra/sweeper/variants.yaml selects it. This module keeps what the checks share.
 """
 
 from __future__ import annotations
@@ -37,11 +37,3 @@ def variant_overrides(common: list[str], variant: str) -> list[str]:
     keys = {o.get_key_element() for o in own}
     kept = [o for o in parser.parse_overrides(common) if o.get_key_element() not in keys]
     return [o.input_line for o in kept] + [o.input_line for o in own]
-
-
-def register() -> None:
-    """Make the sweeper known to Hydra's plugin registry (before Hydra starts)."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.memtrain_sweeper import VariantSweeper
-
-    Plugins.instance().register(VariantSweeper)

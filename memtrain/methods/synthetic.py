@@ -131,8 +131,9 @@ class Synthetic:
         return parts
 
     def choose_cuts(self, model: Partitioned, x: torch.Tensor, autocast=None) -> list[int]:
-        """The cuts that balance the partitions' modelled activation memory on `x` (`_cuts`)."""
-        prof = profile_units(model, x, autocast)
+        """The cuts that balance the partitions' modelled activation memory, profiled on the first
+        `PROFILE_BATCH` samples of the batch `x` (`_cuts`): `fit` and the probes both call this."""
+        prof = profile_units(model, x[:PROFILE_BATCH], autocast)
         self.profile = prof
         return balanced_cuts([numel(u) for u in model.units], self.partitions,
                              prof.partition_bytes)
@@ -216,7 +217,7 @@ class Synthetic:
         its target (this cut's labels by MSE, the classes for the last), then the end-to-end
         recovery step when there is one. The label matrices' values do not matter here (seed 0)."""
         if not model.cuts:  # explicit cuts were applied in wrap(); automatic ones as fit() does
-            model.cut(self.choose_cuts(model, x[:PROFILE_BATCH], autocast()))
+            model.cut(self.choose_cuts(model, x, autocast()))
         shapes = cut_shapes(model, tuple(x.shape[1:]))
         labels = [label_matrix(0, j, math.prod(s), num_classes, self.kappa)
                   for j, s in enumerate(shapes)]

@@ -250,13 +250,3 @@ class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
 
 class LocalLauncher(_Sweep, submitit_launcher.LocalLauncher):
     """`hydra/launcher=local` (conf/hydra/launcher/local.yaml)."""
-
-
-def register() -> None:
-    """Make these launchers known to Hydra. Its plugin scan finds them in a regular install,
-    not in an editable one (setuptools' editable finder gives the hydra_plugins namespace no
-    folder to list), so the CLI registers them before a multirun."""
-    from hydra.core.plugins import Plugins
-
-    for cls in (SlurmLauncher, LocalLauncher):
-        Plugins.instance().register(cls)
