@@ -69,9 +69,16 @@ def conf_dir() -> Path:
     here = Path(__file__).resolve().parent.parent / "conf"
     if (here / "config.yaml").exists():
         return here
-    from importlib import resources
+    return installed_conf_dir()
 
-    return Path(str(resources.files("memtrain.conf")))
+
+def installed_conf_dir() -> Path:
+    """The folder of the installed `memtrain.conf` (conf/ has no __init__.py: a namespace
+    package, whose one folder is its path; importlib.resources would give a MultiplexedPath,
+    whose str() is no path)."""
+    import memtrain.conf
+
+    return Path(next(iter(memtrain.conf.__path__)))
 
 
 @contextlib.contextmanager

@@ -29,10 +29,19 @@ def parse(overrides: list[str]) -> list:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    try:
-        return OverridesParser.create().parse_overrides(overrides)
-    except OverrideParseException as e:
-        raise ConfigError(f"cannot parse the override: {str(e).splitlines()[0]}") from None
+    parser = OverridesParser.create()
+    out = []
+    for line in overrides:  # one at a time, so the message names the one that fails
+        try:
+            out += parser.parse_overrides([line])
+        except OverrideParseException as e:
+            hint = ""
+            if line.startswith("hydra.sweeper.variants="):  # a variant holds '=' and spaces
+                hint = ('; quote each variant: \'hydra.sweeper.variants=["method=none",'
+                        '"method=prune method.sparsity=0.5,0.9"]\'')
+            raise ConfigError(f"cannot parse the override {line!r}: "
+                              f"{str(e).splitlines()[0]}{hint}") from None
+    return out
 
 
 def _choices(o) -> list[str]:

@@ -31,7 +31,9 @@ BAD = [
     (["trainer.batch_size=2.5"], "trainer.batch_size must be an integer, got 2.5"),
     (["trainer.compile=maybe"], "trainer.compile must be true or false, got 'maybe'"),
     (["model.widths=512"], "model.widths must be a list such as [1, 2], got 512"),
-    (["trainer.batch_size=["], "cannot parse the override"),
+    (["trainer.batch_size=["], "cannot parse the override 'trainer.batch_size=['"),
+    (['hydra.sweeper.variants=[method=none,"method=prune method.sparsity=0.5"]'],
+     "quote each variant: 'hydra.sweeper.variants=[\"method=none\""),
     # out of range, with the valid range or choices
     (["trainer.batch_size=0"], "trainer.batch_size must be in [1, inf], got 0"),
     (["trainer.batch_size=100000"], "trainer.batch_size=100000 is larger than the training split"),
