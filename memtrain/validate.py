@@ -227,7 +227,7 @@ def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]]
 
     def wrapped(overrides: list[str], **kwargs) -> DictConfig:
         from hydra.errors import HydraException
-        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+        from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
         try:
             return compose(overrides, **kwargs)
@@ -240,11 +240,17 @@ def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]]
             accepted = schema.accepted_keys(group, None) if name else None
             if isinstance(cause, ConfigKeyError) and accepted is not None:  # a typed group
                 raise ConfigError(schema.unknown_key(group, name, accepted)) from None
+            where = re.match(r"In '([^']+)'", str(e))
+            suffix = f" (in {where[1]})" if where and cause is not e else ""
+            # a typed key given a wrong value in a file: memtrain's words, as on the command line
+            if isinstance(cause, ValidationError) and group == "trainer" and name:
+                msg = schema.problem(key, schema.hints("trainer", None).get(name),
+                                     getattr(cause, "value", None))
+                if msg:
+                    raise ConfigError(msg + suffix) from None
             lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
             msg = lines[0] if lines else type(cause).__name__
-            where = re.match(r"In '([^']+)'", str(e))
             msg = f"{key}: {msg}" if key else msg
-            raise ConfigError(msg + (f" (in {where[1]})" if where and cause is not e
-                                     else "")) from None
+            raise ConfigError(msg + suffix) from None
 
     return wrapped

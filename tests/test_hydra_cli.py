@@ -61,8 +61,10 @@ def test_user_preset_in_config_dir_runs(in_tmp):
     ("trainer:\n  batchsize: 3\n", "unknown option trainer.batchsize; did you mean "
                                    "trainer.batch_size?"),
     ("method:\n  sparsty: 0.5\n", "unknown option method.sparsty; did you mean method.sparsity?"),
-    ("trainer:\n  batch_size: many\n", "trainer.batch_size: Value 'many' of type 'str' could "
-                                        "not be converted to Integer (in experiment/bad)"),
+    ("trainer:\n  batch_size: many\n",
+     "trainer.batch_size must be an integer, got 'many' (in experiment/bad)"),
+    ("trainer:\n  compile: maybe\n", "trainer.compile must be true or false, got 'maybe' (in "
+                                     "experiment/bad)"),
     ("optim:\n  lr: .nan\n", "optim.lr must be a finite number, got nan"),
 ])
 def test_user_preset_is_checked_like_built_in_ones(in_tmp, body, expected):
