@@ -319,6 +319,16 @@ def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> li
     return lines
 
 
+def calibrate(prof: OpProfile, seg_time: list[float]) -> None:
+    """Scale each segment's op times to sum to its measured forward time: the per-op clock
+    adds dispatch overhead, and on a shared machine the two passes see different loads; so
+    op-level and block-level plans are predicted from the same segment times."""
+    for seg, t in zip(prof.ops, seg_time, strict=True):
+        total = sum(o.time for o in seg)
+        for o in seg:
+            o.time = o.time * t / total if total > 0 else t / len(seg)
+
+
 def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,
                   scale: float = 1.0) -> OpProfile:
     """`profile_ops` on `x` without changing the model: buffers (BatchNorm statistics) and the

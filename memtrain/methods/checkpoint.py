@@ -103,13 +103,14 @@ class CheckpointMethod:
         if self.strategy == "compile":
             return CompiledBudget(model, self.budget_fraction)
         self.segments = discover(model)
-        if self.strategy == "selective" or self.by_op:
+        if self.strategy == "selective":
             # A saved matmul/conv output must not be overwritten later in the forward (SAC
             # checks it): in-place activations (SiLU after the squeeze-excite conv) go out-of-place.
+            # (granularity=op keeps them in place: the op profile marks an output that a later op
+            # overwrites as not keepable, and in place saves the unmodelled transient copy.)
             for m in model.modules():
                 if isinstance(getattr(m, "inplace", None), bool):
                     m.inplace = False
-        if self.strategy == "selective":
             apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
                          policy=_save_matmul_conv)
         return model
@@ -166,6 +167,7 @@ class CheckpointMethod:
         if self.by_op:
             self.ops = opplan.profile_model(model, self.segments, x, autocast,
                                             self.profile_repeats, scale)
+            opplan.calibrate(self.ops, prof.time)
             if groups is not None:
                 return opplan.op_plan(prof, self.ops, groups, keep or set())
         if groups is not None:
