@@ -117,7 +117,7 @@ def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     torch.manual_seed(1)
     loss = F.cross_entropy(got(x), y)
     loss.backward()
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
     for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
     for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
@@ -135,3 +135,22 @@ def test_dry_run_table_lists_ops_and_solve_time():
     table = method.table()
     assert out["dry_run"] and out["plan_kept_ops"] > 0 and out["plan_recomputed_ops"] > 0
     assert "recompute" in table and "keep convolution" in table and "solve time" in table
+
+
+def test_a_sweep_profiles_once(tmp_path, monkeypatch):
+    """Two budgets in one sweep folder: the second job plans on the first one's profile."""
+    from memtrain.methods import _ckpt_cache
+
+    args = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
+            "method=checkpoint", "method.dry_run=true"]
+    first = api.run([*args, "method.budget_fraction=0.9"], out_dir=tmp_path / "sweep" / "0")
+    (cached,) = (tmp_path / "sweep" / _ckpt_cache.FOLDER).glob("*.json")
+
+    def no_profile(*a, **k):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(planner, "profile", no_profile)
+    second = api.run([*args, "method.budget_fraction=0.7"], out_dir=tmp_path / "sweep" / "1")
+    assert second["plan_baseline_peak_bytes"] == first["plan_baseline_peak_bytes"]
+    assert second["plan_peak_bytes"] <= first["plan_peak_bytes"]
+    assert second["plan_recompute_s"] >= first["plan_recompute_s"]  # one profile: monotone

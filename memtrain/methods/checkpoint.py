@@ -15,6 +15,7 @@ Strategies (`method.strategy`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -25,6 +26,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
+from memtrain.methods import _ckpt_cache as cache
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods._segments import Segment, apply_groups, discover
@@ -116,11 +118,13 @@ class CheckpointMethod:
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None,
+                cache_dir: str | None = None) -> dict[str, Any]:
         """Before the first step, on the run's first batch and device: profile the segments on
         `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
-        in place. Returns the plan's summary columns; with `dry_run`, also `dry_run=True` and
-        `steps=0`, and the run stops there."""
+        in place; `cache_dir` (the sweep folder) keeps one profile per model, input, precision
+        and device for every job of the sweep. Returns the plan's summary columns; with
+        `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there."""
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -131,7 +135,8 @@ class CheckpointMethod:
         groups, keep = carry.get("checkpoint_plan"), carry.get("checkpoint_keep")
         plan = self._choose(model, x, y, autocast,
                             None if groups is None else [(int(a), int(b)) for a, b in groups],
-                            None if keep is None else {(int(i), int(j)) for i, j in keep})
+                            None if keep is None else {(int(i), int(j)) for i, j in keep},
+                            cache_dir)
         self.plan = plan
         carry["checkpoint_plan"] = [list(g) for g in plan.groups]
         if self.by_op:
@@ -153,23 +158,18 @@ class CheckpointMethod:
 
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
                 groups: list[tuple[int, int]] | None = None,
-                keep: set[tuple[int, int]] | None = None) -> planner.Plan:
+                keep: set[tuple[int, int]] | None = None,
+                cache_dir: str | None = None) -> planner.Plan:
         """Profile the segments on `x` and choose the groups (`groups`, `keep`: a plan kept by
         a resumed run, used whatever a new profile says); sets `self.profile` (and `self.ops`)."""
         scale = 1.0
         pb = self.profile_batch
         if pb is not None and pb < x.shape[0]:
             scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
-        self.profile = prof = planner.profile(model, self.segments, x,
-                                              lambda out: F.cross_entropy(out.float(), y),
-                                              autocast, self.profile_repeats, scale)
-        n = prof.n
-        if self.by_op:
-            self.ops = opplan.profile_model(model, self.segments, x, autocast,
-                                            self.profile_repeats, scale)
-            opplan.calibrate(self.ops, prof.time)
-            if groups is not None:
-                return opplan.op_plan(prof, self.ops, groups, keep or set())
+        self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir)
+        prof, n = self.profile, self.profile.n
+        if self.by_op and groups is not None:
+            return opplan.op_plan(prof, self.ops, groups, keep or set())
         if groups is not None:
             return planner.make_plan(prof, groups)
         if self.strategy == "uniform":
@@ -177,6 +177,27 @@ class CheckpointMethod:
         if self.strategy == "sqrt":
             return planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
         return self._plan_budget(prof)
+
+    def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None) -> None:
+        """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
+        measured on `x` (and then cached)."""
+        k = None
+        if cache_dir is not None:
+            k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
+                          repeats=self.profile_repeats, ops=self.by_op)
+            got = cache.load(cache_dir, k)
+            if got is not None:
+                self.profile, self.ops = got
+                return
+        self.profile = planner.profile(model, self.segments, x,
+                                       lambda out: F.cross_entropy(out.float(), y),
+                                       autocast, self.profile_repeats, scale)
+        if self.by_op:
+            self.ops = opplan.profile_model(model, self.segments, x, autocast,
+                                            self.profile_repeats, scale)
+            opplan.calibrate(self.ops, self.profile.time)
+        if k is not None:
+            cache.save(cache_dir, k, self.profile, self.ops)
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
                     num_classes: int) -> list[ProbeStep]:
