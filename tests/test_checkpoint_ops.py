@@ -154,3 +154,27 @@ def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     assert second["plan_baseline_peak_bytes"] == first["plan_baseline_peak_bytes"]
     assert second["plan_peak_bytes"] <= first["plan_peak_bytes"]
     assert second["plan_recompute_s"] >= first["plan_recompute_s"]  # one profile: monotone
+
+
+@pytest.mark.parametrize("which", ["all", "none"])
+def test_any_keep_set_is_exact(which):
+    """Every keepable op kept (BatchNorm outputs that relu_ rectifies in place included: cached,
+    then recomputed through the idempotent relu_) or none kept: none's gradients exactly."""
+    base = _resnet()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    ref = copy.deepcopy(base).train()
+    F.cross_entropy(ref(x), y).backward()
+    got = copy.deepcopy(base)
+    params, buffers = list(got.parameters()), list(got.buffers())
+    method = CheckpointMethod(strategy="budget", profile_repeats=1, dry_run=True)
+    got = method.wrap(got).train()
+    method.prepare(got, x, y)
+    keep = set(method.ops.keys()) if which == "all" else set()
+    assert which == "none" or any(method.ops.ops[i][j].relu_after for i, j in keep)
+    method.plan = opplan.op_plan(method.profile, method.ops, [(0, method.profile.n - 1)], keep)
+    method._apply(got)
+    F.cross_entropy(got(x), y).backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
+        assert torch.equal(b, b_ref), name

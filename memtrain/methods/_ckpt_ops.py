@@ -39,6 +39,7 @@ Key = tuple[int, int]  # (segment, op index within the segment's forward)
 # training-mode BatchNorm and ReLU ~1.5 GB/s of bytes read + written; 4 GB/s had made
 # BatchNorm look 3x cheaper than it runs). CUDA: an A100/H100-class ratio.
 ROOFLINE = {"cpu": (5e10, 1.5e9), "cuda": (4e14, 2e12)}
+IDEMPOTENT_INPLACE = {torch.ops.aten.relu_.default}  # f(f(x)) = f(x)
 
 
 @dataclass
@@ -48,6 +49,8 @@ class Op:
     cost: float  # deterministic recompute cost, seconds of the nominal roofline
     time: float = 0.0  # measured forward time, seconds
     keepable: bool = True  # fresh outputs, not the segment's output, never overwritten later
+    # (but by an idempotent in-place op as its first use: `relu_` after BatchNorm)
+    relu_after: bool = False  # its cached output then holds relu(output); recompute reapplies it
 
 
 @dataclass
@@ -67,6 +70,7 @@ class OpTimer(TorchDispatchMode):
         self.current, self.device = current, device
         self.ops: list[list[Op]] = [[] for _ in range(n)]
         self.producer: dict[tuple[str, int], Key] = {}
+        self.used: set[tuple[str, int]] = set()  # producers' outputs read by some op already
         self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -85,11 +89,7 @@ class OpTimer(TorchDispatchMode):
         ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         in_keys = {measure.storage_key(t) for t in ins}
-        for a, v in zip(func._schema.arguments, args):  # written in place: its producer's
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor):
-                k = self.producer.get(measure.storage_key(v))  # cached output would go stale
-                if k is not None:
-                    self.ops[k[0]][k[1]].keepable = False
+        self._writes(func, args, in_keys)
         fresh = {measure.storage_key(t): t.untyped_storage().nbytes() for t in outs
                  if measure.storage_key(t) not in in_keys}
         flop = 0
@@ -102,6 +102,27 @@ class OpTimer(TorchDispatchMode):
             self.producer[k] = (seg, len(self.ops[seg]))
         self.ops[seg].append(op)
         return out
+
+
+    def _writes(self, func, args, in_keys) -> None:
+        """An output written in place is not keepable (its cached copy would go stale), unless
+        the write is its first use and idempotent (relu_ after BatchNorm: recomputing from the
+        cached, already rectified values gives the same values; SAC is told to allow it)."""
+        written = {measure.storage_key(v) for a, v in zip(func._schema.arguments, args)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   and isinstance(v, torch.Tensor)}
+        for k in in_keys:
+            p = self.producer.get(k)
+            if p is None:
+                continue
+            op = self.ops[p[0]][p[1]]
+            first = k not in self.used
+            self.used.add(k)
+            if k in written:
+                if first and func in IDEMPOTENT_INPLACE:
+                    op.relu_after = True
+                else:
+                    op.keepable = False
 
 
 def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float) -> OpProfile:
@@ -258,8 +279,8 @@ class PlanPolicy:
     saves the kept ops' outputs, recomputes the rest, and checks every op name against the
     profile (RuntimeError on a mismatch: the plan was made for another forward)."""
 
-    def __init__(self, names: list[str], keep: set[int], group: str):
-        self.names, self.keep, self.group = names, keep, group
+    def __init__(self, names: list[str], keep: set[int], group: str, mutated: bool = False):
+        self.names, self.keep, self.group, self.mutated = names, keep, group, mutated
 
     def make(self):
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -277,7 +298,9 @@ class PlanPolicy:
             return CheckpointPolicy.MUST_SAVE if k in self.keep else \
                 CheckpointPolicy.PREFER_RECOMPUTE
 
-        fwd, recompute = create_selective_checkpoint_contexts(policy)
+        # a kept output that relu_ rectifies in place (`Op.relu_after`) changes after caching
+        fwd, recompute = create_selective_checkpoint_contexts(
+            policy, allow_cache_entry_mutation=self.mutated)
         return _ends_at(fwd, count, len(self.names), self.group), recompute
 
 
@@ -298,7 +321,8 @@ def policies(prof: OpProfile, names: list[str], groups: list[planner.Group],
         seq = [(i, j) for i in range(a, e + 1) for j in range(len(prof.ops[i]))]
         out.append(PlanPolicy([prof.ops[i][j].name for i, j in seq],
                               {k for k, ij in enumerate(seq) if ij in keep},
-                              f"{names[a]}..{names[e]}"))
+                              f"{names[a]}..{names[e]}",
+                              any(prof.ops[i][j].relu_after for i, j in seq if (i, j) in keep)))
     return out
 
 
