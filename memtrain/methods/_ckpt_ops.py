@@ -42,6 +42,15 @@ ROOFLINE = {"cpu": (5e10, 1.5e9), "cuda": (4e14, 2e12)}
 IDEMPOTENT_INPLACE = {torch.ops.aten.relu_.default}  # f(f(x)) = f(x)
 
 
+def _allows_mutation() -> bool:
+    """Whether this torch's SAC can be told that a cached output changes in place."""
+    import inspect
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts as sac
+
+    return "allow_cache_entry_mutation" in inspect.signature(sac).parameters
+
+
 @dataclass
 class Op:
     name: str  # str(aten overload), what the policy checks
@@ -71,6 +80,7 @@ class OpTimer(TorchDispatchMode):
         self.ops: list[list[Op]] = [[] for _ in range(n)]
         self.producer: dict[tuple[str, int], Key] = {}
         self.used: set[tuple[str, int]] = set()  # producers' outputs read by some op already
+        self.mutable = _allows_mutation()
         self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -119,7 +129,7 @@ class OpTimer(TorchDispatchMode):
             first = k not in self.used
             self.used.add(k)
             if k in written:
-                if first and func in IDEMPOTENT_INPLACE:
+                if first and func in IDEMPOTENT_INPLACE and self.mutable:
                     op.relu_after = True
                 else:
                     op.keepable = False
@@ -299,8 +309,8 @@ class PlanPolicy:
                 CheckpointPolicy.PREFER_RECOMPUTE
 
         # a kept output that relu_ rectifies in place (`Op.relu_after`) changes after caching
-        fwd, recompute = create_selective_checkpoint_contexts(
-            policy, allow_cache_entry_mutation=self.mutated)
+        kw = {"allow_cache_entry_mutation": True} if self.mutated else {}
+        fwd, recompute = create_selective_checkpoint_contexts(policy, **kw)
         return _ends_at(fwd, count, len(self.names), self.group), recompute
 
 
