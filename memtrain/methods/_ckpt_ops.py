@@ -84,12 +84,14 @@ class OpTimer(TorchDispatchMode):
         self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.checkpoint import SAC_IGNORED_OPS
+        from torch.utils import checkpoint
         from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}
         seg = self.current()
-        if seg < 0 or func in SAC_IGNORED_OPS:
+        # the ops SAC's policy never sees (older torch: detach only)
+        ignored = getattr(checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+        if seg < 0 or func in ignored:
             return func(*args, **kwargs)
         measure.sync(self.device)
         t0 = time.perf_counter()
