@@ -180,24 +180,26 @@ class CheckpointMethod:
 
     def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None) -> None:
         """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
-        measured on `x` (and then cached)."""
-        k = None
+        measured on `x` (and then cached). Op and block jobs of a sweep share the segment
+        profile; the first op job adds the op profile to it."""
+        k, got = None, None
         if cache_dir is not None:
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats, ops=self.by_op)
+                          repeats=self.profile_repeats)
             got = cache.load(cache_dir, k)
-            if got is not None:
-                self.profile, self.ops = got
-                return
-        self.profile = planner.profile(model, self.segments, x,
-                                       lambda out: F.cross_entropy(out.float(), y),
-                                       autocast, self.profile_repeats, scale)
-        if self.by_op:
-            self.ops = opplan.profile_model(model, self.segments, x, autocast,
-                                            self.profile_repeats, scale)
-            opplan.calibrate(self.ops, self.profile.time)
-        if k is not None:
-            cache.save(cache_dir, k, self.profile, self.ops)
+        if got is None:
+            self.profile, ops = planner.profile(
+                model, self.segments, x, lambda out: F.cross_entropy(out.float(), y), autocast,
+                self.profile_repeats, scale), None
+        else:
+            self.profile, ops = got
+        if self.by_op and ops is None:
+            ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
+                                       scale)
+            opplan.calibrate(ops, self.profile.time)
+        if k is not None and (got is None or (got[1] is None and ops is not None)):
+            cache.save(cache_dir, k, self.profile, ops)
+        self.ops = ops if self.by_op else None
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
                     num_classes: int) -> list[ProbeStep]:
