@@ -179,7 +179,12 @@ def test_any_keep_set_is_exact(which):
     assert which == "none" or any(method.ops.ops[i][j].relu_after for i, j in keep)
     method.plan = opplan.op_plan(method.profile, method.ops, [(0, method.profile.n - 1)], keep)
     method._apply(got)
-    F.cross_entropy(got(x), y).backward()
+    saved = measure.SavedBytes(measure.alive_before_step(got, x, y))
+    with saved:  # the accounting step's count sees what the plan keeps
+        loss = F.cross_entropy(got(x), y)
+    kept = sum(method.ops.ops[i][j].nbytes for i, j in keep)
+    assert kept <= saved.bytes <= kept + 64 * 1024  # + the group's input and the head's
+    loss.backward()
     for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
     for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):

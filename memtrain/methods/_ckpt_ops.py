@@ -313,6 +313,11 @@ class PlanPolicy:
         # a kept output that relu_ rectifies in place (`Op.relu_after`) changes after caching
         kw = {"allow_cache_entry_mutation": True} if self.mutated else {}
         fwd, recompute = create_selective_checkpoint_contexts(policy, **kw)
+        if hasattr(fwd, "respect_saved_tensors_hooks"):
+            # kept outputs go through the saved-tensor hooks like any saved tensor, so the
+            # accounting step's SavedBytes counts them (torch >= 2.12; older: bypassed). Set
+            # here: checkpoint() sets it only on a context it recognises, and ours wraps SAC's.
+            fwd.respect_saved_tensors_hooks = True
         return _ends_at(fwd, count, len(self.names), self.group), recompute
 
 

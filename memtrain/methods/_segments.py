@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -119,16 +118,8 @@ class CheckpointGroup:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
             return self._body(x)
-        extra = {}
-        if self._make_contexts is not None and _RESPECTS_HOOKS:
-            # an op plan's kept outputs go through the saved-tensor hooks like any saved tensor,
-            # so the accounting step's SavedBytes counts them (torch >= 2.12; older: bypassed)
-            extra["respect_saved_tensors_hooks"] = True
         return checkpoint(self._body, x, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts, **extra)
-
-
-_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+                          context_fn=self._contexts)
 
 
 def group_of(module: nn.Module) -> CheckpointGroup | None:
