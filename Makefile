@@ -70,8 +70,12 @@ bench-baseline: $(STAMP) ## GPU: resnet50 at 224 px, batch 64, none: peak and br
 	  trainer.max_steps=30 hydra.run.dir=runs/bench/baseline_resnet50_224_b64 $(ARGS)
 	$(BIN)/memtrain-report runs/bench/baseline_resnet50_224_b64
 
-.PHONY: bench-checkpoint
-bench-checkpoint: $(STAMP) ## checkpointing vs none: peak and step time per strategy (GPU: resnet50 224 px, largest batch)
+.PHONY: bench-checkpoint bench-checkpoint-table
+bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block, sqrt, uniform, selective, compile at budgets 0.25-0.8) -> report's budget figure
+	$(BIN)/memtrain -m experiment=checkpoint_study hydra.sweep.dir=runs/bench/checkpoint_study $(ARGS)
+	$(BIN)/memtrain-report runs/bench/checkpoint_study
+
+bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
 	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
 .PHONY: bench-pool

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import sys
@@ -418,7 +419,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     scheduler = build_scheduler(optimizer, total_steps, **optim)
     ckpt = resume.Checkpointer(run_dir, summary["run_id"], t.save_every, t.resume,
                                resume.find_checkpoints(search) if t.resume else [], stop)
-    planned = _prepare(method, model, data, t, device, ckpt)
+    planned = _prepare(method, model, data, t, device, ckpt, search)
     summary.update(planned)
     live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty())
     for lg in live:
@@ -443,9 +444,11 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
 
 
 def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
-             device: torch.device, ckpt: resume.Checkpointer) -> dict[str, Any]:
+             device: torch.device, ckpt: resume.Checkpointer,
+             search: Path | None = None) -> dict[str, Any]:
     """`method.prepare` (optional): on the run's first batch, on the run's device, before the
-    first step (checkpoint profiles and plans here). Returns its summary columns."""
+    first step (checkpoint profiles and plans here). Returns its summary columns. A prepare that
+    takes `cache_dir` gets the sweep folder (`search`): checkpoint keeps its profile there."""
     if not hasattr(method, "prepare"):
         return {}
     model.to(device).train()
@@ -454,4 +457,8 @@ def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
         model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     ckpt.carry.update(ckpt.carried())
-    return method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry)
+    extra = {}
+    if search is not None and "cache_dir" in inspect.signature(method.prepare).parameters:
+        extra["cache_dir"] = str(search)
+    return method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry,
+                          **extra)

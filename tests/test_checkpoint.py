@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods.checkpoint import CheckpointMethod
 
@@ -20,7 +21,9 @@ MODELS = {
     "resnet18": (64, 2), "resnet34": (64, 2), "resnet50": (64, 2), "efficientnet_b0": (32, 2),
     "resmlp12": (32, 2), "resmlp24": (16, 2), "mlp6": (8, 4),
 }
-EAGER = ("uniform", "sqrt", "budget", "selective")
+# (strategy, options): budget at both granularities
+EAGER = (("uniform", {}), ("sqrt", {}), ("budget", {"granularity": "op"}),
+         ("budget", {"granularity": "block"}), ("selective", {}))
 
 
 @pytest.fixture(autouse=True)
@@ -85,11 +88,12 @@ def test_every_strategy_matches_none(model):
     x, y = _batch(size, batch)
     ref = copy.deepcopy(base)
     ref_loss = _step(ref, x, y)
-    for strategy in EAGER:
-        got, method, tensors = _checkpointed(base, strategy, x, y, budget_fraction=0.7, every=2)
+    for strategy, kw in EAGER:
+        got, method, tensors = _checkpointed(base, strategy, x, y, budget_fraction=0.7, every=2,
+                                             **kw)
         if strategy != "selective":  # something really is recomputed
             assert method.plan.groups, strategy
-        _assert_same_step(ref, ref_loss, got, tensors, x, y, f"{model}/{strategy}")
+        _assert_same_step(ref, ref_loss, got, tensors, x, y, f"{model}/{strategy} {kw}")
 
 
 # ---------------------------------------------------------------- the planner
@@ -260,19 +264,20 @@ def test_every_plan_keeps_the_plain_state_dict_keys():
 
 def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     from memtrain import api
-    from memtrain.methods import _ckpt_plan
+    from memtrain.methods import _ckpt_ops
 
     args = [*CKPT_RUN, "trainer.max_steps=6"]
     part = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2"],
                    out_dir=tmp_path / "p")
     assert part["status"] == "interrupted"
     # a new profile that would plan differently (noise on a shared machine): recompute all
-    monkeypatch.setattr(_ckpt_plan, "plan_budget",
-                        lambda p, b, g=None: _ckpt_plan.make_plan(p, [(0, p.n - 1)]))
+    monkeypatch.setattr(_ckpt_ops, "plan_budget",
+                        lambda p, ops, b, g=None: _ckpt_ops.op_plan(p, ops, [(0, p.n - 1)], set()))
     again = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2",
                      "trainer.resume=true"], out_dir=tmp_path / "p")
     assert again["status"] == "ok" and again["resumed_at_step"] > 0
     assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
+    assert again["plan_kept_ops"] == part["plan_kept_ops"]  # the op decisions too
 
 
 def test_same_profile_gives_the_same_plan():
@@ -289,8 +294,12 @@ def test_same_profile_gives_the_same_plan():
         m.prepare(model, x, y)
         m.profile.time = [t * (slow if i % 2 else 1) for i, t in enumerate(m.profile.time)]
         plans.append(planner.plan_budget(m.profile, 0.5 * m.profile.baseline_peak).groups)
+        for k, o in enumerate(o for seg in m.ops.ops for o in seg):  # op level: costs, no clock
+            o.time *= slow if k % 2 else 1
+        op = opplan.plan_budget(m.profile, m.ops, 0.5 * m.profile.baseline_peak)
+        plans.append((op.groups, op.extra["keep"]))
         assert m.profile.flops and all(f > 0 for f in m.profile.flops)
-    assert plans[0] == plans[1]
+    assert plans[0] == plans[2] and plans[1] == plans[3]
 
 
 def test_plan_table_of_a_small_model_reads_in_its_unit():

@@ -104,7 +104,8 @@ def test_failing_run_records_status_error(in_tmp):
 STORED_RUN_IDS = [
     ([], "577ed406825d"),
     (["trainer=smoke", "model=mlp6"], "49f525fa7bd5"),
-    (["method=checkpoint", "trainer.max_steps=5", "trainer.resume=true"], "a59a9bfaced6"),
+    # issue 18 added method.granularity to conf/method/checkpoint.yaml (was a59a9bfaced6)
+    (["method=checkpoint", "trainer.max_steps=5", "trainer.resume=true"], "954a22e3252d"),
     (["method=synthetic", "model=resnet18", "dataset=cifar10", "optim=adamw"], "06d84cdf4302"),
     (["experiment=quick", "method=pool"], "dc7294d99c54"),
     (["method=prune", "method.sparsity=0.75", "trainer.gpu_memory_gb=4", "trainer.fault=nan"],

@@ -307,3 +307,14 @@ def test_budget_figure_draws_one_series_per_strategy(study):
         np.testing.assert_allclose(lines[name].get_xdata(), (r["step_time_rel"] - 1) * 100)
     assert any(t.get_text().startswith("amb=") for t in ax.texts)
     plots.plt.close(bud.fig)
+    # granularity: op and block plans are two series, never one curve
+    blk = settings[ck].assign(**{"method.strategy": "budget", "method.granularity": "block",
+                                 "label": lambda d: d["label"] + " block"})
+    agg2 = pd.concat([settings.assign(**{"method.strategy": strategy,
+                                         "method.granularity": pd.Series("op", index=settings.index)
+                                         .where(ck)}), blk], ignore_index=True)
+    bud = plots.budget(agg2, style.memory_metric(agg2))
+    ax = _panel(bud.fig, RESNET + ": cost")
+    styles = {ln.get_label(): ln.get_linestyle() for ln in ax.get_lines()}
+    assert styles.get("_budget") == "-" and styles.get("_budget block") == "--"
+    plots.plt.close(bud.fig)

@@ -2,6 +2,10 @@
 
     python -m memtrain.bench.checkpoint                      # GPU: resnet50 224 px, batch search
     python -m memtrain.bench.checkpoint --device cpu --size 64 --batch 8 --out docs/results/x.md
+    python -m memtrain.bench.checkpoint --frontier --device cpu --batch 184 --profile-batch 8
+
+`--frontier`: the planner alone (no training): one profile, then op- and block-granularity plans
+at every budget on it, modelled peak, predicted overhead and solve time (MONeT's comparison).
 
 On CUDA the batch is the largest power-of-two-then-bisected batch the baseline fits (unless
 --batch), the peak is `max_memory_allocated` over the timed steps and times come from
@@ -20,15 +24,16 @@ import torch.nn.functional as F
 from memtrain import api, bench, measure
 from memtrain.errors import ConfigError
 
-BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.8)
+BUDGETS = (0.25, 0.3, 0.4, 0.5, 0.6, 0.8)
+FRONTIER = (0.25, 0.3, 0.33, 0.4, 0.5, 0.6, 0.8)
 COMPILE_BUDGETS = (0.2, 0.4, 0.6, 0.8, 1.0)
 
 
 def points(device: torch.device) -> list[tuple[str, list[str]]]:
     """(label, method overrides) of every point of the sweep; none first."""
     pts = [("none", ["method=none"])]
-    pts += [(f"budget {f}", ["method=checkpoint", f"method.budget_fraction={f}"])
-            for f in BUDGETS]
+    pts += [(f"{g} {f}", ["method=checkpoint", f"method.budget_fraction={f}",
+                          f"method.granularity={g}"]) for g in ("op", "block") for f in BUDGETS]
     pts += [(s, ["method=checkpoint", f"method.strategy={s}"])
             for s in ("uniform", "sqrt", "selective")]
     if device.type == "cuda":
@@ -109,6 +114,47 @@ def table(rows: list[dict], device: torch.device) -> str:
     return "\n".join(out)
 
 
+def frontier(model_name: str, size: int, batch: int, profile_batch: int,
+             device: torch.device) -> str:
+    """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
+    import time
+
+    from memtrain.methods import _ckpt_ops as opplan
+    from memtrain.methods import _ckpt_plan as planner
+
+    _, model, method = api.build([f"model={model_name}", f"dataset.image_size={size}",
+                                  "method=checkpoint", "method.dry_run=true",
+                                  f"method.profile_batch={profile_batch}"])
+    model.to(device).train()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    t0 = time.perf_counter()
+    method.prepare(model, x, y)
+    p, ops = method.profile, method.ops
+    out = [f"profiled in {time.perf_counter() - t0:.0f} s on {min(batch, profile_batch)} "
+           f"samples, scaled to {batch}; {p.n} segments, {sum(map(len, ops.ops))} ops, "
+           f"{len(ops.keys())} keepable; baseline activation peak {p.baseline_peak / 2**30:.2f} "
+           f"GiB, step {p.step_time:.1f} s", "",
+           "| budget | op peak | op overhead | op solve s | block peak | block overhead | "
+           "block solve s | op / block overhead |", "|---|---|---|---|---|---|---|---|"]
+    for f in FRONTIER:
+        cells, over = [], []
+        for by_op in (True, False):
+            try:
+                pl = opplan.plan_budget(p, ops, f * p.baseline_peak, ops=by_op)
+            except planner.Infeasible as e:
+                cells += [f"infeasible (least {e.min_peak / p.baseline_peak:.3f})", "-", "-"]
+                continue
+            over.append(pl.overhead)
+            cells += [f"{pl.peak / p.baseline_peak:.3f}", f"+{100 * pl.overhead:.1f}%",
+                      f"{pl.extra['solve_s']:.1f}"]
+        ratio = f"{over[0] / over[1]:.2f}" if len(over) == 2 and over[1] > 0 else "-"
+        out.append(f"| {f} | " + " | ".join(cells) + f" | {ratio} |")
+        print(out[-1], flush=True)
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet50")
@@ -119,10 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--frontier", action="store_true", help="the planner's frontier only")
+    ap.add_argument("--profile-batch", type=int, default=8)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.frontier:
+        batch = args.batch or 184
+        text = (f"# checkpoint planner frontier: {args.model}, {args.size} px, batch {batch}\n\n"
+                f"Device: {bench.device_line(device)}\n\n"
+                f"{frontier(args.model, args.size, batch, args.profile_batch, device)}\n")
+        bench.publish(text, args.out)
+        return
     batch = args.batch or (largest_batch(args.model, args.size, device)
                            if device.type == "cuda" else 8)
     rows = []

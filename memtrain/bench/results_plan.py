@@ -234,10 +234,11 @@ def checkpoint(ctx: Context) -> list[Step]:
     s = ctx.size["checkpoint"]
     cells = _cells(ctx, str(s["batch"]), s["precision"])
     steps = [*_none_unless_measured(ctx, "checkpoint", str(s["batch"]), s["precision"]),
-             ctx.sweep("checkpoint", "budget",
+             ctx.sweep("checkpoint", "budget",  # both granularities: the budget figure's series
                        ["method=checkpoint", "method.strategy=budget",
+                        "method.granularity=op,block",
                         f"method.budget_fraction={s['budgets']}", *cells],
-                       _n(s["budgets"]), s["job_s"])]
+                       2 * _n(s["budgets"]), s["job_s"])]
     if s["compile"]:  # the peer at the same budgets: torch's activation_memory_budget
         steps.append(ctx.sweep("checkpoint", "compile",
                                ["method=checkpoint", "method.strategy=compile",

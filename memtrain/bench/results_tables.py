@@ -124,8 +124,11 @@ def setting(row: pd.Series) -> str:
     if m == "prune":
         return f"s={get('sparsity')} b={int(_num(get('block_size')))}"
     if m == "checkpoint":
-        s = get("strategy")
-        return f"{s} {get('budget_fraction')}" if s in ("budget", "compile") else str(s)
+        s, g = str(get("strategy")), get("granularity")
+        if s == "budget" and isinstance(g, str):  # op and block plans side by side
+            s = f"budget {g}"
+        return f"{s} {get('budget_fraction')}" if s.startswith(("budget", "compile")) \
+            else str(s)
     if m == "synthetic":
         return f"K={int(_num(get('partitions')))}"
     return str(m)

@@ -104,10 +104,14 @@ def _recompute_bytes(p: Profile, a: int, e: int) -> int:
     return sum(p.inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
 
 
-def peak_bytes(p: Profile, groups: list[Group]) -> int:
-    """Modelled activation peak of a plan (see the module docstring)."""
+def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None) -> int:
+    """Modelled activation peak of a plan (see the module docstring); `extra[i]`: bytes a
+    recomputed segment i holds from its forward until its recompute (op-level plans: the
+    outputs of its kept ops, `_ckpt_ops`)."""
     kept, live = _live(p, groups)
-    held = [p.inner[i] * kept[i] + p.out[i] * live[i] for i in range(p.n)]
+    extra = extra or [0] * p.n
+    held = [p.inner[i] * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
+            for i in range(p.n)]
     peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
     for a, e in groups:
         peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e))
@@ -264,7 +268,8 @@ class _Recorder(measure.SavedBytes):
     """Counts saved storages like SavedBytes and attributes each to the segment whose forward
     packed it."""
 
-    def __init__(self, model: nn.Module, segments: list[Segment], x: torch.Tensor, device):
+    def __init__(self, model: nn.Module, segments: list[Segment], x: torch.Tensor, device,
+                 count_flops: bool = True):
         super().__init__(exclude=measure.alive_before_step(model, x))
         self.device = device
         self.saved: dict[tuple[str, int], tuple[int, int]] = {}  # key -> (bytes, segment or -1)
@@ -284,7 +289,8 @@ class _Recorder(measure.SavedBytes):
             self.handles.append(mods[0].register_forward_pre_hook(self._enter(i)))
             self.handles.append(mods[-1].register_forward_hook(self._leave(i)))
             for m in (m for top in mods for m in top.modules()):
-                if isinstance(m, nn.Conv2d | nn.Linear):
+                if count_flops and isinstance(m, nn.Conv2d | nn.Linear):  # (its ops: not
+                    # under an op profile, whose op sequence must be the forward's own)
                     self.handles.append(m.register_forward_hook(self._count(i)))
 
     def _count(self, i: int):

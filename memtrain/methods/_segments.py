@@ -76,8 +76,10 @@ class CheckpointGroup:
     checkpointing: a `torch.utils.checkpoint` policy deciding per op what to save.
     """
 
-    def __init__(self, body: list[nn.Module], policy: Callable | None = None):
+    def __init__(self, body: list[nn.Module], policy: Callable | None = None,
+                 make_contexts: Callable | None = None):
         self.modules = body
+        self._make_contexts = make_contexts  # () -> (forward, recompute) contexts: op plans
         self.forwards = [m.forward for m in body]  # the modules' own forwards
         self._policy = policy
         self._bns = batchnorms(body)
@@ -103,6 +105,9 @@ class CheckpointGroup:
 
     def _contexts(self):
         shield = shield_batchnorm(self._bns)
+        if self._make_contexts is not None:
+            fwd, recompute = self._make_contexts()
+            return fwd, _both(shield, recompute)
         if self._policy is None:
             return contextlib.nullcontext(), shield
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -131,8 +136,12 @@ def _both(a, b):
 
 
 def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
-                 policy: Callable | None = None) -> list[CheckpointGroup]:
+                 policy: Callable | None = None,
+                 contexts: list[Callable] | None = None) -> list[CheckpointGroup]:
     """Checkpoint each group (first, last) of consecutive segment indices, in place; module
-    names, parameters and buffers are unchanged."""
-    return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy)
-            for first, last in groups]
+    names, parameters and buffers are unchanged. `contexts[g]`: group g's selective-checkpoint
+    context factory (an op-level plan's `PlanPolicy.make`)."""
+    contexts = contexts or [None] * len(groups)
+    return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy,
+                            make)
+            for (first, last), make in zip(groups, contexts, strict=True)]

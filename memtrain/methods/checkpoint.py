@@ -5,6 +5,8 @@ Strategies (`method.strategy`):
 - `sqrt`: groups of round(sqrt(n)) segments (Chen et al. 2016);
 - `budget`: profile every segment on the run's device, then solve a 0-1 program (MONeT-style,
   scipy's HiGHS) for the least recompute time whose modelled activation peak fits the budget;
+  `granularity=op` (the default) also decides per op inside recomputed groups: keep its output
+  (selective checkpointing) or recompute it (`_ckpt_ops`); `block` recomputes groups whole;
 - `selective`: every segment checkpointed with torch's selective activation checkpointing:
   matmul and convolution outputs saved, the cheap ops recomputed;
 - `compile`: torch.compile with `torch._functorch.config.activation_memory_budget`, PyTorch's own
@@ -13,6 +15,7 @@ Strategies (`method.strategy`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -23,6 +26,8 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
+from memtrain.methods import _ckpt_cache as cache
+from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods._segments import Segment, apply_groups, discover
 
@@ -30,6 +35,7 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("uniform", "sqrt", "budget", "selective", "compile")
 PLANNED = ("uniform", "sqrt", "budget")
+GRANULARITIES = ("op", "block")
 
 
 def _save_matmul_conv(ctx, op, *args, **kwargs):
@@ -69,8 +75,12 @@ class CheckpointMethod:
     def __init__(self, strategy: str = "budget", every: int = 1, budget_fraction: float = 0.5,
                  budget_bytes: int | None = None, max_group: int | None = None,
                  profile_batch: int | None = None, profile_repeats: int = 2,
-                 dry_run: bool = False):
+                 dry_run: bool = False, granularity: str = "op"):
         check_choice("method.strategy", strategy, STRATEGIES)
+        check_choice("method.granularity", granularity, GRANULARITIES)
+        # op granularity applies to the budget planner; the fixed strategies recompute whole groups
+        self.by_op = granularity == "op" and strategy == "budget"
+        self.granularity = granularity
         check_range("method.every", every, 1)
         check_range("method.budget_fraction", budget_fraction, 0, 1, lo_open=True)
         if budget_bytes is not None:
@@ -87,6 +97,7 @@ class CheckpointMethod:
         self.segments: list[Segment] = []
         self.plan: planner.Plan | None = None
         self.profile: planner.Profile | None = None
+        self.ops: opplan.OpProfile | None = None
 
     # ------------------------------------------------------------ wrap / prepare
 
@@ -97,6 +108,8 @@ class CheckpointMethod:
         if self.strategy == "selective":
             # A saved matmul/conv output must not be overwritten later in the forward (SAC
             # checks it): in-place activations (SiLU after the squeeze-excite conv) go out-of-place.
+            # (granularity=op keeps them in place: the op profile marks an output that a later op
+            # overwrites as not keepable, and in place saves the unmodelled transient copy.)
             for m in model.modules():
                 if isinstance(getattr(m, "inplace", None), bool):
                     m.inplace = False
@@ -105,11 +118,13 @@ class CheckpointMethod:
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None,
+                cache_dir: str | None = None) -> dict[str, Any]:
         """Before the first step, on the run's first batch and device: profile the segments on
         `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
-        in place. Returns the plan's summary columns; with `dry_run`, also `dry_run=True` and
-        `steps=0`, and the run stops there."""
+        in place; `cache_dir` (the sweep folder) keeps one profile per model, input, precision
+        and device for every job of the sweep. Returns the plan's summary columns; with
+        `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there."""
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -117,30 +132,44 @@ class CheckpointMethod:
                 return {"dry_run": True, "steps": 0}
             return {}
         carry = {} if carry is None else carry
-        groups = carry.get("checkpoint_plan")
+        groups, keep = carry.get("checkpoint_plan"), carry.get("checkpoint_keep")
         plan = self._choose(model, x, y, autocast,
-                            None if groups is None else [(int(a), int(b)) for a, b in groups])
+                            None if groups is None else [(int(a), int(b)) for a, b in groups],
+                            None if keep is None else {(int(i), int(j)) for i, j in keep},
+                            cache_dir)
         self.plan = plan
         carry["checkpoint_plan"] = [list(g) for g in plan.groups]
+        if self.by_op:
+            carry["checkpoint_keep"] = [list(k) for k in plan.extra["keep"]]
         # once, through logging: memtrain.log and the console (a dry run asks for nothing else)
         log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
         if self.dry_run:
             return {**self.summary_columns(), "dry_run": True, "steps": 0}
-        apply_groups(model, self.segments, plan.groups)
+        self._apply(model)
         return self.summary_columns()
 
+    def _apply(self, model: nn.Module) -> None:
+        contexts = None
+        if self.by_op:
+            names = [s.name for s in self.segments]
+            contexts = [p.make for p in opplan.policies(self.ops, names, self.plan.groups,
+                                                        set(self.plan.extra["keep"]))]
+        apply_groups(model, self.segments, self.plan.groups, contexts=contexts)
+
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
-                groups: list[tuple[int, int]] | None = None) -> planner.Plan:
-        """Profile the segments on `x` and choose the groups (`groups`: a plan kept by a resumed
-        run, used whatever a new profile says); sets `self.profile`."""
+                groups: list[tuple[int, int]] | None = None,
+                keep: set[tuple[int, int]] | None = None,
+                cache_dir: str | None = None) -> planner.Plan:
+        """Profile the segments on `x` and choose the groups (`groups`, `keep`: a plan kept by
+        a resumed run, used whatever a new profile says); sets `self.profile` (and `self.ops`)."""
         scale = 1.0
         pb = self.profile_batch
         if pb is not None and pb < x.shape[0]:
             scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
-        self.profile = prof = planner.profile(model, self.segments, x,
-                                              lambda out: F.cross_entropy(out.float(), y),
-                                              autocast, self.profile_repeats, scale)
-        n = prof.n
+        self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir)
+        prof, n = self.profile, self.profile.n
+        if self.by_op and groups is not None:
+            return opplan.op_plan(prof, self.ops, groups, keep or set())
         if groups is not None:
             return planner.make_plan(prof, groups)
         if self.strategy == "uniform":
@@ -148,6 +177,29 @@ class CheckpointMethod:
         if self.strategy == "sqrt":
             return planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
         return self._plan_budget(prof)
+
+    def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None) -> None:
+        """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
+        measured on `x` (and then cached). Op and block jobs of a sweep share the segment
+        profile; the first op job adds the op profile to it."""
+        k, got = None, None
+        if cache_dir is not None:
+            k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
+                          repeats=self.profile_repeats)
+            got = cache.load(cache_dir, k)
+        if got is None:
+            self.profile, ops = planner.profile(
+                model, self.segments, x, lambda out: F.cross_entropy(out.float(), y), autocast,
+                self.profile_repeats, scale), None
+        else:
+            self.profile, ops = got
+        if self.by_op and ops is None:
+            ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
+                                       scale)
+            opplan.calibrate(ops, self.profile.time)
+        if k is not None and (got is None or (got[1] is None and ops is not None)):
+            cache.save(cache_dir, k, self.profile, ops)
+        self.ops = ops if self.by_op else None
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
                     num_classes: int) -> list[ProbeStep]:
@@ -157,7 +209,7 @@ class CheckpointMethod:
         objective could use times, which it does not when FLOPs were counted)."""
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
-            apply_groups(model, self.segments, self.plan.groups)
+            self._apply(model)
         return [ProbeStep(model, x, y)]
 
     def _budget(self, prof: planner.Profile) -> int:
@@ -168,6 +220,8 @@ class CheckpointMethod:
     def _plan_budget(self, prof: planner.Profile) -> planner.Plan:
         budget = self._budget(prof)
         try:
+            if self.by_op:
+                return opplan.plan_budget(prof, self.ops, budget, self.max_group)
             return planner.plan_budget(prof, budget, self.max_group)
         except planner.Infeasible as e:
             what = (f"method.budget_bytes={self.budget_bytes}" if self.budget_bytes is not None
@@ -190,6 +244,10 @@ class CheckpointMethod:
             "plan_segments": prof.n,
             "plan_groups": ";".join(f"{a}-{e}" for a, e in p.groups),
             "plan_solve_s": p.extra.get("solve_s", 0.0),
+            **({"plan_kept_ops": len(p.extra["keep"]),
+                "plan_recomputed_ops": sum(len(self.ops.ops[i]) for a, e in p.groups
+                                           for i in range(a, e + 1)) - len(p.extra["keep"])}
+               if self.by_op else {}),
         }
 
     def table(self) -> str:
@@ -215,4 +273,10 @@ class CheckpointMethod:
         lines.append(f"activation peak: baseline {prof.baseline_peak / scale:.2f} {unit} -> plan "
                      f"{p.peak / scale:.2f} {unit} ({p.peak / prof.baseline_peak:.3f}x); predicted "
                      f"overhead +{100 * p.overhead:.1f}% step time")
+        if self.by_op:
+            lines.append("ops (granularity op; keep = output cached by selective checkpointing):")
+            lines += ["  " + ln for ln in opplan.describe(self.ops, p.groups,
+                                                          set(p.extra["keep"]))]
+        if "solve_s" in p.extra:
+            lines.append(f"solve time {p.extra['solve_s']:.2f} s")
         return "\n".join(lines)

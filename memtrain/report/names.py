@@ -31,8 +31,8 @@ PARAMS = {
     "min_size": "min", "compress_input": "input",
     "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
     "prune_head": "head", "prune_shared": "shared",
-    "strategy": "", "budget_fraction": "b", "budget_bytes": "budget", "every": "every",
-    "max_group": "max_group", "profile_batch": "profile_batch",
+    "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
+    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
     "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
     "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
 }

@@ -98,8 +98,10 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
 
 # ---------------------------------------------------------------- 5. checkpoint budget figure
 
-# strategy -> the annotation of its fraction
-SERIES = {"budget": "b", "compile": "amb"}
+# series -> the annotation of its fraction and its line: the planner at op granularity (or a run
+# from before granularity existed), the planner at block granularity, torch.compile's budget
+SERIES = {"budget": "b", "budget block": "b", "compile": "amb"}
+LINES = {"budget": "-", "budget block": "--", "compile": ":"}
 FRACTION = "method.budget_fraction"
 
 
@@ -107,6 +109,9 @@ def _budget_rows(agg: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     """(strategy per row, rows that are checkpoint runs with a meaningful fraction)."""
     # Runs without a strategy column predate the other strategies: the planner's budget.
     strategies = agg.get("method.strategy", pd.Series("budget", index=agg.index)).fillna("budget")
+    if "method.granularity" in agg:  # a series per granularity of the planner
+        block = (strategies == "budget") & (agg["method.granularity"] == "block")
+        strategies = strategies.where(~block, "budget block")
     is_b = (agg["method"] == "checkpoint") & agg[FRACTION].notna() & strategies.isin(list(SERIES))
     return strategies, is_b
 
@@ -162,7 +167,7 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
         if b.empty:
             continue
         ax.plot(b["overhead_pct"], b[mem.rel], color=color, linewidth=style.line_width(0.8),
-                zorder=2, label=f"_{strategy}", linestyle="-" if strategy == "budget" else ":")
+                zorder=2, label=f"_{strategy}", linestyle=LINES[strategy])
         for _, r in b.iterrows():
             ax.annotate(f"{tag}={r[FRACTION]:g}", (r["overhead_pct"], r[mem.rel]),
                         fontsize="x-small", textcoords="offset points", xytext=(3, 2),
@@ -194,8 +199,9 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     """Per model and dataset with checkpoint budget runs, two panels. Left: the activation
     peak against the budget `b` (fraction of the baseline's activation peak), the target as the
     diagonal, the planner's prediction hollow, measured filled. Right: memory against step-time
-    overhead, one series per strategy whose fraction means something (budget `b=`, solid;
-    compile `amb=`, torch's activation_memory_budget, dotted), every other setting a point.
+    overhead, one series per strategy whose fraction means something (budget `b=`: op
+    granularity solid, block granularity dashed; compile `amb=`, torch's
+    activation_memory_budget, dotted), every other setting a point.
 
     Applies when runs with method=checkpoint and a method.budget_fraction exist.
     """
@@ -208,7 +214,7 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                      overhead_pct_std=agg.get("step_time_rel_std", 0.0) * 100)
     styles = setting_styles(agg)
     ps = panels(agg[agg["model"].isin(agg.loc[is_b, "model"])], names)
-    planned = {title: g[is_b.loc[g.index] & (strategies.loc[g.index] == "budget")]
+    planned = {title: g[is_b.loc[g.index] & strategies.loc[g.index].str.startswith("budget")]
                for title, g in ps}
     two = any(len(draw.ok_rows(p)) for p in planned.values())
     look = style.current()

@@ -1,0 +1,389 @@
+"""Operator-granularity checkpoint plans (after MONeT and Checkmate): inside every recomputed
+group, each op whose output autograd would hold is a decision: keep its output (torch's selective
+checkpointing caches it, `CheckpointPolicy.MUST_SAVE`) or recompute it in backward.
+
+The profile (`OpTimer`, a TorchDispatchMode over one instrumented forward) lists every aten op of
+every segment in forward order with its fresh output bytes, its forward time and a deterministic
+cost (a roofline of its FLOPs and the bytes it reads and writes: clock times on a shared machine
+would make the plan change from one profile to the next). The 0-1 program is the segment
+program of `_ckpt_plan` plus one variable y_o per keepable op: y_o <= 1 - kept_i (only ops of
+recomputed segments), the kept bytes are held from the forward until the group is recomputed
+(end-of-forward row and the recompute rows of later groups), and the objective is the cost of
+every recomputed op minus the cost of the kept ones. The plan applies through
+`create_selective_checkpoint_contexts` with a policy that checks each op against the profile and
+raises on a mismatch, so a plan never silently applies to another op sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memtrain import measure
+from memtrain.methods import _ckpt_plan as planner
+
+Key = tuple[int, int]  # (segment, op index within the segment's forward)
+
+# Nominal roofline of the deterministic cost, per device type: FLOP/s and bytes/s. Only their
+# ratio shapes the plan; the predicted overhead uses measured times. CPU: fitted once to one
+# core of this project's CI machine (resnet50, 224 px, batch 8: convolutions ~50 GFLOP/s,
+# training-mode BatchNorm and ReLU ~1.5 GB/s of bytes read + written; 4 GB/s had made
+# BatchNorm look 3x cheaper than it runs). CUDA: an A100/H100-class ratio.
+ROOFLINE = {"cpu": (5e10, 1.5e9), "cuda": (4e14, 2e12)}
+IDEMPOTENT_INPLACE = {torch.ops.aten.relu_.default}  # f(f(x)) = f(x)
+
+
+def _allows_mutation() -> bool:
+    """Whether this torch's SAC can be told that a cached output changes in place."""
+    import inspect
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts as sac
+
+    return "allow_cache_entry_mutation" in inspect.signature(sac).parameters
+
+
+@dataclass
+class Op:
+    name: str  # str(aten overload), what the policy checks
+    nbytes: int  # fresh output storages (what keeping it holds)
+    cost: float  # deterministic recompute cost, seconds of the nominal roofline
+    time: float = 0.0  # measured forward time, seconds
+    keepable: bool = True  # fresh outputs, not the segment's output, never overwritten later
+    # (but by an idempotent in-place op as its first use: `relu_` after BatchNorm)
+    relu_after: bool = False  # its cached output then holds relu(output); recompute reapplies it
+
+
+@dataclass
+class OpProfile:
+    ops: list[list[Op]] = field(default_factory=list)  # per segment, forward order
+
+    def keys(self) -> list[Key]:
+        return [(i, j) for i, seg in enumerate(self.ops) for j, o in enumerate(seg)
+                if o.keepable and o.nbytes > 0]
+
+
+class OpTimer(TorchDispatchMode):
+    """Lists the aten ops of the segment that `current()` names (-1: outside every segment)."""
+
+    def __init__(self, n: int, current, device: torch.device):
+        super().__init__()
+        self.current, self.device = current, device
+        self.ops: list[list[Op]] = [[] for _ in range(n)]
+        self.producer: dict[tuple[str, int], Key] = {}
+        self.used: set[tuple[str, int]] = set()  # producers' outputs read by some op already
+        self.mutable = _allows_mutation()
+        self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils import checkpoint
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        seg = self.current()
+        # the ops SAC's policy never sees (older torch: detach only)
+        ignored = getattr(checkpoint, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+        if seg < 0 or func in ignored:
+            return func(*args, **kwargs)
+        measure.sync(self.device)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        measure.sync(self.device)
+        dt = time.perf_counter() - t0
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        in_keys = {measure.storage_key(t) for t in ins}
+        self._writes(func, args, in_keys)
+        fresh = {measure.storage_key(t): t.untyped_storage().nbytes() for t in outs
+                 if measure.storage_key(t) not in in_keys}
+        flop = 0
+        if func.overloadpacket in flop_registry:
+            flop = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+        moved = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
+        op = Op(str(func), sum(fresh.values()), flop / self.flops + moved / self.bandwidth, dt,
+                keepable=bool(outs) and len(fresh) == len({measure.storage_key(t) for t in outs}))
+        for k in fresh:
+            self.producer[k] = (seg, len(self.ops[seg]))
+        self.ops[seg].append(op)
+        return out
+
+
+    def _writes(self, func, args, in_keys) -> None:
+        """An output written in place is not keepable (its cached copy would go stale), unless
+        the write is its first use and idempotent (relu_ after BatchNorm: recomputing from the
+        cached, already rectified values gives the same values; SAC is told to allow it)."""
+        written = {measure.storage_key(v) for a, v in zip(func._schema.arguments, args)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   and isinstance(v, torch.Tensor)}
+        for k in in_keys:
+            p = self.producer.get(k)
+            if p is None:
+                continue
+            op = self.ops[p[0]][p[1]]
+            first = k not in self.used
+            self.used.add(k)
+            if k in written:
+                if first and func in IDEMPOTENT_INPLACE and self.mutable:
+                    op.relu_after = True
+                else:
+                    op.keepable = False
+
+
+def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float) -> OpProfile:
+    """`repeats` forwards under OpTimer (the first warms up); `rec_factory()` is a fresh
+    profiling recorder (`_ckpt_plan._Recorder`) telling the current segment and the outputs."""
+    runs = []
+    for _ in range(repeats):
+        rec = rec_factory()
+        timer = OpTimer(len(rec.outputs), lambda r=rec: r.current, x.device)
+        try:
+            with rec, timer:
+                out = model(x)
+        finally:
+            rec.close()
+        del out
+        runs.append(timer.ops)
+    ops = runs[-1]
+    names = [[o.name for o in seg] for seg in ops]
+    for r in runs:
+        if [[o.name for o in seg] for seg in r] != names:
+            raise RuntimeError("the op sequence changed between profiling forwards")
+    out_keys = {measure.storage_key(o) for o in rec.outputs if isinstance(o, torch.Tensor)}
+    for i, seg in enumerate(ops):
+        for j, o in enumerate(seg):
+            later = [r[i][j].time for r in runs[1:]] or [o.time]
+            o.time = statistics.median(later) * scale
+            o.nbytes, o.cost = int(o.nbytes * scale), o.cost * scale
+            if any(timer.producer.get(k) == (i, j) for k in out_keys):
+                o.keepable = False  # the segment's output: a boundary, modelled per segment
+    return OpProfile(ops)
+
+
+# ---------------------------------------------------------------- plans and the program
+
+
+def held_extra(prof: OpProfile, n: int, keep: set[Key]) -> list[int]:
+    extra = [0] * n
+    for i, j in keep:
+        extra[i] += prof.ops[i][j].nbytes
+    return extra
+
+
+def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
+            keep: set[Key]) -> planner.Plan:
+    """The plan of these groups with these ops kept (keeps outside the groups are dropped)."""
+    inside = {i for a, e in groups for i in range(a, e + 1)}
+    keep = {k for k in keep if k[0] in inside}
+    rec = sum(o.time for i in inside for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
+    plan = planner.Plan(list(groups), planner.peak_bytes(p, groups, held_extra(prof, p.n, keep)),
+                        rec, p.step_time)
+    plan.extra["keep"] = sorted(keep)
+    return plan
+
+
+def op_cost(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> float:
+    return sum(o.cost for a, e in groups for i in range(a, e + 1)
+               for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
+
+
+def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group: int,
+           ops: bool) -> tuple[list[planner.Group], set[Key]] | None:
+    """The segment program of `_ckpt_plan` with a y variable per keepable op (`ops`; without,
+    block granularity on the op costs). budget None: minimise the peak."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    groups, cover, fwd, fwd_c, rows, consts, big, _, mib = planner._program(p, max_group)
+    n, ng = p.n, len(groups)
+    keys = prof.keys() if ops else []
+    nk = len(keys)
+    seg_cost = [sum(o.cost for o in seg) for seg in prof.ops]
+    cost = np.zeros(n + ng + nk)
+    cost[n:n + ng] = [sum(seg_cost[a:e + 1]) for a, e in groups]
+    cost[n + ng:] = [-prof.ops[i][j].cost for i, j in keys]
+    cost /= max(np.abs(cost).max(), 1e-30)
+    b = np.array([prof.ops[i][j].nbytes for i, j in keys]) / mib
+    seg = np.array([i for i, _ in keys], dtype=int)
+    y = n + ng + np.arange(nk)
+    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk))])  # noqa: E731
+    a_cover, a_fwd, a_rec = pad(cover), pad(fwd[None, :]), pad(rows)
+    a_fwd[0, y] = b
+    for r, (a, _) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
+        a_rec[r, y] = np.where(seg < a, b, 0.0)
+        big[r] += b[seg < a].sum()
+        a_rec[r, n + r] += big[r]
+    a_excl = np.zeros((nk, n + ng + nk))  # y_o + kept_i <= 1
+    a_excl[np.arange(nk), seg] = 1
+    a_excl[np.arange(nk), y] = 1
+    width = n + ng + nk
+    free_b = budget is None
+    if free_b:
+        extend = lambda m, v: np.hstack([m, np.full((m.shape[0], 1), v)])  # noqa: E731
+        a_cover, a_excl = extend(a_cover, 0.0), extend(a_excl, 0.0)
+        a_fwd, a_rec = extend(a_fwd, -1.0), extend(a_rec, -1.0)
+        ub_fwd, ub_rec = -fwd_c, big - consts
+        c = np.append(np.zeros(width), 1.0)
+        integrality, hi = np.append(np.ones(width), 0), np.append(np.ones(width), np.inf)
+    else:
+        bb = budget / mib
+        ub_fwd, ub_rec = bb - fwd_c, bb + big - consts
+        c, integrality, hi = cost, np.ones(width), np.ones(width)
+    cons = [LinearConstraint(a_cover, 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
+            LinearConstraint(a_rec, -np.inf, ub_rec)]
+    if nk:
+        cons.append(LinearConstraint(a_excl, -np.inf, 1))
+    res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(np.zeros(len(c)), hi),
+               options={"mip_rel_gap": 0.0, "time_limit": 120.0})
+    if res.x is None:
+        return None
+    chosen = sorted(groups[g] for g in range(ng) if res.x[n + g] > 0.5)
+    return chosen, {keys[k] for k in range(nk) if res.x[n + ng + k] > 0.5}
+
+
+def plan_budget(p: planner.Profile, prof: OpProfile, budget: float,
+                max_group: int | None = None, ops: bool = True) -> planner.Plan:
+    """The plan of least deterministic recompute cost whose modelled peak is <= budget;
+    `planner.Infeasible` with the smallest peak otherwise. `ops=False`: whole segments only."""
+    max_group = max_group or p.n
+    t0 = time.perf_counter()
+    target = float(budget)
+    for _ in range(3):
+        got = _solve(p, prof, target, max_group, ops)
+        if got is None:
+            break
+        plan = op_plan(p, prof, *got)
+        if plan.peak <= budget:
+            plan.extra["solve_s"] = time.perf_counter() - t0
+            return plan
+        target -= plan.peak - budget + 1  # over by the solver's tolerance: tighten, re-solve
+    got = _solve(p, prof, None, max_group, ops)
+    raise planner.Infeasible(op_plan(p, prof, *got).peak)
+
+
+def brute_force(p: planner.Profile, prof: OpProfile, budget: float) -> planner.Plan | None:
+    """Every segment plan x every subset of keepable ops (tests: tiny instances only)."""
+    best, best_cost = None, float("inf")
+    keys = prof.keys()
+    for groups in planner._all_plans(p.n, 0, p.n):
+        inside = {i for a, e in groups for i in range(a, e + 1)}
+        cand = [k for k in keys if k[0] in inside]
+        for bits in itertools.product((0, 1), repeat=len(cand)):
+            keep = {k for k, bit in zip(cand, bits) if bit}
+            plan = op_plan(p, prof, groups, keep)
+            cost = op_cost(prof, groups, keep)
+            if plan.peak <= budget and cost < best_cost - 1e-12:
+                best, best_cost = plan, cost
+    return best
+
+
+# ---------------------------------------------------------------- applying a plan
+
+
+class PlanPolicy:
+    """`make()` -> the context_fn of one checkpointed group: a selective-checkpoint policy that
+    saves the kept ops' outputs, recomputes the rest, and checks every op name against the
+    profile (RuntimeError on a mismatch: the plan was made for another forward)."""
+
+    def __init__(self, names: list[str], keep: set[int], group: str, mutated: bool = False):
+        self.names, self.keep, self.group, self.mutated = names, keep, group, mutated
+
+    def make(self):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        count = itertools.count()
+
+        def policy(ctx, func, *args, **kwargs):
+            if ctx.is_recompute:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            k = next(count)
+            if k >= len(self.names) or self.names[k] != str(func):
+                want = self.names[k] if k < len(self.names) else "the end of the group"
+                raise RuntimeError(f"checkpoint plan of group {self.group}: op {k} is {func}, "
+                                   f"the profile has {want}; the plan does not fit this forward")
+            return CheckpointPolicy.MUST_SAVE if k in self.keep else \
+                CheckpointPolicy.PREFER_RECOMPUTE
+
+        # a kept output that relu_ rectifies in place (`Op.relu_after`) changes after caching
+        kw = {"allow_cache_entry_mutation": True} if self.mutated else {}
+        fwd, recompute = create_selective_checkpoint_contexts(policy, **kw)
+        if hasattr(fwd, "respect_saved_tensors_hooks"):
+            # kept outputs go through the saved-tensor hooks like any saved tensor, so the
+            # accounting step's SavedBytes counts them (torch >= 2.12; older: bypassed). Set
+            # here: checkpoint() sets it only on a context it recognises, and ours wraps SAC's.
+            fwd.respect_saved_tensors_hooks = True
+        return _ends_at(fwd, count, len(self.names), self.group), recompute
+
+
+@contextlib.contextmanager
+def _ends_at(ctx, count, n: int, group: str):
+    with ctx:
+        yield
+    seen = next(count)
+    if seen != n:
+        raise RuntimeError(f"checkpoint plan of group {group}: the forward ran {seen} ops, the "
+                           f"profile has {n}; the plan does not fit this forward")
+
+
+def policies(prof: OpProfile, names: list[str], groups: list[planner.Group],
+             keep: set[Key]) -> list[PlanPolicy]:
+    out = []
+    for a, e in groups:
+        seq = [(i, j) for i in range(a, e + 1) for j in range(len(prof.ops[i]))]
+        out.append(PlanPolicy([prof.ops[i][j].name for i, j in seq],
+                              {k for k, ij in enumerate(seq) if ij in keep},
+                              f"{names[a]}..{names[e]}",
+                              any(prof.ops[i][j].relu_after for i, j in seq if (i, j) in keep)))
+    return out
+
+
+def short(name: str) -> str:
+    """aten.convolution.default -> convolution"""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 else name
+
+
+def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> list[str]:
+    """One line per group: the ops it recomputes and the ops it keeps, counted by kind."""
+    lines = []
+    for a, e in groups:
+        rec, kept = Counter(), Counter()
+        for i in range(a, e + 1):
+            for j, o in enumerate(prof.ops[i]):
+                (kept if (i, j) in keep else rec)[short(o.name)] += 1
+        fmt = lambda c: ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"  # noqa: E731
+        lines.append(f"group {a}-{e}: recompute {fmt(rec)}; keep {fmt(kept)}")
+    return lines
+
+
+def calibrate(prof: OpProfile, seg_time: list[float]) -> None:
+    """Scale each segment's op times to sum to its measured forward time: the per-op clock
+    adds dispatch overhead, and on a shared machine the two passes see different loads; so
+    op-level and block-level plans are predicted from the same segment times."""
+    for seg, t in zip(prof.ops, seg_time, strict=True):
+        total = sum(o.time for o in seg)
+        for o in seg:
+            o.time = o.time * t / total if total > 0 else t / len(seg)
+
+
+def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,
+                  scale: float = 1.0) -> OpProfile:
+    """`profile_ops` on `x` without changing the model: buffers (BatchNorm statistics) and the
+    RNG state are restored afterwards."""
+    autocast = autocast or contextlib.nullcontext
+    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    devices = [x.device] if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), autocast():
+        prof = profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,
+                                                               count_flops=False),
+                           repeats, scale)
+    with torch.no_grad():
+        for b in model.buffers():
+            b.copy_(buffers[id(b)])
+    return prof

@@ -1,0 +1,191 @@
+"""Operator-level checkpoint plans (granularity=op): the program against brute force, the plan's
+policy refusing another op sequence, the modelled activation peak against the tracker's."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memtrain import api, measure
+from memtrain.methods import _ckpt_ops as opplan
+from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods.checkpoint import CheckpointMethod
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, opplan.OpProfile]:
+    kib = 1024
+    ops = []
+    for _ in range(n):
+        seg = [opplan.Op(f"aten.op{k}.default", rng.randint(1, 24) * kib, rng.uniform(0.1, 2.0),
+                         rng.uniform(0.1, 2.0), keepable=rng.random() < 0.8)
+               for k in range(rng.randint(1, 3))]
+        ops.append(seg)
+    inner = [sum(o.nbytes for o in seg) + rng.randint(0, 8) * kib for seg in ops]
+    p = planner.Profile([f"s{i}" for i in range(n)], inner,
+                        [rng.randint(1, 16) * kib for _ in range(n)],
+                        [rng.random() < 0.5 for _ in range(n)], [0.0] * n,
+                        tail=rng.randint(0, 8) * kib, step_time=3.0 * n)
+    return p, opplan.OpProfile(ops)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_op_planner_equals_brute_force(seed):
+    rng = random.Random(seed)
+    p, ops = _random_instance(rng, 4)
+    high = p.baseline_peak
+    with pytest.raises(planner.Infeasible) as err:
+        opplan.plan_budget(p, ops, 1)
+    low = err.value.min_peak
+    for frac in (0.2, 0.5, 0.8):
+        budget = int(low + frac * (high - low))
+        got = opplan.plan_budget(p, ops, budget)
+        best = opplan.brute_force(p, ops, budget)
+        assert got.peak <= budget
+        cost = opplan.op_cost(ops, got.groups, set(map(tuple, got.extra["keep"])))
+        assert cost == pytest.approx(opplan.op_cost(ops, best.groups, set(best.extra["keep"])),
+                                     rel=1e-9, abs=1e-12)
+        # block granularity on the same costs is never cheaper
+        block = opplan.plan_budget(p, ops, budget, ops=False)
+        assert opplan.op_cost(ops, block.groups, set()) >= cost - 1e-12
+
+
+def _resnet(size=32):
+    _, model, _ = api.build(["model=resnet18", f"dataset.image_size={size}"])
+    return model
+
+
+def test_plan_policy_refuses_another_op_sequence():
+    model = _resnet()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    method = CheckpointMethod(strategy="budget", budget_fraction=0.6, profile_repeats=1)
+    model = method.wrap(model)
+    method.prepare(model, x, y)
+    assert method.plan.groups and method.plan.extra["keep"]
+    # the profile names another op where the group's first convolution runs
+    first = method.ops.ops[method.plan.groups[0][0]]
+    first[0].name = "aten.mm.default"
+    other = CheckpointMethod(strategy="budget", profile_repeats=1)
+    model2 = other.wrap(_resnet())
+    other.plan, other.ops = method.plan, method.ops
+    other._apply(model2)
+    with pytest.raises(RuntimeError, match="does not fit this forward"):
+        F.cross_entropy(model2.train()(x), y)
+
+
+# (model, size, batch, budget fraction): every model family at tiny sizes
+PEAK_CASES = [("resnet50", 32, 4, 0.5), ("efficientnet_b0", 32, 2, 0.6), ("resmlp12", 16, 4, 0.5),
+              ("mlp6", 8, 8, 0.8)]
+
+
+def _tracked_act_peak(model, x, y) -> int:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with measure.PeakTracker(model, opt, x, y) as tracker:
+        F.cross_entropy(model(x), y).backward()
+    return tracker.act_peak_bytes
+
+
+@pytest.mark.parametrize("model,size,batch,frac", PEAK_CASES)
+def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
+    """Loss, gradients and BatchNorm statistics equal none's; the modelled activation peak
+    within 5% of the tracker's."""
+    _, base, _ = api.build([f"model={model}", f"dataset.image_size={size}"])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, size, size, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    ref = copy.deepcopy(base).train()
+    torch.manual_seed(1)
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    got = copy.deepcopy(base)
+    params, buffers = list(got.parameters()), list(got.buffers())
+    method = CheckpointMethod(strategy="budget", budget_fraction=frac, profile_repeats=1)
+    got = method.wrap(got).train()
+    method.prepare(got, x, y)
+    assert method.plan.groups
+    torch.manual_seed(1)
+    loss = F.cross_entropy(got(x), y)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
+        assert torch.equal(b, b_ref), name
+    measured = _tracked_act_peak(got, x, y)
+    assert method.plan.peak == pytest.approx(measured, rel=0.05)
+
+
+def test_dry_run_table_lists_ops_and_solve_time():
+    model = _resnet()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    method = CheckpointMethod(strategy="budget", budget_fraction=0.5, profile_repeats=1,
+                              dry_run=True)
+    out = method.prepare(method.wrap(model), x, y)
+    table = method.table()
+    assert out["dry_run"] and out["plan_kept_ops"] > 0 and out["plan_recomputed_ops"] > 0
+    assert "recompute" in table and "keep convolution" in table and "solve time" in table
+
+
+def test_a_sweep_profiles_once(tmp_path, monkeypatch):
+    """Jobs of one sweep folder share one profile: a block job measures the segments, the first
+    op job adds the ops, the next plans without profiling; one profile: a monotone frontier."""
+    from memtrain.methods import _ckpt_cache
+
+    args = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
+            "method=checkpoint", "method.dry_run=true"]
+    sweep = tmp_path / "sweep"
+    block = api.run([*args, "method.granularity=block", "method.budget_fraction=0.9"],
+                    out_dir=sweep / "0")
+
+    def no_profile(*a, **k):
+        raise AssertionError("profiled again")
+
+    monkeypatch.setattr(planner, "profile", no_profile)
+    first = api.run([*args, "method.budget_fraction=0.9"], out_dir=sweep / "1")
+    monkeypatch.setattr(opplan, "profile_model", no_profile)
+    second = api.run([*args, "method.budget_fraction=0.7"], out_dir=sweep / "2")
+    assert len(list((sweep / _ckpt_cache.FOLDER).glob("*.json"))) == 1
+    assert second["plan_baseline_peak_bytes"] == first["plan_baseline_peak_bytes"] \
+        == block["plan_baseline_peak_bytes"]
+    assert second["plan_peak_bytes"] <= first["plan_peak_bytes"]
+    assert second["plan_recompute_s"] >= first["plan_recompute_s"]
+
+
+@pytest.mark.parametrize("which", ["all", "none"])
+def test_any_keep_set_is_exact(which):
+    """Every keepable op kept (BatchNorm outputs that relu_ rectifies in place included: cached,
+    then recomputed through the idempotent relu_) or none kept: none's gradients exactly."""
+    base = _resnet()
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
+    ref = copy.deepcopy(base).train()
+    F.cross_entropy(ref(x), y).backward()
+    got = copy.deepcopy(base)
+    params, buffers = list(got.parameters()), list(got.buffers())
+    method = CheckpointMethod(strategy="budget", profile_repeats=1, dry_run=True)
+    got = method.wrap(got).train()
+    method.prepare(got, x, y)
+    keep = set(method.ops.keys()) if which == "all" else set()
+    assert which == "none" or any(method.ops.ops[i][j].relu_after for i, j in keep)
+    method.plan = opplan.op_plan(method.profile, method.ops, [(0, method.profile.n - 1)], keep)
+    method._apply(got)
+    saved = measure.SavedBytes(measure.alive_before_step(got, x, y))
+    with saved:  # the accounting step's count sees what the plan keeps
+        loss = F.cross_entropy(got(x), y)
+    kept = sum(method.ops.ops[i][j].nbytes for i, j in keep)
+    assert kept <= saved.bytes <= kept + 64 * 1024  # + the group's input and the head's
+    loss.backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
+        assert torch.equal(b, b_ref), name
