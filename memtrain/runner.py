@@ -284,8 +284,17 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     """The model for `data` with the method applied, and the method."""
     model = _target(cfg.model)(num_classes=data.num_classes, input_shape=data.input_shape,
                                **_kwargs(cfg.model))
-    method = _target(cfg.method)(**_kwargs(cfg.method))
+    method = build_method(cfg.method)
     return method.wrap(model), method
+
+
+def build_method(node: DictConfig) -> Method:
+    """The method a conf/method node describes; a stack's members (its keys whose node has a
+    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name."""
+    kwargs = {k: build_method(v) if isinstance(v, DictConfig) and "_target_" in v else
+              (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
+              for k, v in node.items() if k != "_target_"}
+    return _target(node)(**kwargs)
 
 
 # ---------------------------------------------------------------- one job
@@ -391,6 +400,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(measure.provenance(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     data, model, method = build(cfg, t)
+    if hasattr(method, "check_device"):  # optional: a method that needs a device kind (offload)
+        method.check_device(device)
     for split in ("train", "test"):  # an empty test split would end ok with no accuracy
         if len(getattr(data, split)) == 0:
             raise ConfigError(f"dataset {data.name or cfg.dataset._target_}: the {split} split "

@@ -24,6 +24,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
 from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods import _hooks
 from memtrain.methods._segments import Segment, apply_groups, discover
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,13 @@ class CheckpointMethod:
         pb = self.profile_batch
         if pb is not None and pb < x.shape[0]:
             scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
-        self.profile = prof = planner.profile(model, self.segments, x,
-                                              lambda out: F.cross_entropy(out.float(), y),
-                                              autocast, self.profile_repeats, scale)
+        loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
+        self.profile = prof = planner.profile(model, self.segments, x, loss, autocast,
+                                              self.profile_repeats, scale)
+        if _hooks.wrapped(model):  # stacked around hooks that are off when backward recomputes
+            with _hooks.suspended():
+                prof.recompute = planner.profile(model, self.segments, x, loss, autocast, 1,
+                                                 scale).inner
         n = prof.n
         if groups is not None:
             return planner.make_plan(prof, groups)
