@@ -52,8 +52,11 @@ class Method(Protocol):
       loggers) -> TrainResult`: replaces `train.train` (the same signature) for a method that
       changes the training procedure (synthetic); it calls `train` for each phase.
 
-    A stack of methods can satisfy the same protocol: wrap in order, every member's prepare, at
-    most one member's fit.
+    - optional `check_device(device)`: before probes and training; a one-line ConfigError for
+      a device the method cannot use (offload on the CPU).
+
+    A stack of methods (methods/stack.py) satisfies the same protocol: wrap innermost first,
+    every member's prepare, no member with fit; `build_method` builds its members.
     """
 
     name: str
