@@ -38,6 +38,12 @@ class ChainedHooks(torch.autograd.graph.saved_tensors_hooks):
     """Subclasses give `keep(t) -> (state, inner)` (inner: the tensor to hand on, t itself when
     nothing changes), `restore(state, inner) -> t` and optionally `again(state)`."""
 
+    # Inside a checkpointed segment (a stack's `Checkpoint.inside`): every save gets its own
+    # checkpoint holder (torch's checkpoint refuses a holder unpacked twice), and the segment's
+    # input, a leaf that requires grad when backward recomputes, counts as the activation it was
+    # in the forward (the two passes must save the same kinds of tensors)
+    inside_checkpoint = False
+
     def __init__(self):
         self._outer: tuple | None = None
         self._seen = WeakTensorKeyDictionary()
@@ -63,7 +69,7 @@ class ChainedHooks(torch.autograd.graph.saved_tensors_hooks):
         self._seen = WeakTensorKeyDictionary()  # the next forward's tensors are new
 
     def _pack(self, t: torch.Tensor):
-        hit = self._seen.get(t)
+        hit = None if self.inside_checkpoint else self._seen.get(t)
         if hit is not None and hit[0] == t._version:  # saved twice (a block input, a residual)
             self.again(hit[1][0])
             return hit[1]
@@ -96,6 +102,12 @@ def around_forward(model: nn.Module, make: Callable[[], ChainedHooks]) -> nn.Mod
     model.register_forward_hook(leave, always_call=True)
     _WRAPPED.add(model)
     return model
+
+
+def recomputed_input(t: torch.Tensor) -> bool:
+    """A checkpointed segment's input as backward's recomputation sees it (a detached leaf that
+    requires grad, not a parameter)."""
+    return t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter)
 
 
 def wrapped(model: nn.Module) -> bool:

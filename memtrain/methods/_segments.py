@@ -76,8 +76,10 @@ class CheckpointGroup:
     checkpointing: a `torch.utils.checkpoint` policy deciding per op what to save.
     """
 
-    def __init__(self, body: list[nn.Module], policy: Callable | None = None):
+    def __init__(self, body: list[nn.Module], policy: Callable | None = None,
+                 inside: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.modules = body
+        self._make_inside = inside  # fresh hooks for inside the checkpoint (a stack's quantize)
         self.forwards = [m.forward for m in body]  # the modules' own forwards
         self._policy = policy
         self._bns = batchnorms(body)
@@ -104,11 +106,17 @@ class CheckpointGroup:
     def _contexts(self):
         shield = shield_batchnorm(self._bns)
         if self._policy is None:
-            return contextlib.nullcontext(), shield
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+            fwd, recompute = contextlib.nullcontext(), shield
+        else:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        fwd, recompute = create_selective_checkpoint_contexts(self._policy)
-        return fwd, _both(shield, recompute)  # the shield's copies are no recomputed ops
+            fwd, recompute = create_selective_checkpoint_contexts(self._policy)
+            recompute = _both(shield, recompute)  # the shield's copies are no recomputed ops
+        if self._make_inside is None:
+            return fwd, recompute
+        # entered inside checkpoint's own hooks in both passes: what the segment's ops save is
+        # kept as the inner hooks keep it, in the forward (then dropped) and in the recompute
+        return _both(fwd, self._make_inside()), _both(recompute, self._make_inside())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
@@ -131,8 +139,11 @@ def _both(a, b):
 
 
 def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
-                 policy: Callable | None = None) -> list[CheckpointGroup]:
+                 policy: Callable | None = None,
+                 inside: Callable[[], contextlib.AbstractContextManager] | None = None
+                 ) -> list[CheckpointGroup]:
     """Checkpoint each group (first, last) of consecutive segment indices, in place; module
-    names, parameters and buffers are unchanged."""
-    return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy)
-            for first, last in groups]
+    names, parameters and buffers are unchanged. `inside`: hooks entered inside each checkpoint
+    (forward and recompute)."""
+    return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy,
+                            inside) for first, last in groups]

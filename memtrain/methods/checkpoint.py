@@ -13,8 +13,10 @@ Strategies (`method.strategy`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,6 +90,8 @@ class CheckpointMethod:
         self.segments: list[Segment] = []
         self.plan: planner.Plan | None = None
         self.profile: planner.Profile | None = None
+        # a stack's inner saved-tensor hooks, entered inside every checkpoint too (stack.py)
+        self.inside: Callable[[], contextlib.AbstractContextManager] | None = None
 
     # ------------------------------------------------------------ wrap / prepare
 
@@ -102,7 +106,7 @@ class CheckpointMethod:
                 if isinstance(getattr(m, "inplace", None), bool):
                     m.inplace = False
             apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
-                         policy=_save_matmul_conv)
+                         policy=_save_matmul_conv, inside=self.inside)
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
@@ -127,7 +131,7 @@ class CheckpointMethod:
         log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
         if self.dry_run:
             return {**self.summary_columns(), "dry_run": True, "steps": 0}
-        apply_groups(model, self.segments, plan.groups)
+        apply_groups(model, self.segments, plan.groups, inside=self.inside)
         return self.summary_columns()
 
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
@@ -141,7 +145,8 @@ class CheckpointMethod:
         loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
         self.profile = prof = planner.profile(model, self.segments, x, loss, autocast,
                                               self.profile_repeats, scale)
-        if _hooks.wrapped(model):  # stacked around hooks that are off when backward recomputes
+        if _hooks.wrapped(model) and self.inside is None:
+            # stacked around hooks that are off when backward recomputes (offload's)
             with _hooks.suspended():
                 prof.recompute = planner.profile(model, self.segments, x, loss, autocast, 1,
                                                  scale).inner
@@ -162,7 +167,7 @@ class CheckpointMethod:
         objective could use times, which it does not when FLOPs were counted)."""
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
-            apply_groups(model, self.segments, self.plan.groups)
+            apply_groups(model, self.segments, self.plan.groups, inside=self.inside)
         return [ProbeStep(model, x, y)]
 
     def _budget(self, prof: planner.Profile) -> int:

@@ -29,6 +29,7 @@ Two ways to use the quantizer, so other methods can compose it (offload, stacks)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
-from memtrain.methods._hooks import ChainedHooks, around_forward
+from memtrain.methods._hooks import ChainedHooks, around_forward, recomputed_input
 from memtrain.methods._swap import swap_modules
 from memtrain.methods.pool import CompactMaxPool2d, MaskedReLU, _recast
 
@@ -57,7 +58,7 @@ _PASS_THROUGH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackwa
 class Packed:
     """A quantized tensor: `buf` (uint8, kernels/quant.py's layout) plus how to rebuild x."""
 
-    buf: torch.Tensor
+    buf: torch.Tensor | None  # None in a hook's state: the bytes travel as the hook's inner tensor
     shape: torch.Size
     perm: tuple[int, ...]  # x.permute(perm) is contiguous: the memory order the groups follow
     dtype: torch.dtype
@@ -121,9 +122,13 @@ class ActivationQuantizer(ChainedHooks):
         super().__init__()
 
     def keep(self, t: torch.Tensor) -> tuple[Packed | None, torch.Tensor]:
-        packed = pack_tensor(t, self.bits, self.group_size, self.stochastic) \
-            if is_activation(t) else None
-        return packed, t if packed is None else packed.buf
+        act = is_activation(t) or (self.inside_checkpoint and recomputed_input(t))
+        packed = pack_tensor(t, self.bits, self.group_size, self.stochastic) if act else None
+        if packed is None:
+            return None, t
+        # the handle keeps the bytes through the outer hooks (an offloader moves them; a
+        # checkpoint drops them and recomputes): the state keeps only how to rebuild x
+        return dataclasses.replace(packed, buf=None), packed.buf
 
     def restore(self, packed: Packed | None, inner: torch.Tensor) -> torch.Tensor:
         return inner if packed is None else unpack_tensor(packed, inner)

@@ -23,12 +23,17 @@ outermost first (methods/_hooks.py), so an inner method hands what it keeps to t
 (it recomputes whatever the methods inside its segments would save; its planner profiles the
 model with them applied, so its budget is a fraction of *their* activation peak), then offload
 (it moves whatever the inner methods keep), then the methods that change what layers save
-(pool, prune, quantize; among them wrap order only). Every impossible combination is refused
-here, in one line, before anything is built.
+(pool, prune, quantize; among them wrap order only). Checkpoint enters the innermost hook
+members (quantize) inside each checkpoint too, so a recomputation keeps what they keep
+(`CheckpointMethod.inside`). Every impossible combination is refused here, in one line, before
+anything is built.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,6 +57,13 @@ class Stack:
         _check(members, self.name)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        # checkpoint enters the hook members that change what is kept (quantize) inside each
+        # checkpoint too: its recomputation keeps what they keep, not full precision
+        hooks = [m.hooks for m in self.members if RANK.get(m.name, INNER) == INNER
+                 and hasattr(m, "hooks")]
+        for m in self.members:
+            if m.name == "checkpoint" and hooks:
+                m.inside = functools.partial(_inside, hooks)
         for m in reversed(self.members):  # innermost first: the outer wraps what it made
             model = m.wrap(model)
         return model
@@ -79,6 +91,17 @@ class Stack:
             if hasattr(m, "probe_steps"):
                 return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes)
         return [ProbeStep(model, x, y)]
+
+
+@contextlib.contextmanager
+def _inside(factories: list) -> Iterator[None]:
+    """Fresh hooks of the members, entered outermost first, marked as inside a checkpoint."""
+    with contextlib.ExitStack() as stack:
+        for make in factories:
+            hooks = make()
+            hooks.inside_checkpoint = True
+            stack.enter_context(hooks)
+        yield
 
 
 def _check(members: dict[str, Any], name: str) -> None:
