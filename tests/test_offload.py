@@ -136,7 +136,7 @@ def test_every_model_trains_the_same_with_offload(model):
     data = runner._target(cfg.dataset)(**runner._kwargs(cfg.dataset))
     x, y = next(iter(data.train.batches(2, torch.device("cpu"))))
     grads = []
-    for hooks in (None, OffloadMethod(min_bytes=0).hooks()):
+    for hooks in (None, Offloader(HostMover("cpu"), min_bytes=0)):
         torch.manual_seed(0)
         net = runner.make_model(cfg, data)[0].train()
         with hooks or contextlib.nullcontext():
@@ -144,3 +144,10 @@ def test_every_model_trains_the_same_with_offload(model):
         nn.functional.cross_entropy(out, y).backward()
         grads.append([p.grad for p in net.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"min_bytes": -1}, "method.min_bytes"),
+                                          ({"prefetch": "yes"}, "true or false")])
+def test_bad_options_are_one_line(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        OffloadMethod(**kwargs)

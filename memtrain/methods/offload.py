@@ -197,9 +197,13 @@ class OffloadMethod:
         self.mover = CudaMover(device, self.pin_memory)
 
     def hooks(self) -> Offloader:
-        """A fresh offloader (for stacks and custom loops); `mover` picks the device (a
-        `HostMover` on the CPU offloads CPU tensors, for tests)."""
-        mover = self.mover or HostMover("cpu", pin_memory=False)
+        """A fresh offloader (for stacks and custom loops). Its mover: the run's (`check_device`),
+        else the current GPU's when there is one (the probes' fresh models), else a `HostMover`
+        that offloads CPU tensors (the tests' stand-in)."""
+        mover = self.mover
+        if mover is None:
+            mover = CudaMover(torch.device("cuda", torch.cuda.current_device()), self.pin_memory) \
+                if torch.cuda.is_available() else HostMover("cpu", pin_memory=False)
         return Offloader(mover, self.min_bytes, self.prefetch)
 
     def wrap(self, model: nn.Module) -> nn.Module:
