@@ -11,7 +11,11 @@ from conf/method by Hydra's defaults list (`/method@<name>: <name>`), listed out
     _target_: memtrain.methods.stack.Stack
 
     memtrain method=checkpoint+quantize method.checkpoint.budget_fraction=0.5 method.quantize.bits=4
-    memtrain -m method=checkpoint+quantize,checkpoint+pool method.checkpoint.budget_fraction=0.3,0.5
+    memtrain -m method=checkpoint+quantize method.checkpoint.budget_fraction=0.3,0.5
+    memtrain -m --config-dir mine method=checkpoint+quantize,checkpoint+pool   # a user's stack
+
+(A member option beside a sweep over methods is refused by Hydra, which composes a multirun's
+first config with the default method: set it in the stack files, or use hydra/sweeper=variants.)
 
 The runner builds every member (a node with a `_target_`) and passes them by name; the row's
 `method` is the option's name and the members' options are `method.<member>.<key>` columns.
