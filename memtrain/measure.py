@@ -56,10 +56,12 @@ class SavedBytes:
     autograd-saved path) to be seen here: that is the contract every method follows.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None):
         self._exclude = {storage_key(t) for t in exclude}
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx = None
+        # a GPU run: saved storages in host memory (an offloader's) are counted apart
+        self._host = device is not None and device.type != "cpu"
 
     def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
         """Called once per packed tensor that counts; subclasses attribute it further."""
@@ -74,7 +76,13 @@ class SavedBytes:
 
     @property
     def bytes(self) -> int:
-        return sum(self._seen.values())
+        """Saved bytes on the run's device (every device, when none was given)."""
+        return sum(v for k, v in self._seen.items() if not (self._host and k[0] == "cpu"))
+
+    @property
+    def host_bytes(self) -> int:
+        """Saved bytes in host memory on a GPU run (offload's); 0 otherwise."""
+        return sum(v for k, v in self._seen.items() if self._host and k[0] == "cpu")
 
     @property
     def count(self) -> int:
@@ -102,8 +110,11 @@ class PeakTracker:
     act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
 
-    def __init__(self, *external):
+    def __init__(self, *external, device: torch.device | None = None):
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+        # the run's device only (host copies of an offloaded GPU run are not GPU memory)
+        self._device = device
 
         self._types = _MemRefType
         self._mt = MemTracker()
@@ -116,11 +127,15 @@ class PeakTracker:
         # alone needs a look at every update, so wrap its update hook.
         def update(state):
             orig(state)
-            for snap in self._mt._curr_mem_snap.values():
-                if snap.get(_MemRefType.ACT, 0) > self.act_peak_bytes:  # keep that moment too
+            for dev, snap in self._mt._curr_mem_snap.items():
+                # keep that moment too
+                if self._counts(dev) and snap.get(_MemRefType.ACT, 0) > self.act_peak_bytes:
                     self.act_peak_bytes, self._act_snap = snap[_MemRefType.ACT], dict(snap)
 
         self._mt._update_peak_stats = update
+
+    def _counts(self, dev: torch.device) -> bool:
+        return self._device is None or torch.device(dev).type == self._device.type
 
     def __enter__(self) -> PeakTracker:
         self._mt.__enter__()
@@ -130,7 +145,9 @@ class PeakTracker:
         self._mt.__exit__(*exc)
         T = self._types
         snap = {}
-        for dev_snap in self._mt.get_tracker_snapshot("peak").values():
+        for dev, dev_snap in self._mt.get_tracker_snapshot("peak").items():
+            if not self._counts(dev):
+                continue
             for k, v in dev_snap.items():
                 snap[k] = snap.get(k, 0) + v
         self.peak_bytes = snap.get("Total", 0)
@@ -243,8 +260,9 @@ class Measurement:
         """Around one whole training step: times it, or accounts it (tracker and saved bytes)."""
         accounting = self.account and step == self.warmup
         timed = step >= self.warmup and not accounting
-        self._saved = SavedBytes(alive_before_step(model, x, y)) if accounting else None
-        tracker = PeakTracker(model, optimizer, x, y) if accounting else None
+        self._saved = SavedBytes(alive_before_step(model, x, y), self.device) \
+            if accounting else None
+        tracker = PeakTracker(model, optimizer, x, y, device=self.device) if accounting else None
         if timed:
             self.timer.start()
         with maybe(tracker, accounting):
@@ -331,6 +349,8 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
         "mem_at_peak_act_bytes": at["act"],
         "mem_at_peak_other_bytes": at["buffers"] + at["other"],
         **{f"mem_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()},
+        # offload on a GPU: what the step saved in host memory (in neither column above)
+        **({"mem_act_saved_host_bytes": saved.host_bytes} if saved.host_bytes else {}),
     }
 
 

@@ -53,8 +53,11 @@ class Method(Protocol):
       loggers) -> TrainResult`: replaces `train.train` (the same signature) for a method that
       changes the training procedure (synthetic); it calls `train` for each phase.
 
-    A stack of methods can satisfy the same protocol: wrap in order, every member's prepare, at
-    most one member's fit.
+    - optional `check_device(device)`: before probes and training; a one-line ConfigError for
+      a device the method cannot use (offload on the CPU).
+
+    A stack of methods (methods/stack.py) satisfies the same protocol: wrap innermost first,
+    every member's prepare, no member with fit; `build_method` builds its members.
     """
 
     name: str
@@ -292,8 +295,17 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     """The model for `data` with the method applied, and the method."""
     model = _target(cfg.model)(num_classes=data.num_classes, input_shape=data.input_shape,
                                **_kwargs(cfg.model))
-    method = _target(cfg.method)(**_kwargs(cfg.method))
+    method = build_method(cfg.method)
     return method.wrap(model), method
+
+
+def build_method(node: DictConfig) -> Method:
+    """The method a conf/method node describes; a stack's members (its keys whose node has a
+    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name."""
+    kwargs = {k: build_method(v) if isinstance(v, DictConfig) and "_target_" in v else
+              (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
+              for k, v in node.items() if k != "_target_"}
+    return _target(node)(**kwargs)
 
 
 # ---------------------------------------------------------------- one job
@@ -399,6 +411,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(measure.provenance(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     data, model, method = build(cfg, t)
+    if hasattr(method, "check_device"):  # optional: a method that needs a device kind (offload)
+        method.check_device(device)
     for split in ("train", "test"):  # an empty test split would end ok with no accuracy
         if len(getattr(data, split)) == 0:
             raise ConfigError(f"dataset {data.name or cfg.dataset._target_}: the {split} split "

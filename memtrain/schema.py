@@ -277,12 +277,21 @@ def check_config(cfg: DictConfig, groups: tuple[str, ...], resolve: bool = True)
         except Exception as e:  # an interpolation that cannot be resolved, e.g. an unset env var
             msg = str(e).splitlines()[0]
             raise ConfigError(f"{group}: cannot resolve a value: {msg}") from None
-        accepted = accepted_keys(group, values.get("_target_"))
-        for key, value in values.items():
-            if key == "_target_":
-                continue
-            if accepted is not None and key not in accepted:
-                raise ConfigError(unknown_key(group, key, accepted))
-            msg = problem(f"{group}.{key}", expected_type(group, key, values, value), value)
-            if msg:
-                raise ConfigError(msg)
+        _check_node(group, group, values)
+
+
+def _check_node(name: str, group: str, values: dict) -> None:
+    """One node's keys and values (`name`: its path, `method.quantize` for a stack's member,
+    whose own `_target_` types its keys)."""
+    accepted = accepted_keys(group, values.get("_target_"))
+    for key, value in values.items():
+        if key == "_target_":
+            continue
+        if accepted is not None and key not in accepted:
+            raise ConfigError(unknown_key(name, key, accepted))
+        if isinstance(value, dict) and "_target_" in value:  # a stack's member
+            _check_node(f"{name}.{key}", group, value)
+            continue
+        msg = problem(f"{name}.{key}", expected_type(group, key, values, value), value)
+        if msg:
+            raise ConfigError(msg)

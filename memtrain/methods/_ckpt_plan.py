@@ -53,6 +53,9 @@ class Profile:
     # forward multiply-adds x 2 of the segment's convolutions and linear layers: the planner's
     # cost (deterministic, unlike a clock on a shared machine); empty: the measured times
     flops: list[int] = field(default_factory=list)
+    # inner bytes as a recomputation in backward keeps them, where they differ (in a stack the
+    # inner methods' saved-tensor hooks are off by then: quantize's are full precision again)
+    recompute: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -101,7 +104,8 @@ def _live(p: Profile, groups: list[Group]) -> tuple[list[bool], list[bool]]:
 
 
 def _recompute_bytes(p: Profile, a: int, e: int) -> int:
-    return sum(p.inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
+    inner = p.recompute or p.inner
+    return sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
 
 
 def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None) -> int:

@@ -77,9 +77,11 @@ class CheckpointGroup:
     """
 
     def __init__(self, body: list[nn.Module], policy: Callable | None = None,
-                 make_contexts: Callable | None = None):
+                 make_contexts: Callable | None = None,
+                 inside: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.modules = body
         self._make_contexts = make_contexts  # () -> (forward, recompute) contexts: op plans
+        self._make_inside = inside  # fresh hooks for inside the checkpoint (a stack's quantize)
         self.forwards = [m.forward for m in body]  # the modules' own forwards
         self._policy = policy
         self._bns = batchnorms(body)
@@ -105,15 +107,21 @@ class CheckpointGroup:
 
     def _contexts(self):
         shield = shield_batchnorm(self._bns)
-        if self._make_contexts is not None:
+        if self._make_contexts is not None:  # an op-level plan's policy
             fwd, recompute = self._make_contexts()
-            return fwd, _both(shield, recompute)
-        if self._policy is None:
-            return contextlib.nullcontext(), shield
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+            recompute = _both(shield, recompute)
+        elif self._policy is None:
+            fwd, recompute = contextlib.nullcontext(), shield
+        else:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        fwd, recompute = create_selective_checkpoint_contexts(self._policy)
-        return fwd, _both(shield, recompute)  # the shield's copies are no recomputed ops
+            fwd, recompute = create_selective_checkpoint_contexts(self._policy)
+            recompute = _both(shield, recompute)  # the shield's copies are no recomputed ops
+        if self._make_inside is None:
+            return fwd, recompute
+        # entered inside checkpoint's own hooks in both passes: what the segment's ops save is
+        # kept as the inner hooks keep it, in the forward (then dropped) and in the recompute
+        return _both(fwd, self._make_inside()), _both(recompute, self._make_inside())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
@@ -137,11 +145,14 @@ def _both(a, b):
 
 def apply_groups(model: nn.Module, segments: list[Segment], groups: list[tuple[int, int]],
                  policy: Callable | None = None,
-                 contexts: list[Callable] | None = None) -> list[CheckpointGroup]:
+                 contexts: list[Callable] | None = None,
+                 inside: Callable[[], contextlib.AbstractContextManager] | None = None
+                 ) -> list[CheckpointGroup]:
     """Checkpoint each group (first, last) of consecutive segment indices, in place; module
     names, parameters and buffers are unchanged. `contexts[g]`: group g's selective-checkpoint
-    context factory (an op-level plan's `PlanPolicy.make`)."""
+    context factory (an op-level plan's `PlanPolicy.make`); `inside`: hooks entered inside each
+    checkpoint (forward and recompute)."""
     contexts = contexts or [None] * len(groups)
     return [CheckpointGroup([m for s in segments[first:last + 1] for m in s.modules()], policy,
-                            make)
+                            make, inside)
             for (first, last), make in zip(groups, contexts, strict=True)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from memtrain.estimate import ProbeStep
 from memtrain.methods import _ckpt_cache as cache
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods import _hooks
 from memtrain.methods._segments import Segment, apply_groups, discover
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ class CheckpointMethod:
         self.plan: planner.Plan | None = None
         self.profile: planner.Profile | None = None
         self.ops: opplan.OpProfile | None = None
+        # a stack's inner saved-tensor hooks, entered inside every checkpoint too (stack.py)
+        self.inside: Callable[[], contextlib.AbstractContextManager] | None = None
 
     # ------------------------------------------------------------ wrap / prepare
 
@@ -114,7 +118,7 @@ class CheckpointMethod:
                 if isinstance(getattr(m, "inplace", None), bool):
                     m.inplace = False
             apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
-                         policy=_save_matmul_conv)
+                         policy=_save_matmul_conv, inside=self.inside)
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
@@ -154,7 +158,8 @@ class CheckpointMethod:
             names = [s.name for s in self.segments]
             contexts = [p.make for p in opplan.policies(self.ops, names, self.plan.groups,
                                                         set(self.plan.extra["keep"]))]
-        apply_groups(model, self.segments, self.plan.groups, contexts=contexts)
+        apply_groups(model, self.segments, self.plan.groups, contexts=contexts,
+                     inside=self.inside)
 
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
                 groups: list[tuple[int, int]] | None = None,
@@ -183,14 +188,20 @@ class CheckpointMethod:
         measured on `x` (and then cached). Op and block jobs of a sweep share the segment
         profile; the first op job adds the op profile to it."""
         k, got = None, None
-        if cache_dir is not None:
+        stacked = _hooks.wrapped(model) or self.inside is not None
+        if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats)
             got = cache.load(cache_dir, k)
         if got is None:
-            self.profile, ops = planner.profile(
-                model, self.segments, x, lambda out: F.cross_entropy(out.float(), y), autocast,
-                self.profile_repeats, scale), None
+            loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
+            self.profile, ops = planner.profile(model, self.segments, x, loss, autocast,
+                                                self.profile_repeats, scale), None
+            if _hooks.wrapped(model) and self.inside is None:
+                # stacked around hooks that are off when backward recomputes (offload's)
+                with _hooks.suspended():
+                    self.profile.recompute = planner.profile(model, self.segments, x, loss,
+                                                             autocast, 1, scale).inner
         else:
             self.profile, ops = got
         if self.by_op and ops is None:

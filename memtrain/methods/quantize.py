@@ -29,14 +29,15 @@ Two ways to use the quantizer, so other methods can compose it (offload, stacks)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
+from memtrain.methods._hooks import ChainedHooks, around_forward, recomputed_input
 from memtrain.methods._swap import swap_modules
 from memtrain.methods.pool import CompactMaxPool2d, MaskedReLU, _recast
 
@@ -57,7 +58,7 @@ _PASS_THROUGH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackwa
 class Packed:
     """A quantized tensor: `buf` (uint8, kernels/quant.py's layout) plus how to rebuild x."""
 
-    buf: torch.Tensor
+    buf: torch.Tensor | None  # None in a hook's state: the bytes travel as the hook's inner tensor
     shape: torch.Size
     perm: tuple[int, ...]  # x.permute(perm) is contiguous: the memory order the groups follow
     dtype: torch.dtype
@@ -111,42 +112,26 @@ def is_activation(t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------- saved-tensor hooks
 
 
-class ActivationQuantizer(torch.autograd.graph.saved_tensors_hooks):
+class ActivationQuantizer(ChainedHooks):
     """Saved-tensor hooks that quantize every activation saved inside the `with` (see the module
     docstring), each storage once per entry, and hand the packed buffer to the hooks that were
-    active on entry (or keep it, when there were none)."""
+    active on entry (or keep it, when there were none): methods/_hooks.py."""
 
     def __init__(self, bits: int, group_size: int, stochastic: bool = True):
         self.bits, self.group_size, self.stochastic = bits, group_size, stochastic
-        self._outer: tuple | None = None
-        self._seen = WeakTensorKeyDictionary()
-        super().__init__(self._pack, self._unpack)
+        super().__init__()
 
-    def __enter__(self):
-        # the hooks on top now: ours replace them inside the `with`, so we call them ourselves
-        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self._seen = WeakTensorKeyDictionary()
-        return super().__enter__()
+    def keep(self, t: torch.Tensor) -> tuple[Packed | None, torch.Tensor]:
+        act = is_activation(t) or (self.inside_checkpoint and recomputed_input(t))
+        packed = pack_tensor(t, self.bits, self.group_size, self.stochastic) if act else None
+        if packed is None:
+            return None, t
+        # the handle keeps the bytes through the outer hooks (an offloader moves them; a
+        # checkpoint drops them and recomputes): the state keeps only how to rebuild x
+        return dataclasses.replace(packed, buf=None), packed.buf
 
-    def __exit__(self, *exc):
-        super().__exit__(*exc)
-        self._seen = WeakTensorKeyDictionary()  # the next forward's tensors are new
-
-    def _pack(self, t: torch.Tensor):
-        hit = self._seen.get(t)
-        if hit is not None and hit[0] == t._version:  # saved twice (a block input, a residual)
-            return hit[1]
-        packed = pack_tensor(t, self.bits, self.group_size, self.stochastic) \
-            if is_activation(t) else None
-        inner = t if packed is None else packed.buf
-        handle = (packed, self._outer[0](inner) if self._outer else inner)
-        self._seen[t] = (t._version, handle)
-        return handle
-
-    def _unpack(self, handle) -> torch.Tensor:
-        packed, inner = handle
-        t = self._outer[1](inner) if self._outer else inner
-        return t if packed is None else unpack_tensor(packed, t)
+    def restore(self, packed: Packed | None, inner: torch.Tensor) -> torch.Tensor:
+        return inner if packed is None else unpack_tensor(packed, inner)
 
 
 # ---------------------------------------------------------------- the method
@@ -180,17 +165,4 @@ class QuantizeMethod:
                          lambda _, m: MaskedReLU(m.inplace, "bits"))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
                      lambda _, m: _recast(m, CompactMaxPool2d))
-        active: list[ActivationQuantizer] = []
-
-        def enter(module, args):
-            if module.training and torch.is_grad_enabled():
-                active.append(self.hooks())
-                active[-1].__enter__()
-
-        def leave(module, args, out):  # always_call: the hooks come off even when forward fails
-            if active:
-                active.pop().__exit__(None, None, None)
-
-        model.register_forward_pre_hook(enter)
-        model.register_forward_hook(leave, always_call=True)
-        return model
+        return around_forward(model, self.hooks)

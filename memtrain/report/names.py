@@ -1,5 +1,6 @@
 """Display names of the report: short setting labels (`checkpoint b=0.65`, `pool k=2 conv+bn`,
-`pool compaction only`) and panel titles (`ResNet-18 / CIFAR-10`).
+`pool compaction only`; a stack's member options by their own short names,
+`checkpoint+quantize b=0.5 bits=4`) and panel titles (`ResNet-18 / CIFAR-10`).
 
 Defaults read well for the built-in methods, models and datasets; a user changes any of them with
 a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra callback's
@@ -35,6 +36,7 @@ PARAMS = {
     "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
     "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
     "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
+    "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",
 }
 # A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
 # activation_memory_budget under strategy=compile, not the planner's budget.
@@ -107,11 +109,18 @@ class Names:
         skip = set(skip) | covered
         context = {key: name for (col, value, key), name in CONTEXT_PARAMS.items()
                    if fmt_value(row.get(f"method.{col}")) == value}
-        for k, v in row.items():
-            if isinstance(k, str) and k.startswith("method.") and k not in skip and not isna(v):
-                key = k.removeprefix("method.")
-                parts.append(f"{context[key]}={fmt_value(v)}" if key in context
-                             else self.param(key, v))
+        shown = [(k.removeprefix("method."), v) for k, v in row.items() if isinstance(k, str)
+                 and k.startswith("method.") and k not in skip and not isna(v)]
+        # a stack's member options (method.quantize.bits) by their own short names; prefixed
+        # with the member only where two members vary an option of the same name
+        leaf = [key.rpartition(".")[2] for key, _ in shown]
+        for (key, v), name in zip(shown, leaf):
+            if key in context:
+                parts.append(f"{context[key]}={fmt_value(v)}")
+            elif "." in key and leaf.count(name) > 1:
+                parts.append(f"{key.rpartition('.')[0]}.{self.param(name, v)}")
+            else:
+                parts.append(self.param(name, v))
         return " ".join(parts)
 
     def relabel(self, label: str) -> str:
