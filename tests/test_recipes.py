@@ -25,16 +25,9 @@ SHORT = ["dataset.train_size=2048", "dataset.test_size=1000", "trainer.warmup_st
 CHANCE = 1 / 10  # the synthetic dataset's ten classes; 1000 test samples: std 0.0095 at chance
 
 
-# Known gap (#14): resnet50's default recipe stayed below 1.5x chance after 64 steps at 16 px for
-# seeds 0 and 1 (0.124, 0.140; CPU, 2026-11-23): its recipe is still open.
-OPEN = {"resnet50": "resnet50's default recipe: 0.124 / 0.140 after 64 steps (seeds 0, 1); open"}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(reason=OPEN[m],
-                                                                           strict=False))
-                                   if m in OPEN else m for m in conf_options("model")])
+@pytest.mark.parametrize("model", conf_options("model"))
 def test_default_recipe_trains(tmp_path, model, seed):
     schedule = SCHEDULE.get(model, ["trainer.max_steps=64", "trainer.batch_size=32"])
     row = api.run([f"model={model}", f"dataset.image_size={IMAGE_SIZE.get(model, 16)}",

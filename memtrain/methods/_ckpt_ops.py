@@ -137,15 +137,19 @@ class OpTimer(TorchDispatchMode):
                     op.keepable = False
 
 
-def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float) -> OpProfile:
+def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
+                autocast=contextlib.nullcontext) -> OpProfile:
     """`repeats` forwards under OpTimer (the first warms up); `rec_factory()` is a fresh
-    profiling recorder (`_ckpt_plan._Recorder`) telling the current segment and the outputs."""
+    profiling recorder (`_ckpt_plan._Recorder`) telling the current segment and the outputs.
+    Each forward enters `autocast` anew, as a training step does: autocast caches its weight
+    casts until the context ends, so one context around every forward would cast in the first
+    only, and the op sequence (which the plan's policy checks) would differ between them."""
     runs = []
     for _ in range(repeats):
         rec = rec_factory()
         timer = OpTimer(len(rec.outputs), lambda r=rec: r.current, x.device)
         try:
-            with rec, timer:
+            with autocast(), rec, timer:
                 out = model(x)
         finally:
             rec.close()
@@ -379,10 +383,10 @@ def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int 
     autocast = autocast or contextlib.nullcontext
     buffers = {id(b): b.detach().clone() for b in model.buffers()}
     devices = [x.device] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), autocast():
+    with torch.random.fork_rng(devices=devices):
         prof = profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,
                                                                count_flops=False),
-                           repeats, scale)
+                           repeats, scale, autocast)
     with torch.no_grad():
         for b in model.buffers():
             b.copy_(buffers[id(b)])

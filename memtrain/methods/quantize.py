@@ -143,7 +143,7 @@ class QuantizeMethod:
 
     name = "quantize"
 
-    def __init__(self, bits: int = 2, group_size: int = 256, rounding: str = "stochastic",
+    def __init__(self, bits: int = 4, group_size: int = 256, rounding: str = "stochastic",
                  relu_mask: str = "bits"):
         check_choice("method.bits", bits, quant.BITS)
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 \
