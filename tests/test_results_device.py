@@ -104,7 +104,7 @@ def test_gpu_call_installs_the_carried_wheels_then_runs_its_parts(tmp_path):
     assert "--no-deps" in editable and editable.endswith("-e .")
     log = (tmp_path / "out" / "study2.log").read_text()
     assert "gpu-results: torch" in log  # the imports were checked before the study
-    assert "## checkpoint" in log and "## tradeoff" in log and "## pool" not in log
+    assert "## checkpoint" in log and "## tradeoff" not in log and "## pool" not in log
     assert "trainer.device=cuda" in log
 
 
