@@ -118,8 +118,9 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
     `mem_estimate_act_bytes` the peak of activation memory (`mem_peak_act_bytes`, recomputation
     included), `mem_estimate_saved_bytes` the bytes saved for backward (`mem_act_saved_bytes`),
     and the breakdown at the peak. A method with several phases (synthetic) is estimated per
-    phase and the row gets the phase with the largest peak, as its run's row does
-    (`mem_estimate_phase`).
+    phase and the row gets the phase with the largest peak (`mem_estimate_phase`), its activation
+    figures the phase with the largest activation peak (`mem_estimate_act_phase`), as its run's
+    row does.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -128,8 +129,13 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
         steps = probe_steps(make, batch_size, input_shape, num_classes, dev, precision)
         peaks = [(s.name, _step_peak(s, make_optimizer, precision)) for s in steps]
     name, out = max(peaks, key=lambda p: p[1]["mem_estimate_bytes"])
-    return {**out, "mem_estimate_device": dev.type, **({"mem_estimate_phase": name} if name
-                                                        else {})}
+    out = {**out, "mem_estimate_device": dev.type}
+    if name:  # the activation figures from the phase with the largest activation peak
+        act_name, act = max(peaks, key=lambda p: p[1]["mem_estimate_act_bytes"])
+        out.update({k: act[k] for k in ("mem_estimate_act_bytes", "mem_estimate_saved_bytes")
+                    if k in act})
+        out.update(mem_estimate_phase=name, mem_estimate_act_phase=act_name)
+    return out
 
 
 def estimate_device(device: torch.device) -> str:

@@ -53,6 +53,7 @@ def test_estimate_is_within_10_percent_of_the_tracked_peak(tmp_path, model, meth
     assert "mem_estimate_error" not in row, row["mem_estimate_error"]
     if method == "synthetic":  # the row is the largest phase's, and so is the estimate
         assert row["mem_estimate_phase"] == row["synthetic_largest_phase"]
+        assert row["mem_estimate_act_phase"] == row["synthetic_largest_act_phase"]
     for est, real in PAIRS.items():
         ratio = row[est] / row[real]
         RATIOS[f"{model} {method} {' '.join(extra)} {real}"] = ratio

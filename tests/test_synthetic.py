@@ -218,6 +218,12 @@ def test_each_partition_is_smaller_than_the_whole_model(in_tmp, one_thread, mode
     assert syn["mem_peak_alloc_bytes"] == max(syn[f"part{j}.mem_peak_alloc_bytes"]
                                               for j in range(k))
     assert syn["mem_params_bytes"] == syn[f"{largest}.mem_params_bytes"]
+    # ... and the activation columns the largest activation peak, whichever phase has it
+    # (mlp6: part0 has the largest total, part1 the largest activation peak)
+    assert syn["mem_peak_act_bytes"] == max(syn[f"part{j}.mem_peak_act_bytes"]
+                                            for j in range(k))
+    act = syn["synthetic_largest_act_phase"]
+    assert syn["mem_act_saved_bytes"] == syn[f"{act}.mem_act_saved_bytes"]
 
 
 def test_resnet18_two_partitions_split_activation_memory(in_tmp, one_thread):

@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 RIGHT_INPUTS = ("left", "synthetic")
 # Per-phase columns copied to the top level from the largest phase (see `_merge`).
 TOP_FROM_LARGEST = ("step_time_s_median", "step_time_s_p90", "throughput_samples_s")
+# ... except the activation columns, from the phase with the largest activation peak: on mlp6
+# the largest total peak is part0's (most of the parameters), the largest activation peak
+# part1's, and a row's mem_peak_act_bytes must be the run's largest
+ACT_COLUMNS = ("mem_peak_act_bytes", "mem_act_saved_bytes")
+ACT_PREFIX = "mem_at_act_peak_"  # the breakdown at the activation peak
 
 
 class Synthetic:
@@ -266,7 +271,9 @@ class Synthetic:
 
     def _merge(self, done, model: Partitioned) -> tuple[dict[str, Any], list[dict]]:
         """Per-phase columns `part0.mem_act_saved_bytes`, ...; the usual mem_* columns (and step
-        time) from the phase with the largest peak; losses and steps over all phases."""
+        time) from the phase with the largest peak, the activation ones (`ACT_COLUMNS`, the
+        breakdown at the activation peak) from the phase with the largest activation peak;
+        losses and steps over all phases."""
         summary: dict[str, Any] = {}
         metrics: list[dict] = []
         bounds = model.unit_bounds
@@ -285,6 +292,10 @@ class Synthetic:
         largest_name, largest = max(done, key=lambda d: d[1].summary.get(key, 0))
         summary.update({k: v for k, v in largest.summary.items()
                         if k.startswith("mem_") or k in TOP_FROM_LARGEST})
+        act_name, act = max(done, key=lambda d: d[1].summary.get("mem_peak_act_bytes", 0))
+        summary.update({k: v for k, v in act.summary.items()
+                        if k in ACT_COLUMNS or k.startswith(ACT_PREFIX)})
+        summary["synthetic_largest_act_phase"] = act_name
         summary["mem_peak_rss_bytes"] = max(r.summary.get("mem_peak_rss_bytes", 0)
                                             for _, r in done)
         summary["synthetic_largest_phase"] = largest_name
