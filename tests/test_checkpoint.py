@@ -277,7 +277,10 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
                      "trainer.resume=true"], out_dir=tmp_path / "p")
     assert again["status"] == "ok" and again["resumed_at_step"] > 0
     assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
-    assert again["plan_kept_ops"] == part["plan_kept_ops"]  # the op decisions too
+    # the op decisions too (absent where op plans fall back to block: torch without
+    # respect_saved_tensors_hooks, _ckpt_ops.sac_cache_is_counted)
+    assert again.get("plan_kept_ops") == part.get("plan_kept_ops")
+    assert again["plan_granularity"] == part["plan_granularity"]
 
 
 def test_same_profile_gives_the_same_plan():
@@ -294,12 +297,14 @@ def test_same_profile_gives_the_same_plan():
         m.prepare(model, x, y)
         m.profile.time = [t * (slow if i % 2 else 1) for i, t in enumerate(m.profile.time)]
         plans.append(planner.plan_budget(m.profile, 0.5 * m.profile.baseline_peak).groups)
-        for k, o in enumerate(o for seg in m.ops.ops for o in seg):  # op level: costs, no clock
-            o.time *= slow if k % 2 else 1
-        op = opplan.plan_budget(m.profile, m.ops, 0.5 * m.profile.baseline_peak)
-        plans.append((op.groups, op.extra["keep"]))
+        if m.ops is not None:  # op level (not where op plans fall back to block): costs, no clock
+            for k, o in enumerate(o for seg in m.ops.ops for o in seg):
+                o.time *= slow if k % 2 else 1
+            op = opplan.plan_budget(m.profile, m.ops, 0.5 * m.profile.baseline_peak)
+            plans.append((op.groups, op.extra["keep"]))
         assert m.profile.flops and all(f > 0 for f in m.profile.flops)
-    assert plans[0] == plans[2] and plans[1] == plans[3]
+    half = len(plans) // 2
+    assert plans[:half] == plans[half:]
 
 
 def test_plan_table_of_a_small_model_reads_in_its_unit():

@@ -15,6 +15,13 @@ from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods.checkpoint import CheckpointMethod
 
+# torch 2.11 (the compat pass) routes no SAC-cached output through saved-tensor hooks, so op
+# plans fall back to block there (CheckpointMethod warns; the row's plan_granularity says so)
+pytestmark = pytest.mark.skipif(
+    not opplan.sac_cache_is_counted(),
+    reason=f"torch {torch.__version__}: selective checkpointing has no respect_saved_tensors_hooks;"
+           f" granularity=op falls back to block")
+
 
 @pytest.fixture(autouse=True)
 def one_thread():

@@ -17,6 +17,7 @@ raises on a mismatch, so a plan never silently applies to another op sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import statistics
 import time
@@ -391,3 +392,16 @@ def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int 
         for b in model.buffers():
             b.copy_(buffers[id(b)])
     return prof
+
+
+@functools.cache
+def sac_cache_is_counted() -> bool:
+    """Whether the outputs that selective checkpointing caches (a plan's kept ops) can be routed
+    through saved-tensor hooks, where memtrain counts saved bytes (measure.SavedBytes) and where
+    the plan's accounting assumes them: SAC's forward context has `respect_saved_tensors_hooks`
+    (torch >= 2.12; `PlanPolicy.make` sets it). torch 2.11 has not: its SAC cache keeps them out
+    of the hooks, so a run would keep bytes that no column shows."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    fwd, _ = create_selective_checkpoint_contexts(lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+    return hasattr(fwd, "respect_saved_tensors_hooks")

@@ -82,6 +82,12 @@ class CheckpointMethod:
         check_choice("method.granularity", granularity, GRANULARITIES)
         # op granularity applies to the budget planner; the fixed strategies recompute whole groups
         self.by_op = granularity == "op" and strategy == "budget"
+        if self.by_op and not opplan.sac_cache_is_counted():
+            log.warning("checkpoint granularity=op needs selective checkpointing's cache to pass "
+                        "through saved-tensor hooks (torch %s does not: what the plan keeps "
+                        "would be invisible to the accounting); planning whole groups "
+                        "(granularity block, the row's plan_granularity)", torch.__version__)
+            self.by_op = False
         self.granularity = granularity
         check_range("method.every", every, 1)
         check_range("method.budget_fraction", budget_fraction, 0, 1, lo_open=True)
@@ -255,6 +261,7 @@ class CheckpointMethod:
             "plan_segments": prof.n,
             "plan_groups": ";".join(f"{a}-{e}" for a, e in p.groups),
             "plan_solve_s": p.extra.get("solve_s", 0.0),
+            "plan_granularity": "op" if self.by_op else "block",
             **({"plan_kept_ops": len(p.extra["keep"]),
                 "plan_recomputed_ops": sum(len(self.ops.ops[i]) for a, e in p.groups
                                            for i in range(a, e + 1)) - len(p.extra["keep"])}

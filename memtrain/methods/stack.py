@@ -138,7 +138,8 @@ def _check(members: dict[str, Any], name: str) -> None:
         if rb < ra:
             raise ConfigError(f"{where}: {b} must come before {a} (outermost first: "
                               f"checkpoint, offload, then pool/prune/quantize)")
-    if getattr(members.get("checkpoint"), "by_op", False):
+    ck = members.get("checkpoint")  # as configured (on an old torch op falls back to block)
+    if getattr(ck, "granularity", None) == "op" and getattr(ck, "strategy", None) == "budget":
         raise ConfigError(f"{where}: checkpoint granularity=op plans on an operator profile of "
                           f"the plain model, which the other members' saved-tensor hooks and "
                           f"layers change; set method.checkpoint.granularity=block")
