@@ -91,8 +91,9 @@ def test_plan_policy_refuses_another_op_sequence():
         F.cross_entropy(model2.train()(x), y)
 
 
-# (model, size, batch, budget fraction): every model family at tiny sizes
-PEAK_CASES = [("resnet50", 32, 4, 0.5), ("efficientnet_b0", 32, 2, 0.6), ("resmlp12", 16, 4, 0.5),
+# (model, size, batch, budget fraction): every conf/model at tiny sizes
+PEAK_CASES = [("resnet18", 32, 4, 0.4), ("resnet34", 32, 4, 0.4), ("resnet50", 32, 4, 0.5),
+              ("efficientnet_b0", 32, 2, 0.6), ("resmlp12", 16, 4, 0.5), ("resmlp24", 16, 4, 0.4),
               ("mlp6", 8, 8, 0.8)]
 
 
@@ -121,6 +122,9 @@ def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     got = method.wrap(got).train()
     method.prepare(got, x, y)
     assert method.plan.groups
+    # mlp6's segments are one linear + relu_ each: inside a recomputed group nothing is worth
+    # keeping; every other model's plan keeps some ops (an op-level plan, not a block one)
+    assert bool(method.plan.extra["keep"]) == (model != "mlp6")
     torch.manual_seed(1)
     loss = F.cross_entropy(got(x), y)
     loss.backward()
