@@ -14,13 +14,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import runner
+from memtrain import config, runner
 from memtrain.errors import ConfigError
 
 
 def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
     """The composed config (hydra node removed) and the group choices."""
-    return runner.compose(overrides)
+    return config.compose(overrides)
 
 
 def build(overrides: list[str] | None = None):

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import faults, runner
+from memtrain import config, faults, runner
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
@@ -103,7 +103,7 @@ def main() -> None:
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
     if not (args.shell_completion or args.experimental_rerun):
         try:
-            runner.check_overrides(args.overrides, config_path=args.config_path,
+            config.check_overrides(args.overrides, config_path=args.config_path,
                                    config_dir=args.config_dir, config_name=args.config_name,
                                    multirun=True if args.multirun else None)
         except ConfigError as e:
@@ -112,7 +112,7 @@ def main() -> None:
                 traceback.print_exc()
             _fail(2, f"error: {e}")
     _register_plugins(launchers=bool(args.multirun))
-    task = hydra.main(version_base="1.3", config_path=str(runner.conf_dir()),
+    task = hydra.main(version_base="1.3", config_path=str(config.conf_dir()),
                       config_name="config")(_hydra_task)
     task()
 

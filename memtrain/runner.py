@@ -1,4 +1,4 @@
-"""The engine: one job, from a composed config to its run folder.
+"""The engine: one job, from a composed config (config.py composes and names it) to its run folder.
 
     compose -> build (data, model, method) -> probes -> prepare -> train (or method.fit) -> record
 
@@ -12,7 +12,6 @@ trainer options (`schema.Trainer`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import json
 import logging
@@ -28,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema
+from memtrain.config import identity
 from memtrain.data import Data, place
 from memtrain.errors import ConfigError
 from memtrain.optim import build_optimizer, build_scheduler
@@ -63,202 +63,6 @@ class Method(Protocol):
     name: str
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
-
-
-# ---------------------------------------------------------------- compose
-
-
-def conf_dir() -> Path:
-    """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
-    here = Path(__file__).resolve().parent.parent / "conf"
-    if (here / "config.yaml").exists():
-        return here
-    return installed_conf_dir()
-
-
-def installed_conf_dir() -> Path:
-    """The folder of the installed `memtrain.conf` (conf/ has no __init__.py: a namespace
-    package, whose one folder is its path; importlib.resources would give a MultiplexedPath,
-    whose str() is no path)."""
-    import memtrain.conf
-
-    return Path(next(iter(memtrain.conf.__path__)))
-
-
-@contextlib.contextmanager
-def session(config_path: str | None = None, config_dir: str | None = None):
-    """Hydra initialised as `memtrain [--config-path P] [--config-dir D]` initialises it: the same
-    search path (conf/ or P, relative to this package as Hydra reads it; D before the structured
-    configs), built by Hydra's own functions, so the checks see the user's presets too."""
-    from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_automatic_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.version import setbase
-
-    setbase("1.3")  # what cli.py's @hydra.main says, for callers that do not go through it
-    search = create_automatic_config_search_path(__file__, None, config_path or str(conf_dir()))
-    if config_dir is not None:
-        extra = Path(config_dir).expanduser().resolve()
-        if not extra.is_dir():
-            raise ConfigError(f"--config-dir {config_dir}: no such folder")
-        search.prepend(provider="command-line", path=f"file://{extra}",
-                       anchor=SearchPathQuery(provider="schema"))
-    GlobalHydra.instance().clear()
-    Hydra.create_main_hydra2(task_name="memtrain", config_search_path=search)
-    try:
-        yield
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def check_overrides(overrides: list[str], *, config_path: str | None = None,
-                    config_dir: str | None = None, config_name: str | None = None,
-                    multirun: bool | None = False) -> None:
-    """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
-    and keys (did-you-mean), wrong types, bad syntax, presets that do not compose
-    (memtrain/validate.py). The groups' options are those Hydra finds on the search path
-    (`--config-dir`, `hydra.searchpath` included). `multirun`: also check the sweep (its params
-    and variants) the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI
-    without -m). A single job (the API) is checked as itself."""
-    from hydra import compose as hcompose
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.object_type import ObjectType
-
-    from memtrain import validate
-
-    parsed = validate.parse(overrides)
-    name = config_name or "config"
-    # the user's search path applies to every config the checks compose
-    search = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath"]
-    with session(config_path, config_dir):
-        loader = GlobalHydra.instance().config_loader()
-
-        def options(group: str) -> list[str]:  # schemas (base_*) are extended, not chosen
-            return [o for o in loader.get_group_options(group, ObjectType.CONFIG, name, search)
-                    if not o.startswith("base_")]
-
-        def compose(selection: list[str], hydra: bool = False) -> DictConfig:
-            return hcompose(name, overrides=[*selection, *search], return_hydra_config=hydra)
-
-        validate.check(parsed, options, compose)
-        if multirun is not False:
-            _check_sweep(parsed, options, compose, multirun)
-    validate.check_output_dirs(parsed)  # last: it makes the folders
-
-
-def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
-    """The sweep a command configures: `hydra.sweeper.params` with the command's overrides, and
-    each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides."""
-    from memtrain import validate
-    from memtrain.sweeper import variant_overrides
-
-    own = [o.input_line for o in parsed
-           if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper"))]
-    try:
-        hydra = validate.one_line(compose)(validate.selection(parsed) + own, hydra=True).hydra
-    except ConfigError as e:
-        hint = "; variants need hydra/sweeper=variants" if "variants" in str(e) else ""
-        raise ConfigError(f"{e}{hint}") from None
-    if multirun is None and str(hydra.mode) != "MULTIRUN":
-        return
-    sweeper = hydra.sweeper
-    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
-    common = params + [o.input_line for o in parsed]
-    variants = list(sweeper.get("variants") or [])
-    for i, variant in enumerate(variants or ([None] if params else [])):
-        try:
-            lines = variant_overrides(common, variant) if variant else common
-            validate.check(validate.parse(lines), options, compose)
-        except ConfigError as e:
-            where = f"hydra.sweeper.variants[{i}] ({variant})" if variant else \
-                "hydra.sweeper.params"
-            raise ConfigError(f"{where}: {e}") from None
-
-
-def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
-    """The config the CLI would compose for these overrides (hydra node removed), and the group
-    choices: Hydra's compose API over the same conf/."""
-    from hydra import compose as hcompose
-
-    overrides = list(overrides or [])
-    check_overrides(overrides)
-    with session():
-        cfg = hcompose("config", overrides=overrides, return_hydra_config=True)
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    with_hydra = OmegaConf.to_container(cfg, resolve=False)
-    with_hydra.pop("hydra", None)
-    return OmegaConf.create(with_hydra), choices
-
-
-def _gpu_count(default: int = 0) -> int:
-    """`${memtrain_gpus:N}` in conf/hydra/launcher/*.yaml: the CUDA devices here, or N."""
-    return torch.cuda.device_count() or int(default)
-
-
-def _job_run_id(*, _root_: DictConfig) -> str:
-    """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
-    sweeps (or a relaunch with other values) in one folder never share a job folder. A value
-    that cannot be resolved (an unset `${oc.env:...}`) hashes as written: that job still gets a
-    folder, and its row says what is missing."""
-    try:
-        return run_id(_root_)
-    except Exception:  # omegaconf's resolution errors have no common public base
-        return run_id(_root_, resolve=False)
-
-
-OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
-OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
-schema.register_configs()
-
-
-# ---------------------------------------------------------------- identity
-
-
-# How a run is driven, not what it computes: left out of run_id (record.DRIVING_OPTIONS).
-NOT_IN_RUN_ID = record.DRIVING_OPTIONS
-
-
-def run_id(cfg: DictConfig, resolve: bool = True) -> str:
-    """A hash of the resolved config (hydra's own settings and NOT_IN_RUN_ID excluded): same
-    config, same id."""
-    # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
-    c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
-         else cfg[k] for k in cfg if k != "hydra"}
-    trainer = c.get("trainer", {})
-    for k in NOT_IN_RUN_ID:
-        trainer.pop(k, None)
-    # the typed trainer node (schema.Trainer) turns `8` into 8.0 in a float field: same value,
-    # same id (as the YAML wrote it before the node was typed)
-    for k, v in trainer.items():
-        if isinstance(v, float) and v.is_integer():
-            trainer[k] = int(v)
-    blob = json.dumps(c, sort_keys=True, default=str)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-
-def _flatten(prefix: str, node: Any) -> dict[str, Any]:
-    if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            if k != "_target_":
-                out.update(_flatten(f"{prefix}.{k}", v))
-        return out
-    if isinstance(node, list):
-        return {prefix: json.dumps(node)}
-    return {prefix: node}
-
-
-def identity(cfg: DictConfig, choices: dict[str, str], resolve: bool = True) -> dict[str, Any]:
-    """The columns that say what a run is: choices, run_id and every option flattened
-    (`resolve=False`: as written, for a config whose interpolations cannot be resolved)."""
-    row: dict[str, Any] = {"run_id": run_id(cfg, resolve), "status": "running"}
-    row.update({g: choices.get(g) or "" for g in ("method", "model", "dataset", "optim",
-                                                  "trainer", "experiment")})
-    c = OmegaConf.to_container(cfg, resolve=resolve)
-    for group in ("method", "trainer", "dataset", "model", "optim"):
-        row.update(_flatten(group, c.get(group, {})))
-    return row
 
 
 # ---------------------------------------------------------------- build

@@ -212,7 +212,7 @@ def check(parsed: list, options: Callable[[str], list[str]],
     them, which a bad value must not leave).
 
     `options(group)` lists a group's options and `compose(overrides)` composes a config, both on
-    the search path of the command (runner.check_overrides)."""
+    the search path of the command (config.check_overrides)."""
     check_groups(parsed, options)
     compose = one_line(compose)
     check_selection(parsed, compose)

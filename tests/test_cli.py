@@ -114,8 +114,8 @@ STORED_RUN_IDS = [
 
 
 def test_run_id_of_an_unchanged_config_is_stored_value():
-    from memtrain import runner
+    from memtrain import config
 
     for overrides, rid in STORED_RUN_IDS:
         cfg, _ = api.compose(overrides)
-        assert runner.run_id(cfg) == rid, overrides
+        assert config.run_id(cfg) == rid, overrides

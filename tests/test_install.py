@@ -1,6 +1,6 @@
 """memtrain as a user installs it: a regular (non-editable) wheel, run from a folder that is not
 the repository. An editable install hides two things a wheel shows: where conf/ lives (the
-installed `memtrain.conf`, a namespace package: `runner.installed_conf_dir` once returned a
+installed `memtrain.conf`, a namespace package: `config.installed_conf_dir` once returned a
 MultiplexedPath whose str() was no path, so every group had no options) and how Hydra finds
 memtrain's plugins (the variants sweeper, the submitit launchers)."""
 

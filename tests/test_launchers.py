@@ -19,11 +19,11 @@ def test_launcher_presets_compose(monkeypatch, launcher, target, key, value):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from memtrain import runner
+    from memtrain import config
 
     monkeypatch.setenv("MEMTRAIN_SLURM_PARTITION", "gpu-test")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(runner.conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"],
                       return_hydra_config=True)
     GlobalHydra.instance().clear()

@@ -54,16 +54,16 @@ def test_a_bad_variant_is_one_line_before_any_job(in_tmp):
 
 
 def test_variants_on_the_command_line_are_checked():
-    from memtrain import runner
+    from memtrain import config
     from memtrain.errors import ConfigError
 
     good = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=0.5,0.9"]'
-    runner.check_overrides(["hydra/sweeper=variants", good, *TINY], multirun=True)
-    runner.check_overrides(["hydra/sweeper=variants", good, *TINY, "method=pool"])  # one job
+    config.check_overrides(["hydra/sweeper=variants", good, *TINY], multirun=True)
+    config.check_overrides(["hydra/sweeper=variants", good, *TINY, "method=pool"])  # one job
     bad = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=1.5,abc"]'
     with pytest.raises(ConfigError) as e:
-        runner.check_overrides(["hydra/sweeper=variants", bad, *TINY], multirun=True)
+        config.check_overrides(["hydra/sweeper=variants", bad, *TINY], multirun=True)
     assert str(e.value) == ("hydra.sweeper.variants[1] (method=prune method.sparsity=1.5,abc): "
                             "method.sparsity must be a number, got 'abc'")
     with pytest.raises(ConfigError, match="variants need hydra/sweeper=variants$"):
-        runner.check_overrides([good, *TINY], multirun=True)
+        config.check_overrides([good, *TINY], multirun=True)

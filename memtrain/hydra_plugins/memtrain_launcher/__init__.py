@@ -137,14 +137,14 @@ class _Sweep:
 
 def _done(cfg: DictConfig, sweep_dir: Path, cache: dict[Path, dict[str, Path]]) -> bool:
     """With `trainer.skip_done`, whether the job's run_id already finished ok where it looks."""
-    from memtrain import runner
+    from memtrain import config
 
     try:
         t = cfg.trainer
         if not t.skip_done:
             return False
         root = Path(t.search_dir or sweep_dir)
-        rid = runner.run_id(cfg)
+        rid = config.run_id(cfg)
     except OmegaConfBaseException:  # an unresolvable value: the job runs, its row says why
         return False
     if root not in cache:
@@ -178,13 +178,13 @@ def _task_config(cfg: DictConfig) -> DictConfig:
 def _lost_row(task: DictConfig, cfg: DictConfig, run_dir: Path, state: str,
               why: str) -> dict[str, Any]:
     """The row of a job that ended without recording one: what it is, how it ended."""
-    from memtrain import runner
+    from memtrain import config
 
     choices = dict(cfg.hydra.runtime.choices)
     try:
-        row = runner.identity(task, choices)
+        row = config.identity(task, choices)
     except OmegaConfBaseException:  # an interpolation that cannot be resolved: as written
-        row = runner.identity(task, choices, resolve=False)
+        row = config.identity(task, choices, resolve=False)
     status = "interrupted" if state in STOPPED else "error"
     row.update(status=status, error=f"ended {state} without a result ({why})",
                test_acc=float("nan"), test_acc5=float("nan"), run_dir=str(run_dir),
