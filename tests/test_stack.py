@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import run_memtrain
 
-from memtrain import api, runner
+from memtrain import api, measure, runner
 from memtrain.errors import ConfigError
 from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.none import NoneMethod
@@ -121,10 +121,11 @@ def test_a_multirun_sweeps_two_stacks(in_tmp):
 @pytest.mark.slow
 def test_checkpoint_with_quantize_saves_more_than_either(tmp_path):
     """The issue's acceptance at a tiny size (resnet18, 16 px, batch 4; README: resnet50 at
-    64 px): checkpoint (budget 0.5) + quantize (4 bits) has a lower tracked activation peak than
-    either alone, and keeps fewer saved bytes."""
+    64 px, budget 0.5): checkpoint + quantize (4 bits) has a lower tracked activation peak than
+    either alone at the same budget_fraction, and keeps fewer saved bytes. (At 16 px the stack's
+    measured plans reach 0.52 of its modelled baseline at best: budget 0.6 here.)"""
     base = ["model=resnet18", *TINY, "trainer.max_steps=1"]
-    ckpt = ["budget_fraction=0.5", "profile_repeats=1"]
+    ckpt = ["budget_fraction=0.6", "profile_repeats=1"]
     rows = {}
     for name, ov in [("checkpoint", ["method=checkpoint", *(f"method.{o}" for o in ckpt)]),
                      ("quantize", ["method=quantize", "method.bits=4"]),
@@ -166,3 +167,55 @@ def test_quantize_runs_inside_checkpoint_in_forward_and_recompute():
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
     cos = torch.nn.functional.cosine_similarity(grads["none"], grads["stack"], dim=0)
     assert cos > 0.99, cos
+
+
+@pytest.mark.slow
+def test_a_stack_plan_is_held_to_its_measured_peak():
+    """The peak model does not see the full-size tensors a stack's quantizer packs and unpacks:
+    on resnet18 at 16 px, batch 8, checkpoint 0.5 + quantize planned 1.92 MB for a budget of
+    1.95 MB and measured 2.34 MB. Now prepare measures the applied plan in one tracked step and
+    re-plans while it is over the budget: a step's tracked activation peak is within the budget,
+    the columns say what prepare measured, and a budget no plan meets is a one-line error
+    before training that names the stack's option and the least measured peak."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+    base = ["model=resnet18", "dataset.image_size=16", "method=checkpoint+quantize",
+            "method.checkpoint.profile_repeats=1"]
+    _, model, method = api.build([*base, "method.checkpoint.budget_fraction=0.75"])
+    cols = method.prepare(model.train(), x, y)
+    with measure.PeakTracker(model, x) as tracker:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert tracker.act_peak_bytes <= cols["plan_budget_bytes"]
+    assert cols["plan_measured_peak_bytes"] == pytest.approx(tracker.act_peak_bytes, rel=0.01)
+
+
+def test_a_stack_replans_while_measured_over_budget(monkeypatch):
+    """The re-planning loop (a tracked step costs seconds under quantize's torch path, so the
+    measurement is replaced here by the model's peak plus a fixed excess): each measured excess
+    lowers the model's budget by as much and the plan is chosen again; when no plan fits, a
+    one-line error before training names the stack's option and the least measured peak."""
+    from memtrain.methods import _ckpt_plan as planner
+
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
+    seen, excess = [], [0]
+
+    def measured(model, x, loss, autocast, scale=1.0):
+        seen.append(list(ckpt.plan.groups))
+        return ckpt.plan.peak + excess[0]
+
+    monkeypatch.setattr(planner, "tracked_act_peak", measured)
+    for excess[0], fits in ((0, True), (10**9, False)):
+        seen.clear()
+        method = Stack(checkpoint=CheckpointMethod(strategy="budget", budget_fraction=0.7,
+                                                   granularity="block", profile_repeats=1),
+                       quantize=QuantizeMethod(bits=8, group_size=32))
+        ckpt = method.members[0]
+        model = method.wrap(_net()).train()
+        if fits:
+            cols = method.prepare(model, x, y)
+            assert cols["plan_measured_peak_bytes"] == cols["plan_peak_bytes"] and len(seen) == 1
+            continue
+        with pytest.raises(ConfigError, match=r"^method.checkpoint.budget_fraction=0.7 .* below "
+                                              r"what this stack's plans measure: least \d+ "):
+            method.prepare(model, x, y)
+        assert 1 <= len(seen) <= 4  # one measurement per plan tried

@@ -379,6 +379,26 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     return result
 
 
+def tracked_act_peak(model: nn.Module, x: torch.Tensor,
+                     loss_fn: Callable[[torch.Tensor], torch.Tensor], autocast,
+                     scale: float = 1.0) -> int:
+    """The activation peak (`measure.PeakTracker`) of one forward and backward of the model as
+    it is, times `scale`; buffers, gradients and the RNG state restored afterwards."""
+    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        with measure.PeakTracker(model, x, device=x.device) as tracker:
+            with autocast():
+                loss = loss_fn(model(x))
+            loss.backward()
+        del loss
+    with torch.no_grad():
+        for b in model.buffers():
+            b.copy_(buffers[id(b)])
+    for prm in model.parameters():
+        prm.grad = None
+    return int(tracker.act_peak_bytes * scale)
+
+
 def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
     out_keys = {}
     for i, o in enumerate(rec.outputs):

@@ -86,9 +86,18 @@ class CheckpointGroup:
         self._policy = policy
         self._bns = batchnorms(body)
         self._inside = False
+        self._own = [m.__dict__.get("forward") for m in body]  # instance forwards before ours
         body[0].forward = self.forward
         for i, m in enumerate(body[1:], 1):
             m.forward = functools.partial(self._member, i)
+
+    def remove(self) -> None:
+        """Undo the group: every module runs its own forward again (a plan replaced)."""
+        for m, own in zip(self.modules, self._own, strict=True):
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
 
     def _member(self, i: int, *args, **kwargs):
         if self._inside:

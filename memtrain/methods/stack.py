@@ -57,6 +57,7 @@ class Stack:
 
     def __init__(self, **members: Any):
         self.members = list(members.values())
+        self.keys = list(members)  # each member's key under `method`
         self.name = "+".join(str(getattr(m, "name", k)) for k, m in members.items())
         _check(members, self.name)
 
@@ -82,9 +83,12 @@ class Stack:
         """Every member's `prepare`, innermost first (checkpoint, the outermost, profiles the
         model with the others in place); their summary columns together."""
         out: dict[str, Any] = {}
-        for m in reversed(self.members):
+        for key, m in reversed(list(zip(self.keys, self.members, strict=True))):
             if hasattr(m, "prepare"):
-                out.update(m.prepare(model, x, y, autocast, carry))
+                try:
+                    out.update(m.prepare(model, x, y, autocast, carry))
+                except ConfigError as e:  # a member names its options as `method.<option>`
+                    raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
         return out
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
