@@ -379,19 +379,12 @@ def calibrate(prof: OpProfile, seg_time: list[float]) -> None:
 
 def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,
                   scale: float = 1.0) -> OpProfile:
-    """`profile_ops` on `x` without changing the model: buffers (BatchNorm statistics) and the
-    RNG state are restored afterwards."""
+    """`profile_ops` on `x` without changing the model (`_ckpt_plan.unchanged`)."""
     autocast = autocast or contextlib.nullcontext
-    buffers = {id(b): b.detach().clone() for b in model.buffers()}
-    devices = [x.device] if x.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        prof = profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,
+    with planner.unchanged(model, x.device):
+        return profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,
                                                                count_flops=False),
                            repeats, scale, autocast)
-    with torch.no_grad():
-        for b in model.buffers():
-            b.copy_(buffers[id(b)])
-    return prof
 
 
 @functools.cache

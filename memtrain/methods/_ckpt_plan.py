@@ -21,6 +21,7 @@ big-M on the group's variable.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -338,14 +339,10 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     buffers (BatchNorm statistics), gradients and the RNG state are restored afterwards.
 
     `scale` multiplies bytes and times (profiling on a slice of the batch)."""
-    import contextlib
-
     autocast = autocast or contextlib.nullcontext
     device = x.device
-    buffers = {id(b): b.detach().clone() for b in model.buffers()}
-    devices = [device] if device.type == "cuda" else []
     steps, per_seg = [], []
-    with torch.random.fork_rng(devices=devices):
+    with unchanged(model, device):
         for _ in range(repeats):  # baseline step time: forward + backward
             measure.sync(device)
             t0 = time.perf_counter()
@@ -365,11 +362,6 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         result = _attribute(rec, segments)
         result.flops = list(rec.flops)
         del out
-    with torch.no_grad():
-        for b in model.buffers():
-            b.copy_(buffers[id(b)])
-    for prm in model.parameters():
-        prm.grad = None
     result.step_time = statistics.median(steps[1:] or steps) * scale
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
@@ -379,23 +371,31 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     return result
 
 
-def tracked_act_peak(model: nn.Module, x: torch.Tensor,
-                     loss_fn: Callable[[torch.Tensor], torch.Tensor], autocast,
-                     scale: float = 1.0) -> int:
-    """The activation peak (`measure.PeakTracker`) of one forward and backward of the model as
-    it is, times `scale`; buffers, gradients and the RNG state restored afterwards."""
+@contextlib.contextmanager
+def unchanged(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Measuring steps inside leave the model as they found it: buffers (BatchNorm statistics)
+    copied back, gradients cleared, the RNG state (CPU, and the device's on CUDA) restored."""
     buffers = {id(b): b.detach().clone() for b in model.buffers()}
-    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        with measure.PeakTracker(model, x, device=x.device) as tracker:
-            with autocast():
-                loss = loss_fn(model(x))
-            loss.backward()
-        del loss
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
     with torch.no_grad():
         for b in model.buffers():
             b.copy_(buffers[id(b)])
     for prm in model.parameters():
         prm.grad = None
+
+
+def tracked_act_peak(model: nn.Module, x: torch.Tensor,
+                     loss_fn: Callable[[torch.Tensor], torch.Tensor], autocast,
+                     scale: float = 1.0) -> int:
+    """The activation peak (`measure.PeakTracker`) of one forward and backward of the model as
+    it is, times `scale`; buffers, gradients and the RNG state restored afterwards."""
+    with unchanged(model, x.device):
+        with measure.PeakTracker(model, x, device=x.device) as tracker:
+            with autocast():
+                loss = loss_fn(model(x))
+            loss.backward()
+        del loss
     return int(tracker.act_peak_bytes * scale)
 
 
