@@ -143,6 +143,28 @@ def test_pack_keeps_shape_dtype_and_strides():
     assert pack_tensor(y[:, :1].expand(2, 8, 6, 5), 8, 32, False) is None  # overlapping memory
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_pack_scales_each_channel_in_either_memory_format(fmt):
+    """Per-channel scaling follows dim 1 whatever the memory order (NCHW: channel runs of H*W;
+    channels_last: C innermost): a channel 1000x smaller than the others keeps its own step."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 6, 5, generator=g)
+    x[:, 3] *= 1e-3
+    x = x.to(memory_format=fmt)
+    p = pack_tensor(x, 4, 256, stochastic=False)
+    assert p.chan == ((8, 30) if fmt == torch.contiguous_format else (8, 1))
+    assert p.buf.numel() == quant.buffer_bytes(x.numel(), 4, 256, 8)
+    back = unpack_tensor(p)
+    assert back.stride() == x.stride()
+    rng = x.amax((0, 2, 3)) - x.amin((0, 2, 3))
+    err = (back - x).abs().amax((0, 2, 3))
+    assert torch.all(err <= rng / 15 / 2 * (1 + 1e-4)), (err, rng)  # half of its own step
+    plain = unpack_tensor(pack_tensor(x, 4, 256, stochastic=False, per_channel=False))
+    assert (plain - x)[:, 3].abs().max() > 20 * rng[3] / 15  # the neighbours' step
+    small = x[:2, :, :2].contiguous(memory_format=fmt)  # 2 * 2 * 5 = 20 per channel
+    assert pack_tensor(small, 4, 32, False).chan is None  # too few for 8 bytes of stats
+
+
 def _mlp6_expected(batch: int, widths: list[int], bits: int, g: int) -> float:
     """none keeps every hidden ReLU output (fp32, shared with the next Linear's input);
     quantize keeps per hidden layer a 1-bit mask plus the quantized buffer."""
