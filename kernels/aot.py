@@ -51,19 +51,25 @@ def _bitmask_specs(bitmask) -> list:
 
 
 def _quant_specs(quant) -> list:
-    """Every dtype at 2 bits with tl.rand's noise (the training path), every bit width in fp32
-    with nearest rounding (NOISE=1, noise from a pointer, serves the interpreted tests only)."""
+    """Every dtype at 2 bits with tl.rand's noise and per-channel scaling (the training path),
+    every bit width in fp32 with nearest rounding and no channels (NOISE=1, noise from a pointer,
+    serves the interpreted tests only)."""
     qk, dk = quant._kernels()
-    cells = [(dt, 2, 2) for dt in ("fp32", "bf16", "fp16")] + [("fp32", b, 0) for b in (4, 8)]
+    cells = [(dt, 2, 2, 1) for dt in ("fp32", "bf16", "fp16")] + \
+        [("fp32", b, 0, 0) for b in (4, 8)]
     specs = []
-    for dt, bits, noise in cells:
+    for dt, bits, noise, chan in cells:
         specs.append((qk, {"x_ptr": f"*{dt}", "codes_ptr": "*u8", "mn_ptr": "*fp32",
-                           "scale_ptr": "*fp32", "noise_ptr": "*fp32", "n": "i32", "seed": "i32",
-                           "G": "constexpr", "BITS": "constexpr", "NOISE": "constexpr"},
-                      {"G": 256, "BITS": bits, "NOISE": noise}))
+                           "scale_ptr": "*fp32", "noise_ptr": "*fp32", "cmin_ptr": "*fp32",
+                           "cinv_ptr": "*fp32", "n": "i32", "seed": "i32", "inner": "i32",
+                           "C": "i32", "G": "constexpr", "BITS": "constexpr",
+                           "NOISE": "constexpr", "CHAN": "constexpr"},
+                      {"G": 256, "BITS": bits, "NOISE": noise, "CHAN": chan}))
         specs.append((dk, {"codes_ptr": "*u8", "mn_ptr": "*fp32", "scale_ptr": "*fp32",
-                           "out_ptr": f"*{dt}", "n": "i32", "G": "constexpr",
-                           "BITS": "constexpr"}, {"G": 256, "BITS": bits}))
+                           "cmin_ptr": "*fp32", "crng_ptr": "*fp32", "out_ptr": f"*{dt}",
+                           "n": "i32", "inner": "i32", "C": "i32", "G": "constexpr",
+                           "BITS": "constexpr", "CHAN": "constexpr"},
+                      {"G": 256, "BITS": bits, "CHAN": chan}))
     return specs
 
 

@@ -5,9 +5,19 @@ one zero-padded). Per group: mn = min, rng = max - mn, scale = rng / L with L = 
 each element's code q = floor((x - mn) * inv + u) clamped to [0, L], where inv = L / rng (0 for a
 constant group) and u is uniform in [0, 1) (stochastic rounding: E[q * scale + mn] = x) or 0.5
 (nearest). Codes are packed 8 / bits to a byte, element j of a byte at bit j * bits (little
-order, as kernels/bitmask.py); padding codes are 0. Everything lives in one uint8 buffer:
-`[codes: ngroups * G * bits / 8 | mn: ngroups fp32 | scale: ngroups fp32]`, so a saved-tensor hook
-can hand a single tensor on (to an offloader, to the accounting).
+order, as kernels/bitmask.py); padding codes are 0.
+
+Channels (optional, `chan=(C, inner)`: the flat tensor is [outer, C, inner] in memory order).
+Before grouping, every channel is shifted and scaled to [0, 1] by its own min and range over
+the whole tensor: x' = (x - cmin[c]) * cinv[c], cinv = 1 / crng (0 for a constant channel), c =
+(i // inner) % C; the groups quantize x', and dequantization returns (q * scale + mn) * crng[c] +
+cmin[c]. A group that straddles channels (an NCHW map smaller than a group) then never gives a
+channel of small range a step set by its neighbours' large range: every channel's step is at
+most its own range / L. The map is deterministic and affine, so stochastic rounding stays
+unbiased. Everything lives in one uint8 buffer:
+`[codes: ngroups * G * bits / 8 | mn: ngroups fp32 | scale: ngroups fp32 | cmin: C fp32 |
+crng: C fp32]` (C = 0 without channels), so a saved-tensor hook can hand a single tensor on (to
+an offloader, to the accounting).
 
 Three implementations of `quantize(x, ...) -> buffer` and `dequantize(buffer, n, ...) -> flat x`:
 - Triton kernels (`_quant_pack_kernel`: min/max, rounding and packing fused, one program per
@@ -35,10 +45,10 @@ CHUNKS = 16  # ... and at most 1/16 of the tensor, so its temporaries never set 
 triton = tl = None  # module globals bound on first use (the kernels resolve `tl` through them)
 
 
-def buffer_bytes(n: int, bits: int, group_size: int) -> int:
-    """Bytes of the packed buffer of n elements."""
+def buffer_bytes(n: int, bits: int, group_size: int, channels: int = 0) -> int:
+    """Bytes of the packed buffer of n elements (with `channels` per-channel min and range)."""
     groups = n_groups(n, group_size)
-    return groups * group_size * bits // 8 + 8 * groups
+    return groups * group_size * bits // 8 + 8 * groups + 8 * channels
 
 
 def n_groups(n: int, group_size: int) -> int:
@@ -50,7 +60,32 @@ def split(buf: torch.Tensor, n: int, bits: int, group_size: int):
     groups = n_groups(n, group_size)
     nb = groups * group_size * bits // 8  # a multiple of 4: the fp32 views stay aligned
     stats = buf[nb:].view(torch.float32)
-    return buf[:nb], stats[:groups], stats[groups:]
+    return buf[:nb], stats[:groups], stats[groups:2 * groups]
+
+
+def split_channels(buf: torch.Tensor, n: int, bits: int, group_size: int, channels: int):
+    """Views of a buffer's per-channel stats: cmin (fp32 [C]) and crng (fp32 [C])."""
+    groups = n_groups(n, group_size)
+    stats = buf[groups * group_size * bits // 8:].view(torch.float32)[2 * groups:]
+    return stats[:channels], stats[channels:2 * channels]
+
+
+def _channel_stats(x: torch.Tensor, buf: torch.Tensor, n: int, bits: int, group_size: int,
+                   chan: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every channel's min and range over x (flat [outer, C, inner]) written into buf; returns
+    (cmin, cinv, crng) with cinv = 1 / crng (0 for a constant channel), all fp32 [C]."""
+    channels, inner = chan
+    cmin, crng = split_channels(buf, n, bits, group_size, channels)
+    view = x.reshape(-1, channels, inner)
+    cmin.copy_(view.amin(dim=(0, 2)))  # a min of x's dtype is exact in fp32
+    crng.copy_(view.amax(dim=(0, 2)).float() - cmin)
+    cinv = torch.where(crng > 0, 1.0 / torch.where(crng > 0, crng, 1.0), 0.0)
+    return cmin, cinv, crng
+
+
+def _check_chan(n: int, chan: tuple[int, int] | None) -> None:
+    if chan is not None and (chan[0] < 1 or chan[1] < 1 or n % (chan[0] * chan[1])):
+        raise ValueError(f"chan={chan} does not divide {n} elements as [outer, C, inner]")
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -70,11 +105,16 @@ def _kernels():
         mn_ptr,  # *f32     output, one min per group
         scale_ptr,  # *f32  output, one scale per group
         noise_ptr,  # *f32  uniform noise, n elements (NOISE == 1), else unused
+        cmin_ptr,  # *f32   per-channel min, C (CHAN), else unused
+        cinv_ptr,  # *f32   per-channel 1 / range (0: constant channel), C (CHAN), else unused
         n,  # number of elements
         seed,  # Philox seed of tl.rand (NOISE == 2)
+        inner,  # elements per channel run: channel of element i = (i // inner) % C
+        C,  # channels
         G: tl.constexpr,  # group size
         BITS: tl.constexpr,  # 2 | 4 | 8
         NOISE: tl.constexpr,  # 0 nearest | 1 noise from noise_ptr | 2 tl.rand
+        CHAN: tl.constexpr,  # 1: scale every channel to [0, 1] before grouping
     ):
         PER: tl.constexpr = 8 // BITS  # codes per byte
         NB: tl.constexpr = G // PER  # bytes per group
@@ -85,6 +125,10 @@ def _kernels():
         idx = pid * G + byte[:, None] * PER + slot[None, :]  # [NB, PER] element index
         inside = idx < n
         x = tl.load(x_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        if CHAN:
+            c = (idx // inner) % C
+            x = (x - tl.load(cmin_ptr + c, mask=inside, other=0.0)) * \
+                tl.load(cinv_ptr + c, mask=inside, other=0.0)
         mn = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=1), axis=0)
         mx = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=1), axis=0)
         rng = mx - mn
@@ -108,10 +152,15 @@ def _kernels():
         codes_ptr,  # *u8   packed codes (from _quant_pack_kernel)
         mn_ptr,  # *f32     min per group
         scale_ptr,  # *f32  scale per group
+        cmin_ptr,  # *f32   per-channel min, C (CHAN), else unused
+        crng_ptr,  # *f32   per-channel range, C (CHAN), else unused
         out_ptr,  # *T      output, n elements, contiguous
         n,  # number of elements
+        inner,  # elements per channel run (CHAN)
+        C,  # channels (CHAN)
         G: tl.constexpr,  # group size
         BITS: tl.constexpr,  # 2 | 4 | 8
+        CHAN: tl.constexpr,  # 1: undo the per-channel scaling
     ):
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = G // PER
@@ -122,41 +171,61 @@ def _kernels():
         packed = tl.load(codes_ptr + pid * NB + byte).to(tl.int32)
         q = (packed[:, None] >> (slot[None, :] * BITS)) & ((1 << BITS) - 1)
         x = q.to(tl.float32) * tl.load(scale_ptr + pid) + tl.load(mn_ptr + pid)
+        if CHAN:
+            inside = idx < n
+            c = (idx // inner) % C
+            x = x * tl.load(crng_ptr + c, mask=inside, other=0.0) + \
+                tl.load(cmin_ptr + c, mask=inside, other=0.0)
         tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < n)
 
     return _quant_pack_kernel, _unpack_dequant_kernel
 
 
 def quantize_triton(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
-                    noise: torch.Tensor | None = None) -> torch.Tensor:
+                    noise: torch.Tensor | None = None,
+                    chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The packed buffer of x (read flat, contiguous) by the fused Triton kernel. Stochastic
-    rounding draws from `tl.rand` unless `noise` (fp32, x's numel) is given (tests)."""
+    rounding draws from `tl.rand` unless `noise` (fp32, x's numel) is given (tests). `chan`:
+    (C, inner), per-channel scaling (module docstring)."""
     x = x.contiguous()
     n = x.numel()
-    buf = torch.empty(buffer_bytes(n, bits, group_size), dtype=torch.uint8, device=x.device)
+    _check_chan(n, chan)
+    buf = torch.empty(buffer_bytes(n, bits, group_size, chan[0] if chan else 0),
+                      dtype=torch.uint8, device=x.device)
     if n == 0:
         return buf
     codes, mn, scale = split(buf, n, bits, group_size)
+    cmin = cinv = mn  # unused without channels
+    if chan is not None:
+        cmin, cinv, _ = _channel_stats(x, buf, n, bits, group_size, chan)
+    inner, channels = (chan[1], chan[0]) if chan else (1, 1)
     mode, seed = 0, 0
     if stochastic:
         mode = 1 if noise is not None else 2
         seed = int(torch.randint(0, 2**31 - 1, (), device="cpu"))
     quant_kernel, _ = _kernels()
     noise_arg = noise.contiguous() if noise is not None else mn
-    quant_kernel[(n_groups(n, group_size),)](x, codes, mn, scale, noise_arg, n, seed,
-                                             G=group_size, BITS=bits, NOISE=mode)
+    quant_kernel[(n_groups(n, group_size),)](x, codes, mn, scale, noise_arg, cmin, cinv, n,
+                                             seed, inner, channels, G=group_size, BITS=bits,
+                                             NOISE=mode, CHAN=int(chan is not None))
     return buf
 
 
 def dequantize_triton(buf: torch.Tensor, n: int, bits: int, group_size: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+                      dtype: torch.dtype, chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The n dequantized elements (flat, `dtype`) of a buffer, by the Triton kernel."""
+    _check_chan(n, chan)
     out = torch.empty(n, dtype=dtype, device=buf.device)
     if n:
         codes, mn, scale = split(buf, n, bits, group_size)
+        cmin = crng = mn  # unused without channels
+        if chan is not None:
+            cmin, crng = split_channels(buf, n, bits, group_size, chan[0])
+        inner, channels = (chan[1], chan[0]) if chan else (1, 1)
         _, dequant_kernel = _kernels()
-        dequant_kernel[(n_groups(n, group_size),)](codes, mn, scale, out, n, G=group_size,
-                                                   BITS=bits)
+        dequant_kernel[(n_groups(n, group_size),)](codes, mn, scale, cmin, crng, out, n, inner,
+                                                   channels, G=group_size, BITS=bits,
+                                                   CHAN=int(chan is not None))
     return out
 
 
@@ -168,20 +237,34 @@ def _groups_per_chunk(n: int, group_size: int) -> int:
     return max(1, min(CHUNK_ELEMS, -(-n // CHUNKS)) // group_size)
 
 
+def _channel_of(lo: int, count: int, chan: tuple[int, int], device) -> torch.Tensor:
+    """The channel index of elements lo .. lo + count - 1 (int64)."""
+    return torch.arange(lo, lo + count, device=device).floor_divide_(chan[1]).remainder_(chan[0])
+
+
 def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
-                   noise: torch.Tensor | None = None) -> torch.Tensor:
+                   noise: torch.Tensor | None = None,
+                   chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The packed buffer of x (read flat, contiguous) with vectorised torch ops, any device.
-    Works a chunk of groups at a time (`_groups_per_chunk`): its fp32 temporaries stay small."""
+    Works a chunk of groups at a time (`_groups_per_chunk`): its fp32 temporaries stay small.
+    `chan`: (C, inner), per-channel scaling (module docstring)."""
     flat = x.reshape(-1)  # a view when x is contiguous (callers pass memory-order views)
     n = flat.numel()
-    buf = torch.empty(buffer_bytes(n, bits, group_size), dtype=torch.uint8, device=x.device)
+    _check_chan(n, chan)
+    buf = torch.empty(buffer_bytes(n, bits, group_size, chan[0] if chan else 0),
+                      dtype=torch.uint8, device=x.device)
     codes, mn, scale = split(buf, n, bits, group_size)
+    if chan is not None:
+        cmin, cinv, _ = _channel_stats(flat, buf, n, bits, group_size, chan)
     per, levels = 8 // bits, (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
     step = _groups_per_chunk(n, group_size)
     for g0 in range(0, n_groups(n, group_size), step):
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
         part = flat[g0 * group_size:(g0 + step) * group_size].to(torch.float32, copy=True)
+        if chan is not None:
+            c = _channel_of(g0 * group_size, part.numel(), chan, x.device)
+            part.sub_(cmin[c]).mul_(cinv[c])
         groups = -(-part.numel() // group_size)
         pad = groups * group_size - part.numel()
         if pad:  # repeat the last element: min and max unchanged; its codes zeroed below
@@ -208,9 +291,12 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
 
 
 def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The n dequantized elements (flat, `dtype`) of a buffer, vectorised torch, chunked."""
+    _check_chan(n, chan)
     codes, mn, scale = split(buf, n, bits, group_size)
+    if chan is not None:
+        cmin, crng = split_channels(buf, n, bits, group_size, chan[0])
     out = torch.empty(n, dtype=dtype, device=buf.device)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
     mask = (1 << bits) - 1
@@ -221,7 +307,11 @@ def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
         x = q.view(q.shape[0], group_size).float()
         x.mul_(scale[g0:g0 + step, None]).add_(mn[g0:g0 + step, None])
         lo = g0 * group_size
-        out[lo:lo + x.numel()] = x.view(-1)[:n - lo]
+        x = x.view(-1)[:n - lo]
+        if chan is not None:
+            c = _channel_of(lo, x.numel(), chan, buf.device)
+            x.mul_(crng[c]).add_(cmin[c])
+        out[lo:lo + x.numel()] = x
     return out
 
 
@@ -232,14 +322,15 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and triton_available()
 
 
-def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> torch.Tensor:
+def quantize(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
+             chan: tuple[int, int] | None = None) -> torch.Tensor:
     """Packed buffer of x read flat (x contiguous): Triton on CUDA, torch elsewhere."""
     fn = quantize_triton if _use_triton(x) else quantize_torch
-    return fn(x, bits, group_size, stochastic)
+    return fn(x, bits, group_size, stochastic, chan=chan)
 
 
 def dequantize(buf: torch.Tensor, n: int, bits: int, group_size: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The n elements (flat, `dtype`) held in a buffer: Triton on CUDA, torch elsewhere."""
     fn = dequantize_triton if _use_triton(buf) else dequantize_torch
-    return fn(buf, n, bits, group_size, dtype)
+    return fn(buf, n, bits, group_size, dtype, chan=chan)

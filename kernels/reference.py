@@ -87,13 +87,26 @@ def prune_grad_weight_ref(g: torch.Tensor, a: torch.Tensor, kept: list[tuple[int
 # out plainly: independent of the vectorised torch path and of the kernels, small shapes only.
 
 
-def quant_ref(x: torch.Tensor, bits: int, group_size: int,
-              noise: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quant_ref(x: torch.Tensor, bits: int, group_size: int, noise: torch.Tensor | None = None,
+              chan: tuple[int, int] | None = None):
     """(codes uint8 [groups * G * bits / 8], mn fp32 [groups], scale fp32 [groups]) of x read
-    flat; `noise` (uniform [0, 1), x's numel) for stochastic rounding, None for nearest."""
+    flat; `noise` (uniform [0, 1), x's numel) for stochastic rounding, None for nearest. With
+    `chan` = (C, inner) every element is first scaled by its channel's (i // inner) % C min and
+    range, and (cmin fp32 [C], crng fp32 [C]) follow in the tuple."""
     flat = x.detach().float().reshape(-1).cpu().numpy()
     u = None if noise is None else noise.float().reshape(-1).cpu().numpy()
     levels = np.float32((1 << bits) - 1)
+    if chan is not None:
+        channels, inner = chan
+        cmins, crngs = np.zeros(channels, np.float32), np.zeros(channels, np.float32)
+        for c in range(channels):
+            vals = [flat[i] for i in range(flat.size) if (i // inner) % channels == c]
+            cmins[c] = min(vals)
+            crngs[c] = np.float32(max(vals) - cmins[c])
+        cinvs = [np.float32(np.float32(1) / r) if r > 0 else np.float32(0) for r in crngs]
+        flat = np.array([np.float32(np.float32(v - cmins[(i // inner) % channels]) *
+                                    cinvs[(i // inner) % channels])
+                         for i, v in enumerate(flat)], dtype=np.float32)
     groups = math.ceil(flat.size / group_size)
     codes = np.zeros(groups * group_size, dtype=np.uint8)
     mns, scales = np.zeros(groups, np.float32), np.zeros(groups, np.float32)
@@ -111,15 +124,22 @@ def quant_ref(x: torch.Tensor, bits: int, group_size: int,
     packed = np.zeros(codes.size * bits // 8, dtype=np.uint8)
     for i, c in enumerate(codes):  # element i: byte i * bits // 8, bit (i * bits) % 8
         packed[i * bits // 8] |= np.uint8(int(c) << (i * bits % 8))
+    if chan is not None:
+        return packed, mns, scales, cmins, crngs
     return packed, mns, scales
 
 
 def dequant_ref(codes: np.ndarray, mns: np.ndarray, scales: np.ndarray, n: int, bits: int,
-                group_size: int) -> torch.Tensor:
-    """The first n values (fp32, flat) of packed codes: code * scale + mn per group."""
+                group_size: int, chan: tuple[int, int] | None = None,
+                cmins: np.ndarray | None = None, crngs: np.ndarray | None = None) -> torch.Tensor:
+    """The first n values (fp32, flat) of packed codes: code * scale + mn per group, then (with
+    `chan` = (C, inner)) * crng + cmin of the element's channel (i // inner) % C."""
     out = np.zeros(n, dtype=np.float32)
     for i in range(n):
         c = (int(codes[i * bits // 8]) >> (i * bits % 8)) & ((1 << bits) - 1)
         g = i // group_size
         out[i] = np.float32(np.float32(c) * scales[g]) + mns[g]
+        if chan is not None:
+            ch = (i // chan[1]) % chan[0]
+            out[i] = np.float32(np.float32(out[i] * crngs[ch]) + cmins[ch])
     return torch.from_numpy(out)

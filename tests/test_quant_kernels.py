@@ -110,3 +110,69 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not(bits):
     nearest_err = (nearest - x).abs()
     assert nearest_err.max() <= step / 2 + 1e-6
     assert nearest_err.max() > 10 * mean_err  # the bias that averaging cannot remove
+
+
+CHAN = (3, 7)  # [outer 4, C 3, inner 7]: 84 elements, groups of 32 straddle channels
+
+
+def _x_chan(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Channels of very different ranges (x1, x1000, constant), as NCHW maps below a group."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 3, 7, generator=g)
+    x[:, 1] = x[:, 1] * 1000 + 5
+    x[:, 2] = -0.25  # a constant channel: range 0
+    return x.reshape(-1).to(dtype)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_per_channel_quantize_and_dequantize_equal_the_oracle(impl, rounding, dtype, bits):
+    """The channel stats, codes and group stats byte for byte; the round trip value for value."""
+    group_size, n = 32, 84
+    x = _x_chan(dtype)
+    noise = torch.rand(n, generator=torch.Generator().manual_seed(1)) \
+        if rounding == "stochastic" else None
+    q = quant.quantize_triton if impl == "triton" else quant.quantize_torch
+    dq = quant.dequantize_triton if impl == "triton" else quant.dequantize_torch
+    buf = q(x, bits, group_size, stochastic=noise is not None, noise=noise, chan=CHAN)
+    assert buf.numel() == quant.buffer_bytes(n, bits, group_size, CHAN[0])
+    codes, mn, scale = _split(buf, n, bits, group_size)
+    cmin, crng = (t.numpy() for t in quant.split_channels(buf, n, bits, group_size, CHAN[0]))
+    ref = reference.quant_ref(x, bits, group_size, noise, chan=CHAN)
+    for got, want in zip((codes, mn, scale, cmin, crng), ref):
+        np.testing.assert_array_equal(got, want)
+    assert crng[2] == 0 and crng[1] > 1000 * crng[0] / 10
+    out = dq(buf, n, bits, group_size, dtype, chan=CHAN)
+    want = reference.dequant_ref(codes, mn, scale, n, bits, group_size, CHAN, cmin, crng)
+    torch.testing.assert_close(out, _cast(want, dtype, impl), rtol=0, atol=0)
+    assert torch.all(out.view(4, 3, 7)[:, 2] == x.view(4, 3, 7)[:, 2])  # constant: exact
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_per_channel_steps_follow_each_channel_and_stay_unbiased(bits):
+    """With channels every element's error is below its own channel's step (range / L), where
+    plain groups give the small channel its large neighbour's step; stochastic rounding stays
+    unbiased through the per-channel map."""
+    group_size, n, trials = 32, 84, 1000
+    x = _x_chan(torch.float32)
+    levels = (1 << bits) - 1
+    step = (x.view(4, 3, 7).amax((0, 2)) - x.view(4, 3, 7).amin((0, 2))) / levels  # [C]
+    small = torch.zeros(4, 3, 7, dtype=torch.bool)
+    small[:, 0] = True
+    small = small.reshape(-1)
+    torch.manual_seed(0)
+    total = torch.zeros(n, dtype=torch.float64)
+    worst = 0.0
+    for _ in range(trials):
+        buf = quant.quantize_torch(x, bits, group_size, stochastic=True, chan=CHAN)
+        y = quant.dequantize_torch(buf, n, bits, group_size, torch.float32, chan=CHAN)
+        worst = max(worst, ((y - x)[small].abs().max() / step[0]).item())
+        total += y
+    assert worst <= 1 + 1e-4  # within one of the small channel's own steps
+    err = (total / trials - x).view(4, 3, 7).abs().amax((0, 2))
+    assert torch.all(err <= 5 * (step / 2) / trials ** 0.5 + 1e-6), (err, step)
+    plain = quant.dequantize_torch(quant.quantize_torch(x, bits, group_size, stochastic=True),
+                                   n, bits, group_size, torch.float32)
+    assert (plain - x)[small].abs().max() > 10 * step[0]  # the old grouping: neighbour's step
