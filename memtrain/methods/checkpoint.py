@@ -149,17 +149,17 @@ class CheckpointMethod:
                             None if keep is None else {(int(i), int(j)) for i, j in keep},
                             cache_dir)
         self.plan = plan
-        carry["checkpoint_plan"] = [list(g) for g in plan.groups]
+        if not self.dry_run:
+            self._apply(model)
+            if self.strategy == "budget" and groups is None and self._stacked(model):
+                self._fit_measured(model, x, y, autocast or contextlib.nullcontext)
+        carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
         if self.by_op:
-            carry["checkpoint_keep"] = [list(k) for k in plan.extra["keep"]]
+            carry["checkpoint_keep"] = [list(k) for k in self.plan.extra["keep"]]
         # once, through logging: memtrain.log and the console (a dry run asks for nothing else)
         log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
         if self.dry_run:
             return {**self.summary_columns(), "dry_run": True, "steps": 0}
-        self._apply(model)
-        if self.strategy == "budget" and groups is None and self._stacked(model):
-            self._fit_measured(model, x, y, autocast or contextlib.nullcontext)
-            carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
         return self.summary_columns()
 
     def _stacked(self, model: nn.Module) -> bool:
@@ -175,9 +175,7 @@ class CheckpointMethod:
         +20%) or stay far below the model. One tracked step (profile batch, scaled) measures
         the applied plan; while it is over the budget, the model's budget is lowered by the
         excess and the plan chosen again, at most three times; no fit is a one-line error."""
-        scale, pb = 1.0, self.profile_batch
-        if pb is not None and pb < x.shape[0]:
-            scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
+        scale, x, y = self._profile_slice(x, y)
         loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
         budget = target = self._budget(self.profile)
         least = None
@@ -221,10 +219,7 @@ class CheckpointMethod:
                 cache_dir: str | None = None) -> planner.Plan:
         """Profile the segments on `x` and choose the groups (`groups`, `keep`: a plan kept by
         a resumed run, used whatever a new profile says); sets `self.profile` (and `self.ops`)."""
-        scale = 1.0
-        pb = self.profile_batch
-        if pb is not None and pb < x.shape[0]:
-            scale, x, y = x.shape[0] / pb, x[:pb], y[:pb]
+        scale, x, y = self._profile_slice(x, y)
         self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir)
         prof, n = self.profile, self.profile.n
         if self.by_op and groups is not None:
@@ -236,6 +231,14 @@ class CheckpointMethod:
         if self.strategy == "sqrt":
             return planner.make_plan(prof, planner.uniform_groups(n, max(1, round(math.sqrt(n)))))
         return self._plan_budget(prof)
+
+    def _profile_slice(self, x: torch.Tensor, y: torch.Tensor
+                       ) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """(scale, x, y): the first `profile_batch` samples and the factor back to the batch."""
+        pb = self.profile_batch
+        if pb is not None and pb < x.shape[0]:
+            return x.shape[0] / pb, x[:pb], y[:pb]
+        return 1.0, x, y
 
     def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None) -> None:
         """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
