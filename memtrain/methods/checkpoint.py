@@ -27,10 +27,10 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
+from memtrain.methods import _ckpt_bn, _hooks
 from memtrain.methods import _ckpt_cache as cache
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods import _hooks
 from memtrain.methods._segments import Segment, apply_groups, discover
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,11 @@ class CheckpointMethod:
         if self.strategy == "compile":
             return CompiledBudget(model, self.budget_fraction)
         self.segments = discover(model)
+        if self.strategy == "budget":
+            # BatchNorm as statistics + normalisation (`_ckpt_bn`): an op plan keeps the
+            # statistics and recomputes one elementwise pass; block plans profile the same forward
+            # (one profile per sweep serves both granularities)
+            _ckpt_bn.split_batchnorms([m for s in self.segments for m in s.modules()])
         if self.strategy == "selective":
             # A saved matmul/conv output must not be overwritten later in the forward (SAC
             # checks it): in-place activations (SiLU after the squeeze-excite conv) go out-of-place.
@@ -174,7 +179,8 @@ class CheckpointMethod:
         measured peak can pass the budget (resnet18, 16 px, checkpoint 0.5 + quantize 4 bits:
         +20%) or stay far below the model. One tracked step (profile batch, scaled) measures
         the applied plan; while it is over the budget, the model's budget is lowered by the
-        excess and the plan chosen again, at most three times; no fit is a one-line error."""
+        excess (and further while that leaves the plan as it is: `_replan_below`) and the plan
+        chosen again, at most three times; no fit is a one-line error."""
         scale, x, y = self._profile_slice(x, y)
         loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
         budget = target = self._budget(self.profile)
@@ -185,13 +191,10 @@ class CheckpointMethod:
             self.plan.extra["measured_peak"] = measured
             if measured <= budget:
                 return
-            target -= measured - budget
-            try:
-                plan = planner.plan_budget(self.profile, target, self.max_group)
-            except planner.Infeasible:
+            plan = self._replan_below(target - (measured - budget))
+            if plan is None:
                 break
-            if plan.groups == self.plan.groups:
-                break
+            target = plan.extra["target"]
             log.info("checkpoint (stack): plan %s measured %d bytes > budget %d; re-planned "
                      "under %d modelled bytes", self.plan.groups, measured, budget, target)
             self.plan = plan
@@ -201,6 +204,21 @@ class CheckpointMethod:
             f"method.budget_fraction={self.budget_fraction} ({budget} bytes) is below what this "
             f"stack's plans measure: least {least} bytes (budget_fraction {least / base:.3f} of "
             f"the modelled baseline's {base}) in a tracked step; raise the budget")
+
+    def _replan_below(self, target: int) -> planner.Plan | None:
+        """The block plan under `target` modelled bytes; while that is the plan in place (a small
+        excess need not change it), under its modelled peak minus one byte (the next plan down),
+        at most 8 times; None when no other plan fits."""
+        for _ in range(8):
+            try:
+                plan = planner.plan_budget(self.profile, target, self.max_group)
+            except planner.Infeasible:
+                return None
+            if plan.groups != self.plan.groups:
+                plan.extra["target"] = target
+                return plan
+            target = min(target, plan.peak) - 1
+        return None
 
     def _apply(self, model: nn.Module) -> None:
         contexts = None
@@ -247,8 +265,10 @@ class CheckpointMethod:
         k, got = None, None
         stacked = self._stacked(model)
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
+            # bn: BatchNorm split into statistics + normalisation (`_ckpt_bn`); profiles of
+            # the one-op forward (before it) list other ops and must not be reused
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats)
+                          repeats=self.profile_repeats, bn="split")
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
