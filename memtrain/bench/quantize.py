@@ -7,8 +7,9 @@ counts them) and the tracked activation peak of that step (`measure.PeakTracker`
 batch and seed as none, in this process.
 `accuracy`: test accuracy after the same steps (memtrain runs through `api.run`: the CLI's path)
 for mlp6 on Fashion-MNIST (SGD, its recipe's lr 0.01) and resnet18 at 16 px on the synthetic
-data, none and bits 8/4/2, per seed; the acceptance: bits=4 within 1 point of none, bits=2
-within 3.
+data (the `quantize_accuracy` experiment's recipe; that preset runs the same study as a sweep,
+seeds side by side), none and bits 8/4/2, per seed; the acceptance: bits=4 within 1 point of
+none, bits=2 within 3.
 
     python -m memtrain.bench.quantize saved --out docs/results/quantize_saved_cpu.md
     python -m memtrain.bench.quantize accuracy --seeds 0 1 --out docs/results/quantize_acc_cpu.md
@@ -72,9 +73,8 @@ def saved_all(cells: list[tuple[str, int, int]], peak: bool = True) -> list[dict
 SUITES = {  # CPU-sized: a shared 2-core machine trains these in minutes
     "mlp6 fashion_mnist": ["model=mlp6", "dataset=fashion_mnist",
                            "trainer.batch_size=128", "trainer.max_steps=200"],
-    "resnet18 synthetic 16px": ["model=resnet18", "dataset=synthetic", "dataset.image_size=16",
-                                "dataset.train_size=2048", "dataset.test_size=1000",
-                                "trainer.batch_size=64", "trainer.epochs=3"],
+    # conf/experiment/quantize_accuracy.yaml: trained to convergence, accuracy plateau ~68%
+    "resnet18 synthetic 16px": ["experiment=quantize_accuracy"],
 }
 
 
