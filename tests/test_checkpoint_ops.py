@@ -206,47 +206,6 @@ def test_any_keep_set_is_exact(which):
         assert torch.equal(b, b_ref), name
 
 
-@pytest.mark.parametrize("case", ["2d", "channels_last", "1d", "cumulative", "untracked"])
-def test_split_batchnorm_is_native_batchnorm(case):
-    """BatchNorm split into statistics + normalisation (`_ckpt_bn`, what an op plan recomputes
-    apart) gives native BatchNorm's output, gradients and running statistics, bitwise on the
-    CPU, over two training steps."""
-    from torch import nn
-
-    from memtrain.methods._ckpt_bn import split_batchnorms
-
-    torch.manual_seed(0)
-    shape = (6, 24) if case == "1d" else (4, 8, 5, 3)
-    kind = nn.BatchNorm1d if case == "1d" else nn.BatchNorm2d
-    bn = kind(shape[1], momentum=None if case == "cumulative" else 0.1,
-              track_running_stats=case != "untracked")
-    nn.init.normal_(bn.weight)
-    nn.init.normal_(bn.bias)
-    split = copy.deepcopy(bn)
-    assert split_batchnorms([split]) == 1 and "forward" in vars(split)
-    x = torch.randn(shape) * 3 + 2
-    if case == "channels_last":
-        x = x.to(memory_format=torch.channels_last)
-    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    for _ in range(2):
-        ya, yb = bn(a), split(b)
-        g = torch.randn_like(ya)
-        (ya * g).sum().backward()
-        (yb * g).sum().backward()
-        assert torch.equal(ya, yb) and ya.stride() == yb.stride()
-        assert torch.equal(a.grad, b.grad)
-        for p, q in zip(bn.parameters(), split.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
-        for u, v in zip(bn.buffers(), split.buffers(), strict=True):
-            assert torch.equal(u, v)
-    split.eval()  # eval mode and other dtypes run natively
-    assert torch.equal(split(x), bn.eval()(x))
-    split.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        z = x.bfloat16()
-        assert torch.equal(split(z), kind.forward(split, z))
-
-
 def test_op_plans_recompute_batchnorm_from_kept_statistics():
     """On resnet18 at a tight budget the op plan keeps every recomputed BatchNorm's statistics
     (tiny) and recomputes its normalisation (one elementwise pass) rather than the whole op."""
