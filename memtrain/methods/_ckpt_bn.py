@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memtrain.methods._segments import batchnorms
+
 
 class SplitBatchNormFn(torch.autograd.Function):
     @staticmethod
@@ -59,7 +61,8 @@ def _forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tens
     momentum = 0.0 if bn.momentum is None else bn.momentum
     if bn.track_running_stats and bn.num_batches_tracked is not None:  # as nn.BatchNorm does
         bn.num_batches_tracked.add_(1)
-        momentum = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+        if bn.momentum is None:  # a cumulative average
+            momentum = 1.0 / float(bn.num_batches_tracked)
     return SplitBatchNormFn.apply(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
                                   momentum, bn.eps)
 
@@ -67,10 +70,7 @@ def _forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tens
 def split_batchnorms(modules: list[nn.Module]) -> int:
     """Every BatchNorm under `modules` runs split (an instance forward over its class's);
     returns how many. The state_dict is unchanged."""
-    n = 0
-    for top in modules:
-        for m in top.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and "forward" not in m.__dict__:
-                m.forward = _forward.__get__(m)
-                n += 1
-    return n
+    todo = [bn for bn in batchnorms(modules) if "forward" not in vars(bn)]
+    for bn in todo:
+        bn.forward = _forward.__get__(bn)
+    return len(todo)

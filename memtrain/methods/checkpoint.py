@@ -191,10 +191,10 @@ class CheckpointMethod:
             self.plan.extra["measured_peak"] = measured
             if measured <= budget:
                 return
-            plan = self._replan_below(target - (measured - budget))
-            if plan is None:
+            got = self._replan_below(target - (measured - budget))
+            if got is None:
                 break
-            target = plan.extra["target"]
+            plan, target = got
             log.info("checkpoint (stack): plan %s measured %d bytes > budget %d; re-planned "
                      "under %d modelled bytes", self.plan.groups, measured, budget, target)
             self.plan = plan
@@ -205,18 +205,17 @@ class CheckpointMethod:
             f"stack's plans measure: least {least} bytes (budget_fraction {least / base:.3f} of "
             f"the modelled baseline's {base}) in a tracked step; raise the budget")
 
-    def _replan_below(self, target: int) -> planner.Plan | None:
-        """The block plan under `target` modelled bytes; while that is the plan in place (a small
-        excess need not change it), under its modelled peak minus one byte (the next plan down),
-        at most 8 times; None when no other plan fits."""
+    def _replan_below(self, target: int) -> tuple[planner.Plan, int] | None:
+        """(plan, target): the block plan under `target` modelled bytes; while that is the plan
+        in place (a small excess need not change it), under its modelled peak minus one byte (the
+        next plan down), at most 8 times; None when no other plan fits."""
         for _ in range(8):
             try:
                 plan = planner.plan_budget(self.profile, target, self.max_group)
             except planner.Infeasible:
                 return None
             if plan.groups != self.plan.groups:
-                plan.extra["target"] = target
-                return plan
+                return plan, target
             target = min(target, plan.peak) - 1
         return None
 
