@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from memtrain import api, measure
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods._ckpt_compact import Compact
 from memtrain.methods.checkpoint import CheckpointMethod
 
 # torch 2.11 (the compat pass) routes no SAC-cached output through saved-tensor hooks, so op
@@ -45,7 +46,11 @@ def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, oppla
                         [rng.randint(1, 16) * kib for _ in range(n)],
                         [rng.random() < 0.5 for _ in range(n)], [0.0] * n,
                         tail=rng.randint(0, 8) * kib, step_time=3.0 * n)
-    return p, opplan.OpProfile(ops)
+    # lossless compaction choices (_ckpt_compact) on up to two segments
+    compact = [Compact(i, rng.randint(1, max(1, inner[i] // kib)) * kib, rng.uniform(0.01, 0.5),
+                       rng.uniform(0.01, 0.5), "relu x1", [o.name for o in ops[i]])
+               for i in rng.sample(range(n), rng.randint(0, 2))]
+    return p, opplan.OpProfile(ops, compact)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -61,8 +66,10 @@ def test_op_planner_equals_brute_force(seed):
         got = opplan.plan_budget(p, ops, budget)
         best = opplan.brute_force(p, ops, budget)
         assert got.peak <= budget
-        cost = opplan.op_cost(ops, got.groups, set(map(tuple, got.extra["keep"])))
-        assert cost == pytest.approx(opplan.op_cost(ops, best.groups, set(best.extra["keep"])),
+        cost = opplan.op_cost(ops, got.groups, set(map(tuple, got.extra["keep"])),
+                              got.extra["compact"])
+        assert cost == pytest.approx(opplan.op_cost(ops, best.groups, set(best.extra["keep"]),
+                                                    best.extra["compact"]),
                                      rel=1e-9, abs=1e-12)
         # block granularity on the same costs is never cheaper
         block = opplan.plan_budget(p, ops, budget, ops=False)
@@ -105,6 +112,19 @@ def _tracked_act_peak(model, x, y) -> int:
     return tracker.act_peak_bytes
 
 
+def _step_matches_none(got, params, buffers, ref, ref_loss, x, y) -> None:
+    """One step of `got` (seeded as the reference's): loss, every parameter's gradient and
+    every buffer (BatchNorm statistics) equal the plain model's."""
+    torch.manual_seed(1)
+    loss = F.cross_entropy(got(x), y)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    for (name, p_ref), prm in zip(ref.named_parameters(), params, strict=True):
+        torch.testing.assert_close(prm.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
+        assert torch.equal(b, b_ref), name
+
+
 @pytest.mark.parametrize("model,size,batch,frac", PEAK_CASES)
 def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     """Loss, gradients and BatchNorm statistics equal none's; the modelled activation peak
@@ -126,14 +146,7 @@ def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     # mlp6's segments are one linear + relu_ each: inside a recomputed group nothing is worth
     # keeping; every other model's plan keeps some ops (an op-level plan, not a block one)
     assert bool(method.plan.extra["keep"]) == (model != "mlp6")
-    torch.manual_seed(1)
-    loss = F.cross_entropy(got(x), y)
-    loss.backward()
-    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
-    for (name, p_ref), p in zip(ref.named_parameters(), params, strict=True):
-        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-7, msg=name)
-    for (name, b_ref), b in zip(ref.named_buffers(), buffers, strict=True):
-        assert torch.equal(b, b_ref), name
+    _step_matches_none(got, params, buffers, ref, ref_loss, x, y)
     measured = _tracked_act_peak(got, x, y)
     assert method.plan.peak == pytest.approx(measured, rel=0.05)
 
@@ -220,3 +233,69 @@ def test_op_plans_recompute_batchnorm_from_kept_statistics():
     stats = [k for k in inside if opplan.short(ops[k[0]][k[1]].name) == "batch_norm_update_stats"]
     assert stats and all(k in keep for k in stats)
     assert not any("native_batch_norm" in ops[i][j].name for i, j in inside)
+
+
+def _least_peak(p, ops) -> int:
+    with pytest.raises(planner.Infeasible) as err:
+        opplan.plan_budget(p, ops, 1)
+    return err.value.min_peak
+
+
+@pytest.mark.parametrize("where", ["recomputed", "kept"])
+def test_compacted_stem_is_exact_and_predicted(where, tmp_path):
+    """resnet18 at 64 px (ImageNet stem: ReLU -> max-pool): the stem's compaction (1-bit ReLU
+    mask, uint8 max-pool offsets) is a measured choice; below the least peak without it the plan
+    compacts the stem, recomputed or kept; loss, gradients and BatchNorm statistics equal none's,
+    the modelled peak is the tracker's within 5%, the dry-run table names the choice, and the
+    sweep cache keeps it."""
+    from memtrain.methods import _ckpt_cache
+
+    _, base, _ = api.build(["model=resnet18", "dataset.image_size=64"])
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 3, 64, 64, generator=g), torch.randint(0, 10, (2,), generator=g)
+    ref = copy.deepcopy(base).train()
+    ref_loss = F.cross_entropy(ref(x), y)
+    ref_loss.backward()
+    got = copy.deepcopy(base)
+    params, buffers = list(got.parameters()), list(got.buffers())
+    method = CheckpointMethod(strategy="budget", budget_fraction=0.9, profile_repeats=1,
+                              dry_run=True)
+    got = method.wrap(got).train()
+    method.prepare(got, x, y, cache_dir=str(tmp_path))
+    p, ops = method.profile, method.ops
+    assert [(c.seg, c.what) for c in ops.compact] == [(0, "max_pool2d x1, relu x1")]
+    assert 0 < ops.compact[0].saves < p.inner[0]
+    loaded = _ckpt_cache.load(tmp_path, next((tmp_path / _ckpt_cache.FOLDER).glob("*")).stem)
+    assert loaded[1].compact == ops.compact
+    plain = opplan.OpProfile(ops.ops)
+    least = _least_peak(p, ops)
+    assert least < _least_peak(p, plain)
+    if where == "recomputed":
+        method.plan = opplan.plan_budget(p, ops, (least + _least_peak(p, plain)) // 2)
+        assert method.plan.extra["compact"] == [0] and method.plan.groups[0][0] == 0
+    else:  # the stem kept and compacted, the rest recomputed as one group
+        method.plan = opplan.op_plan(p, ops, [(1, p.n - 1)], set(), [0])
+        alone = opplan.op_plan(p, ops, [(1, p.n - 1)], set())
+        assert method.plan.peak < alone.peak
+    assert f"compact ({ops.compact[0].what}" in method.table()
+    assert method.summary_columns()["plan_compact_segments"] == 1
+    method._apply(got)
+    _step_matches_none(got, params, buffers, ref, ref_loss, x, y)
+    assert method.plan.peak == pytest.approx(_tracked_act_peak(got, x, y), rel=0.05)
+    # a replaced plan without compaction gives the stem its plain modules back
+    method.plan = opplan.op_plan(p, ops, [(1, p.n - 1)], set())
+    method._apply(got)
+    assert type(got.relu) is torch.nn.ReLU and type(got.maxpool) is torch.nn.MaxPool2d
+
+
+def test_frontier_table_names_the_compactions():
+    """`python -m memtrain.bench.checkpoint --frontier`: one row per budget, the op plan's
+    compacted segments in their column, the least peak with and without compaction."""
+    from memtrain.bench.checkpoint import FRONTIER, frontier
+
+    text = frontier("resnet18", 64, 2, 2, torch.device("cpu"))
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 0.")]
+    assert len(rows) == len(FRONTIER) and all(r.count("|") == 10 for r in rows)
+    m = re.search(r"least modelled peak: op ([\d.]+)x \(without compaction ([\d.]+)x\), block "
+                  r"([\d.]+)x; compaction choices: stem", text)
+    assert m and float(m[1]) < float(m[2]) <= float(m[3])

@@ -136,8 +136,9 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
            f"samples, scaled to {batch}; {p.n} segments, {sum(map(len, ops.ops))} ops, "
            f"{len(ops.keys())} keepable; baseline activation peak {p.baseline_peak / 2**30:.2f} "
            f"GiB, step {p.step_time:.1f} s", "",
-           "| budget | op peak | op overhead | op solve s | block peak | block overhead | "
-           "block solve s | op / block overhead |", "|---|---|---|---|---|---|---|---|"]
+           "| budget | op peak | op overhead | op solve s | op compacts | block peak | "
+           "block overhead | block solve s | op / block overhead |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for f in FRONTIER:
         cells, over = [], []
         for by_op in (True, False):
@@ -145,14 +146,34 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
                 pl = opplan.plan_budget(p, ops, f * p.baseline_peak, ops=by_op)
             except planner.Infeasible as e:
                 cells += [f"infeasible (least {e.min_peak / p.baseline_peak:.3f})", "-", "-"]
+                cells += ["-"] * by_op
                 continue
             over.append(pl.overhead)
             cells += [f"{pl.peak / p.baseline_peak:.3f}", f"+{100 * pl.overhead:.1f}%",
                       f"{pl.extra['solve_s']:.1f}"]
+            if by_op:  # the segments compacted (`_ckpt_compact`: lossless masks and offsets)
+                cells.append(", ".join(p.names[i] for i in pl.extra["compact"]) or "-")
         ratio = f"{over[0] / over[1]:.2f}" if len(over) == 2 and over[1] > 0 else "-"
         out.append(f"| {f} | " + " | ".join(cells) + f" | {ratio} |")
         print(out[-1], flush=True)
+    least = [_least(p, o, by_op) / p.baseline_peak
+             for o, by_op in ((ops, True), (opplan.OpProfile(ops.ops), True), (ops, False))]
+    offered = ", ".join(f"{p.names[c.seg]} -{c.saves / 2**20:.0f} MiB ({c.what})"
+                        for c in ops.compact) or "none"
+    out += ["", f"least modelled peak: op {least[0]:.3f}x (without compaction {least[1]:.3f}x), "
+                f"block {least[2]:.3f}x; compaction choices: {offered}"]
     return "\n".join(out)
+
+
+def _least(p, ops, by_op: bool) -> int:
+    from memtrain.methods import _ckpt_ops as opplan
+    from memtrain.methods import _ckpt_plan as planner
+
+    try:
+        opplan.plan_budget(p, ops, 1, ops=by_op)
+    except planner.Infeasible as e:
+        return e.min_peak
+    return 1
 
 
 def main(argv: list[str] | None = None) -> None:

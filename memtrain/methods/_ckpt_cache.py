@@ -18,6 +18,7 @@ import torch
 
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods._ckpt_compact import Compact
 
 log = logging.getLogger(__name__)
 FOLDER = ".checkpoint-profiles"
@@ -42,7 +43,8 @@ def load(folder: Path, k: str) -> tuple[planner.Profile, opplan.OpProfile | None
     except (OSError, ValueError):
         return None
     ops = None if d["ops"] is None else opplan.OpProfile(
-        [[opplan.Op(**o) for o in seg] for seg in d["ops"]])
+        [[opplan.Op(**o) for o in seg] for seg in d["ops"]],
+        [Compact(**c) for c in d.get("compact", [])])
     log.info("checkpoint profile reused from %s", path)
     return planner.Profile(**d["profile"]), ops
 
@@ -51,7 +53,8 @@ def save(folder: Path, k: str, prof: planner.Profile, ops: opplan.OpProfile | No
     path = Path(folder) / FOLDER / f"{k}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     d = {"profile": dataclasses.asdict(prof),
-         "ops": None if ops is None else [[dataclasses.asdict(o) for o in seg] for seg in ops.ops]}
+         "ops": None if ops is None else [[dataclasses.asdict(o) for o in seg] for seg in ops.ops],
+         "compact": [] if ops is None else [dataclasses.asdict(c) for c in ops.compact]}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(d))
     os.replace(tmp, path)  # parallel jobs of a sweep: the last identical profile wins

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from memtrain import measure
 from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods._ckpt_compact import Compact
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 
@@ -66,6 +67,7 @@ class Op:
 @dataclass
 class OpProfile:
     ops: list[list[Op]] = field(default_factory=list)  # per segment, forward order
+    compact: list[Compact] = field(default_factory=list)  # lossless choices (_ckpt_compact)
 
     def keys(self) -> list[Key]:
         return [(i, j) for i, seg in enumerate(self.ops) for j, o in enumerate(seg)
@@ -182,52 +184,94 @@ def held_extra(prof: OpProfile, n: int, keep: set[Key]) -> list[int]:
     return extra
 
 
+def _compacts(prof: OpProfile, compact) -> list[Compact]:
+    """The compaction choices of the segments in `compact`."""
+    chosen = set(compact)
+    return [c for c in prof.compact if c.seg in chosen]
+
+
 def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
-            keep: set[Key]) -> planner.Plan:
-    """The plan of these groups with these ops kept (keeps outside the groups are dropped)."""
+            keep: set[Key], compact=()) -> planner.Plan:
+    """The plan of these groups with these ops kept and these segments compacted (keeps outside
+    the groups and in compacted segments are dropped: a compacted recomputed segment recomputes
+    every op of its compacted forward)."""
     inside = {i for a, e in groups for i in range(a, e + 1)}
-    keep = {k for k in keep if k[0] in inside}
+    comp = _compacts(prof, compact)
+    squeezed = {c.seg for c in comp}
+    keep = {k for k in keep if k[0] in inside and k[0] not in squeezed}
     rec = sum(o.time for i in inside for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
-    plan = planner.Plan(list(groups), planner.peak_bytes(p, groups, held_extra(prof, p.n, keep)),
+    less = [0] * p.n
+    for c in comp:
+        less[c.seg] = c.saves
+    rec += sum(c.time * (2 if c.seg in inside else 1) for c in comp)
+    plan = planner.Plan(list(groups),
+                        planner.peak_bytes(p, groups, held_extra(prof, p.n, keep), less),
                         rec, p.step_time)
     plan.extra["keep"] = sorted(keep)
+    plan.extra["compact"] = sorted(squeezed)
     return plan
 
 
-def op_cost(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> float:
+def op_cost(prof: OpProfile, groups: list[planner.Group], keep: set[Key],
+            compact=()) -> float:
+    inside = {i for a, e in groups for i in range(a, e + 1)}
     return sum(o.cost for a, e in groups for i in range(a, e + 1)
-               for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
+               for j, o in enumerate(prof.ops[i]) if (i, j) not in keep) + \
+        sum(c.cost * (2 if c.seg in inside else 1) for c in _compacts(prof, compact))
 
 
 def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group: int,
-           ops: bool) -> tuple[list[planner.Group], set[Key]] | None:
-    """The segment program of `_ckpt_plan` with a y variable per keepable op (`ops`; without,
-    block granularity on the op costs). budget None: minimise the peak."""
+           ops: bool) -> tuple[list[planner.Group], set[Key], list[int]] | None:
+    """The segment program of `_ckpt_plan` with, at op granularity (`ops`; without, block
+    granularity on the op costs), a y variable per keepable op (y_o <= 1 - kept_i) and two per
+    compaction choice of segment i (`_ckpt_compact`): ck <= kept_i takes its bytes off every
+    row that counts the kept segment (end of forward, recomputes of later groups), cr <= 1 -
+    kept_i off its own group's recompute row (and y_o + cr <= 1: a compacted recomputed
+    segment keeps no op); their costs (cr's twice) on the objective. budget None: minimise the
+    peak. Returns (groups, kept ops, compacted segments)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     groups, cover, fwd, fwd_c, rows, consts, big, _, mib = planner._program(p, max_group)
     n, ng = p.n, len(groups)
     keys = prof.keys() if ops else []
-    nk = len(keys)
+    comp = prof.compact if ops else []
+    nk, nc = len(keys), len(comp)
     seg_cost = [sum(o.cost for o in seg) for seg in prof.ops]
-    cost = np.zeros(n + ng + nk)
+    width = n + ng + nk + 2 * nc
+    y = n + ng + np.arange(nk)
+    ck = n + ng + nk + np.arange(nc)
+    cr = ck + nc
+    cost = np.zeros(width)
     cost[n:n + ng] = [sum(seg_cost[a:e + 1]) for a, e in groups]
-    cost[n + ng:] = [-prof.ops[i][j].cost for i, j in keys]
+    cost[y] = [-prof.ops[i][j].cost for i, j in keys]
+    cost[ck] = [c.cost for c in comp]
+    cost[cr] = [2 * c.cost for c in comp]
     cost /= max(np.abs(cost).max(), 1e-30)
     b = np.array([prof.ops[i][j].nbytes for i, j in keys]) / mib
     seg = np.array([i for i, _ in keys], dtype=int)
-    y = n + ng + np.arange(nk)
-    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk))])  # noqa: E731
+    saves = np.array([c.saves for c in comp]) / mib
+    cseg = np.array([c.seg for c in comp], dtype=int)
+    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk + 2 * nc))])  # noqa: E731
     a_cover, a_fwd, a_rec = pad(cover), pad(fwd[None, :]), pad(rows)
     a_fwd[0, y] = b
-    for r, (a, _) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
+    a_fwd[0, ck] = -saves
+    for r, (a, e) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
         a_rec[r, y] = np.where(seg < a, b, 0.0)
+        a_rec[r, ck] = np.where(cseg < a, -saves, 0.0)
+        a_rec[r, cr] = np.where((cseg >= a) & (cseg <= e), -saves, 0.0)
         big[r] += b[seg < a].sum()
         a_rec[r, n + r] += big[r]
-    a_excl = np.zeros((nk, n + ng + nk))  # y_o + kept_i <= 1
-    a_excl[np.arange(nk), seg] = 1
-    a_excl[np.arange(nk), y] = 1
-    width = n + ng + nk
+    # y_o + kept_i <= 1; ck - kept_i <= 0; cr + kept_i <= 1; y_o + cr <= 1 (same segment)
+    excl = [np.zeros((nk, width)), np.zeros((nc, width)), np.zeros((nc, width))]
+    excl[0][np.arange(nk), seg] = excl[0][np.arange(nk), y] = 1
+    excl[1][np.arange(nc), cseg], excl[1][np.arange(nc), ck] = -1, 1
+    excl[2][np.arange(nc), cseg] = excl[2][np.arange(nc), cr] = 1
+    pairs = [(k, m) for k in range(nk) for m in range(nc) if seg[k] == cseg[m]]
+    excl.append(np.zeros((len(pairs), width)))
+    for r, (k, m) in enumerate(pairs):
+        excl[3][r, y[k]] = excl[3][r, cr[m]] = 1
+    a_excl = np.vstack(excl)
+    ub_excl = np.concatenate([np.ones(nk), np.zeros(nc), np.ones(nc), np.ones(len(pairs))])
     free_b = budget is None
     if free_b:
         extend = lambda m, v: np.hstack([m, np.full((m.shape[0], 1), v)])  # noqa: E731
@@ -242,14 +286,15 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         c, integrality, hi = cost, np.ones(width), np.ones(width)
     cons = [LinearConstraint(a_cover, 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
-    if nk:
-        cons.append(LinearConstraint(a_excl, -np.inf, 1))
+    if len(a_excl):
+        cons.append(LinearConstraint(a_excl, -np.inf, ub_excl))
     res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(np.zeros(len(c)), hi),
                options={"mip_rel_gap": 0.0, "time_limit": 120.0})
     if res.x is None:
         return None
     chosen = sorted(groups[g] for g in range(ng) if res.x[n + g] > 0.5)
-    return chosen, {keys[k] for k in range(nk) if res.x[n + ng + k] > 0.5}
+    return (chosen, {keys[k] for k in range(nk) if res.x[y[k]] > 0.5},
+            [comp[m].seg for m in range(nc) if res.x[ck[m]] > 0.5 or res.x[cr[m]] > 0.5])
 
 
 def plan_budget(p: planner.Profile, prof: OpProfile, budget: float,
@@ -273,16 +318,21 @@ def plan_budget(p: planner.Profile, prof: OpProfile, budget: float,
 
 
 def brute_force(p: planner.Profile, prof: OpProfile, budget: float) -> planner.Plan | None:
-    """Every segment plan x every subset of keepable ops (tests: tiny instances only)."""
+    """Every segment plan x every subset of keepable ops x every subset of the kept segments'
+    compactions (tests: tiny instances only)."""
     best, best_cost = None, float("inf")
     keys = prof.keys()
     for groups in planner._all_plans(p.n, 0, p.n):
         inside = {i for a, e in groups for i in range(a, e + 1)}
-        cand = [k for k in keys if k[0] in inside]
+        cand = [k for k in keys if k[0] in inside] + [c.seg for c in prof.compact]
         for bits in itertools.product((0, 1), repeat=len(cand)):
-            keep = {k for k, bit in zip(cand, bits) if bit}
-            plan = op_plan(p, prof, groups, keep)
-            cost = op_cost(prof, groups, keep)
+            on = [k for k, bit in zip(cand, bits) if bit]
+            keep = {k for k in on if isinstance(k, tuple)}
+            compact = [k for k in on if not isinstance(k, tuple)]
+            if any(k[0] in compact for k in keep):
+                continue  # op_plan would drop these keeps: the same plan as without them
+            plan = op_plan(p, prof, groups, keep, compact)
+            cost = op_cost(prof, groups, keep, compact)
             if plan.peak <= budget and cost < best_cost - 1e-12:
                 best, best_cost = plan, cost
     return best
@@ -337,14 +387,21 @@ def _ends_at(ctx, count, n: int, group: str):
 
 
 def policies(prof: OpProfile, names: list[str], groups: list[planner.Group],
-             keep: set[Key]) -> list[PlanPolicy]:
+             keep: set[Key], compact=()) -> list[PlanPolicy]:
+    """Per group, its policy; a compacted segment (`_ckpt_compact`) checks its compacted
+    forward's op names and keeps nothing."""
+    squeezed = {c.seg: c.names for c in _compacts(prof, compact)}
+    keep = {k for k in keep if k[0] not in squeezed}
     out = []
     for a, e in groups:
-        seq = [(i, j) for i in range(a, e + 1) for j in range(len(prof.ops[i]))]
-        out.append(PlanPolicy([prof.ops[i][j].name for i, j in seq],
-                              {k for k, ij in enumerate(seq) if ij in keep},
+        seq = [(i, j, squeezed[i][j] if i in squeezed else o.name)
+               for i in range(a, e + 1)
+               for j, o in enumerate(squeezed.get(i) or prof.ops[i])]
+        out.append(PlanPolicy([name for _, _, name in seq],
+                              {k for k, (i, j, _) in enumerate(seq) if (i, j) in keep},
                               f"{names[a]}..{names[e]}",
-                              any(prof.ops[i][j].relu_after for i, j in seq if (i, j) in keep)))
+                              any(prof.ops[i][j].relu_after for i, j in keep
+                                  if a <= i <= e)))
     return out
 
 
@@ -354,14 +411,17 @@ def short(name: str) -> str:
     return parts[1] if len(parts) > 2 else name
 
 
-def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> list[str]:
-    """One line per group: the ops it recomputes and the ops it keeps, counted by kind."""
+def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key],
+             compact=()) -> list[str]:
+    """One line per group: the ops it recomputes and the ops it keeps, counted by kind (a
+    compacted segment's: its compacted forward's)."""
+    squeezed = {c.seg: c.names for c in _compacts(prof, compact)}
     lines = []
     for a, e in groups:
         rec, kept = Counter(), Counter()
         for i in range(a, e + 1):
-            for j, o in enumerate(prof.ops[i]):
-                (kept if (i, j) in keep else rec)[short(o.name)] += 1
+            for j, name in enumerate(squeezed.get(i) or [o.name for o in prof.ops[i]]):
+                (kept if (i, j) in keep and i not in squeezed else rec)[short(name)] += 1
         fmt = lambda c: ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"  # noqa: E731
         lines.append(f"group {a}-{e}: recompute {fmt(rec)}; keep {fmt(kept)}")
     return lines

@@ -109,17 +109,21 @@ def _recompute_bytes(p: Profile, a: int, e: int) -> int:
     return sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
 
 
-def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None) -> int:
+def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
+               less: list[int] | None = None) -> int:
     """Modelled activation peak of a plan (see the module docstring); `extra[i]`: bytes a
     recomputed segment i holds from its forward until its recompute (op-level plans: the
-    outputs of its kept ops, `_ckpt_ops`)."""
+    outputs of its kept ops, `_ckpt_ops`); `less[i]`: bytes a kept segment i holds less than
+    its profile says, and a recomputed one recomputes less (op-level plans: its compaction,
+    `_ckpt_compact`)."""
     kept, live = _live(p, groups)
     extra = extra or [0] * p.n
-    held = [p.inner[i] * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
+    less = less or [0] * p.n
+    held = [(p.inner[i] - less[i]) * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
             for i in range(p.n)]
     peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
     for a, e in groups:
-        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e))
+        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1]))
     return max(peaks)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
-from memtrain.methods import _ckpt_bn, _hooks
+from memtrain.methods import _ckpt_bn, _ckpt_compact, _hooks
 from memtrain.methods import _ckpt_cache as cache
 from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
@@ -105,6 +105,7 @@ class CheckpointMethod:
         self.segments: list[Segment] = []
         self.plan: planner.Plan | None = None
         self._applied: list = []  # the CheckpointGroups of the plan in place
+        self._uncompact: Callable[[], None] | None = None  # undoes the plan's compaction
         self.profile: planner.Profile | None = None
         self.ops: opplan.OpProfile | None = None
         # a stack's inner saved-tensor hooks, entered inside every checkpoint too (stack.py)
@@ -152,7 +153,7 @@ class CheckpointMethod:
         plan = self._choose(model, x, y, autocast,
                             None if groups is None else [(int(a), int(b)) for a, b in groups],
                             None if keep is None else {(int(i), int(j)) for i, j in keep},
-                            cache_dir)
+                            cache_dir, [int(i) for i in carry.get("checkpoint_compact", [])])
         self.plan = plan
         if not self.dry_run:
             self._apply(model)
@@ -161,6 +162,7 @@ class CheckpointMethod:
         carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
         if self.by_op:
             carry["checkpoint_keep"] = [list(k) for k in self.plan.extra["keep"]]
+            carry["checkpoint_compact"] = list(self.plan.extra["compact"])
         # once, through logging: memtrain.log and the console (a dry run asks for nothing else)
         log.info("checkpoint plan (%s):\n%s", self.strategy, self.table())
         if self.dry_run:
@@ -224,23 +226,33 @@ class CheckpointMethod:
         if self.by_op:
             names = [s.name for s in self.segments]
             contexts = [p.make for p in opplan.policies(self.ops, names, self.plan.groups,
-                                                        set(self.plan.extra["keep"]))]
+                                                        set(self.plan.extra["keep"]),
+                                                        self.plan.extra["compact"])]
         for g in self._applied:  # a plan replaced (a stack's re-plan)
             g.remove()
+        if self._uncompact is not None:
+            self._uncompact()
+            self._uncompact = None
+        chosen = self.plan.extra.get("compact", [])
+        if chosen:  # ReLUs keep 1-bit masks, max-pools uint8 offsets; before the groups take
+            # their members' forwards
+            cands = _ckpt_compact.candidates(self.segments)
+            self._uncompact = _ckpt_compact.apply([m for i in chosen for m in cands[i]])
         self._applied = apply_groups(model, self.segments, self.plan.groups, contexts=contexts,
                                      inside=self.inside)
 
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
                 groups: list[tuple[int, int]] | None = None,
                 keep: set[tuple[int, int]] | None = None,
-                cache_dir: str | None = None) -> planner.Plan:
-        """Profile the segments on `x` and choose the groups (`groups`, `keep`: a plan kept by
-        a resumed run, used whatever a new profile says); sets `self.profile` (and `self.ops`)."""
+                cache_dir: str | None = None, compact: list[int] | None = None) -> planner.Plan:
+        """Profile the segments on `x` and choose the groups (`groups`, `keep`, `compact`: a
+        plan kept by a resumed run, used whatever a new profile says); sets `self.profile` (and
+        `self.ops`)."""
         scale, x, y = self._profile_slice(x, y)
         self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir)
         prof, n = self.profile, self.profile.n
         if self.by_op and groups is not None:
-            return opplan.op_plan(prof, self.ops, groups, keep or set())
+            return opplan.op_plan(prof, self.ops, groups, keep or set(), compact or ())
         if groups is not None:
             return planner.make_plan(prof, groups)
         if self.strategy == "uniform":
@@ -266,8 +278,9 @@ class CheckpointMethod:
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
             # bn: BatchNorm split into statistics + normalisation (`_ckpt_bn`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
+            # compact: op profiles carry the compaction choices (`_ckpt_compact`)
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats, bn="split")
+                          repeats=self.profile_repeats, bn="split", compact=1)
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
@@ -283,6 +296,8 @@ class CheckpointMethod:
         if self.by_op and ops is None:
             ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
                                        scale)
+            ops.compact = _ckpt_compact.profile(model, self.segments, x, autocast,
+                                                self.profile_repeats, scale, self.profile, ops)
             opplan.calibrate(ops, self.profile.time)
         if k is not None and (got is None or (got[1] is None and ops is not None)):
             cache.save(cache_dir, k, self.profile, ops)
@@ -337,9 +352,15 @@ class CheckpointMethod:
             "plan_granularity": "op" if self.by_op else "block",
             **({"plan_kept_ops": len(p.extra["keep"]),
                 "plan_recomputed_ops": sum(len(self.ops.ops[i]) for a, e in p.groups
-                                           for i in range(a, e + 1)) - len(p.extra["keep"])}
+                                           for i in range(a, e + 1)) - len(p.extra["keep"]),
+                "plan_compact_segments": len(p.extra["compact"]),
+                "plan_compact_bytes": sum(c.saves for c in self._compacted())}
                if self.by_op else {}),
         }
+
+    def _compacted(self) -> list[_ckpt_compact.Compact]:
+        chosen = set(self.plan.extra.get("compact", []))
+        return [c for c in self.ops.compact if c.seg in chosen]
 
     def table(self) -> str:
         """The profile and the plan, one row per segment (what `dry_run` prints)."""
@@ -351,9 +372,14 @@ class CheckpointMethod:
                            if biggest >= 2**e)
         lines = [f"{'#':>3} {'segment':<14} {'inner ' + unit:>10} {'out ' + unit:>9} "
                  f"{'fwd ms':>8}  decision"]
+        compact = {c.seg: c for c in self._compacted()} if self.by_op else {}
         for i in range(prof.n):
             g = group_of.get(i)
             what = "keep" if g is None else (f"recompute (group {g[0]}-{g[1]})")
+            if i in compact:
+                c = compact[i]
+                what += (f", compact ({c.what}: -{c.saves / scale:.2f} {unit}, "
+                         f"+{c.time * 1e3:.2f} ms)")
             lines.append(f"{i:>3} {prof.names[i]:<14} {prof.inner[i] / scale:>10.2f} "
                          f"{prof.out[i] / scale:>9.2f} {prof.time[i] * 1e3:>8.2f}  {what}")
         if not any(prof.inner):
@@ -365,9 +391,15 @@ class CheckpointMethod:
                      f"{p.peak / scale:.2f} {unit} ({p.peak / prof.baseline_peak:.3f}x); predicted "
                      f"overhead +{100 * p.overhead:.1f}% step time")
         if self.by_op:
+            offered = ", ".join(f"{prof.names[c.seg]} -{c.saves / scale:.2f} {unit}"
+                                for c in self.ops.compact) or "none in this model"
+            lines.append(f"compaction choices (lossless: ReLU 1-bit masks, max-pool uint8 "
+                         f"offsets): {offered}; chosen: "
+                         f"{', '.join(prof.names[i] for i in sorted(compact)) or 'none'}")
             lines.append("ops (granularity op; keep = output cached by selective checkpointing):")
             lines += ["  " + ln for ln in opplan.describe(self.ops, p.groups,
-                                                          set(p.extra["keep"]))]
+                                                          set(p.extra["keep"]),
+                                                          p.extra["compact"])]
         if "solve_s" in p.extra:
             lines.append(f"solve time {p.extra['solve_s']:.2f} s")
         return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""Lossless local savings as choices of an operator-level checkpoint plan (MONeT's operator
+selection; Gist's binarised ReLU -> max-pool): in a compacted segment every nn.ReLU keeps a
+1-bit mask of where its output is positive (pool's `MaskedReLUFn`) instead of its output, and
+every nn.MaxPool2d keeps uint8 window offsets (pool's `CompactMaxPool2dFn`) instead of its
+input and int64 indices. Both backwards are exact; ReLUs stay in place where they were.
+
+A mask frees a ReLU's output only where nothing else keeps it. In ResNet's stem (ReLU ->
+max-pool, both compacted) nothing does; a ReLU feeding a convolution or a linear layer is still
+kept whole by that layer, and its mask is bytes on top. So a segment's compaction is measured,
+not assumed: one forward with every candidate module compacted gives each segment's saved bytes
+(the profiler's own accounting), and only segments that it shrinks become choices of
+`_ckpt_ops`' program: compacted while kept (its held bytes shrink from the forward on) or
+compacted while recomputed (the group's recompute holds less; the segment's ops are then all
+recomputed, and its policy checks the compacted op sequence, `names`), chosen when the bytes it
+frees help the budget, at the cost of its extra ops (the deterministic roofline of `_ckpt_ops`;
+twice when recomputed: forward and recompute both run them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memtrain.methods import _ckpt_plan as planner
+from memtrain.methods._pool_ops import MaskedReLUFn
+from memtrain.methods._segments import Segment
+from memtrain.methods.pool import CompactMaxPool2d
+
+
+@dataclass
+class Compact:
+    seg: int  # the segment
+    saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
+    cost: float  # extra deterministic cost of its forward ops (roofline seconds, > 0)
+    time: float  # extra measured forward time, seconds (>= 0; calibrated as the segment's ops)
+    what: str  # "relu x3, max_pool2d x1"
+    names: list[str]  # the compacted segment's ops in forward order (a recomputed group's policy)
+
+
+class MaskedReLU(nn.ReLU):
+    """nn.ReLU whose backward keeps a packed 1-bit mask; the class a compacted ReLU runs as."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and x.requires_grad:
+            return MaskedReLUFn.apply(x, self.inplace, "bits")
+        return super().forward(x)
+
+
+SWAPS = {nn.ReLU: MaskedReLU, nn.MaxPool2d: CompactMaxPool2d}
+
+
+def _compactable(m: nn.Module) -> bool:
+    return type(m) is nn.ReLU or (type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m))
+
+
+def candidates(segments: list[Segment]) -> list[list[nn.Module]]:
+    """Per segment, the modules compaction would swap: plain nn.ReLU and fitting nn.MaxPool2d
+    in the segment's module trees, except a module that two segments share (compacting it for
+    a kept one would change the other's forward)."""
+    per = [[m for top in s.modules() for m in top.modules() if _compactable(m)]
+           for s in segments]
+    uses = Counter(id(m) for ms in per for m in {id(m): m for m in ms}.values())
+    return [list({id(m): m for m in ms if uses[id(m)] == 1}.values()) for ms in per]
+
+
+def apply(modules: list[nn.Module]) -> Callable[[], None]:
+    """Compact `modules` in place (a class swap: same objects, parameters, hooks and state
+    dict); returns the function that undoes it."""
+    before = [(m, type(m)) for m in modules]
+    for m, cls in before:
+        m.__class__ = SWAPS[cls]
+
+    def undo() -> None:
+        for m, cls in before:
+            m.__class__ = cls
+    return undo
+
+
+@contextlib.contextmanager
+def compacted(modules: list[nn.Module]) -> Iterator[None]:
+    undo = apply(modules)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _kinds(modules: list[nn.Module]) -> str:
+    names = Counter("relu" if isinstance(m, nn.ReLU) else "max_pool2d" for m in modules)
+    return ", ".join(f"{k} x{v}" for k, v in sorted(names.items()))
+
+
+def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast, repeats: int,
+            scale: float, base: planner.Profile, ops) -> list[Compact]:
+    """The compaction choices of `segments`: one forward with every candidate compacted, its
+    saved bytes per segment against `base.inner` (the same accounting, the same batch slice
+    and `scale`), its ops (`_ckpt_ops.profile_model`) against `ops` (the plain forward's, not
+    yet calibrated: both are raw op times, scaled like the segment's by `calibrate`)."""
+    from memtrain.methods import _ckpt_ops as opplan
+
+    cands = candidates(segments)
+    if not any(cands):
+        return []
+    with compacted([m for ms in cands for m in ms]):
+        with planner.unchanged(model, x.device):
+            rec = planner._Recorder(model, segments, x, x.device, count_flops=False)
+            try:
+                with rec, autocast():
+                    out = model(x)
+            finally:
+                rec.close()
+            inner = planner._attribute(rec, segments).inner
+            del out
+        cops = opplan.profile_model(model, segments, x, autocast, repeats, scale)
+    found = []
+    for i, ms in enumerate(cands):
+        saves = base.inner[i] - int(inner[i] * scale)
+        if not ms or saves <= 0:
+            continue
+        cost = sum(o.cost for o in cops.ops[i]) - sum(o.cost for o in ops.ops[i])
+        raw = sum(o.time for o in ops.ops[i])
+        extra = sum(o.time for o in cops.ops[i]) - raw
+        time = max(extra, 0.0) * (base.time[i] / raw if raw > 0 else 1.0)
+        found.append(Compact(i, saves, max(cost, 1e-12), time, _kinds(ms),
+                             [o.name for o in cops.ops[i]]))
+    return found
