@@ -48,7 +48,8 @@ def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, oppla
                         tail=rng.randint(0, 8) * kib, step_time=3.0 * n)
     # lossless compaction choices (_ckpt_compact) on up to two segments
     compact = [Compact(i, rng.randint(1, max(1, inner[i] // kib)) * kib, rng.uniform(0.01, 0.5),
-                       rng.uniform(0.01, 0.5), "relu x1", [o.name for o in ops[i]])
+                       rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5), rng.uniform(0.01, 0.5),
+                       "relu x1", [o.name for o in ops[i]])
                for i in rng.sample(range(n), rng.randint(0, 2))]
     return p, opplan.OpProfile(ops, compact)
 

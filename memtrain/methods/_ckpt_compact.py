@@ -12,13 +12,15 @@ not assumed: one forward with every candidate module compacted gives each segmen
 `_ckpt_ops`' program: compacted while kept (its held bytes shrink from the forward on) or
 compacted while recomputed (the group's recompute holds less; the segment's ops are then all
 recomputed, and its policy checks the compacted op sequence, `names`), chosen when the bytes it
-frees help the budget, at the cost of its extra ops (the deterministic roofline of `_ckpt_ops`;
-twice when recomputed: forward and recompute both run them).
+frees help the budget, at the cost of its extra ops (their measured time, or roofline, as
+`_ckpt_ops` costs ops; twice when recomputed: forward and recompute both run them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memtrain import measure
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods._pool_ops import MaskedReLUFn
 from memtrain.methods._segments import Segment
@@ -36,8 +39,12 @@ from memtrain.methods.pool import CompactMaxPool2d
 class Compact:
     seg: int  # the segment
     saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
-    cost: float  # extra deterministic cost of its forward ops (roofline seconds, > 0)
-    time: float  # extra measured forward time, seconds (>= 0; calibrated as the segment's ops)
+    cost: float  # planner's cost, compacted and kept (> 0): roofline of the extra forward ops,
+    # or with measured times (`_ckpt_ops.plan_on_times`) `time`
+    recost: float  # added when the segment is recomputed (its forward runs again): roofline of
+    # the extra forward ops, or `retime`
+    time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
+    retime: float  # extra measured forward time (calibrated as the segment's ops), seconds
     what: str  # "relu x3, max_pool2d x1"
     names: list[str]  # the compacted segment's ops in forward order (a recomputed group's policy)
 
@@ -95,19 +102,42 @@ def _kinds(modules: list[nn.Module]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(names.items()))
 
 
+def _step_time(seg: Segment, x: torch.Tensor, autocast, repeats: int) -> float:
+    """Median forward + backward time of `seg` alone on its input `x` (first run warms up)."""
+    times = []
+    for _ in range(repeats + 1):
+        xi = x.detach().requires_grad_(x.is_floating_point())
+        measure.sync(x.device)
+        t0 = time.perf_counter()
+        with autocast():
+            out = xi
+            for m in seg.modules():
+                out = m(out)
+        out.float().sum().backward()
+        measure.sync(x.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast, repeats: int,
             scale: float, base: planner.Profile, ops) -> list[Compact]:
     """The compaction choices of `segments`: one forward with every candidate compacted, its
     saved bytes per segment against `base.inner` (the same accounting, the same batch slice
     and `scale`), its ops (`_ckpt_ops.profile_model`) against `ops` (the plain forward's, not
-    yet calibrated: both are raw op times, scaled like the segment's by `calibrate`)."""
+    yet calibrated: both are raw op times, scaled like the segment's by `calibrate`), and each
+    shrunk segment's forward + backward alone, compacted and plain, alternately (the compact
+    max-pool's and the mask's backwards differ from aten's too)."""
     from memtrain.methods import _ckpt_ops as opplan
 
     cands = candidates(segments)
     if not any(cands):
         return []
-    with compacted([m for ms in cands for m in ms]):
-        with planner.unchanged(model, x.device):
+    inputs: dict[int, torch.Tensor] = {}
+    hooks = [segments[i].modules()[0].register_forward_pre_hook(
+        lambda _m, args, i=i: inputs.setdefault(i, args[0].detach()))
+        for i, ms in enumerate(cands) if ms]
+    try:
+        with compacted([m for ms in cands for m in ms]), planner.unchanged(model, x.device):
             rec = planner._Recorder(model, segments, x, x.device, count_flops=False)
             try:
                 with rec, autocast():
@@ -116,16 +146,27 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
                 rec.close()
             inner = planner._attribute(rec, segments).inner
             del out
+    finally:
+        for h in hooks:
+            h.remove()
+    with compacted([m for ms in cands for m in ms]):
         cops = opplan.profile_model(model, segments, x, autocast, repeats, scale)
     found = []
     for i, ms in enumerate(cands):
         saves = base.inner[i] - int(inner[i] * scale)
         if not ms or saves <= 0:
             continue
-        cost = sum(o.cost for o in cops.ops[i]) - sum(o.cost for o in ops.ops[i])
+        fwd = sum(o.cost for o in cops.ops[i]) - sum(o.cost for o in ops.ops[i])
         raw = sum(o.time for o in ops.ops[i])
         extra = sum(o.time for o in cops.ops[i]) - raw
-        time = max(extra, 0.0) * (base.time[i] / raw if raw > 0 else 1.0)
-        found.append(Compact(i, saves, max(cost, 1e-12), time, _kinds(ms),
-                             [o.name for o in cops.ops[i]]))
+        retime = max(extra, 0.0) * (base.time[i] / raw if raw > 0 else 1.0)
+        steps = {True: [], False: []}
+        with planner.unchanged(model, x.device):
+            for _ in range(max(repeats, 3)):
+                for on in (False, True):
+                    with compacted(ms) if on else contextlib.nullcontext():
+                        steps[on].append(_step_time(segments[i], inputs[i], autocast, 1))
+        step = max(statistics.median(steps[True]) - statistics.median(steps[False]), 0.0)
+        found.append(Compact(i, saves, max(fwd, 1e-12), max(fwd, 1e-12), step * scale, retime,
+                             _kinds(ms), [o.name for o in cops.ops[i]]))
     return found

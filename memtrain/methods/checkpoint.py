@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
@@ -278,9 +279,10 @@ class CheckpointMethod:
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
             # bn: BatchNorm split into statistics + normalisation (`_ckpt_bn`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
-            # compact: op profiles carry the compaction choices (`_ckpt_compact`)
+            # compact: op profiles carry the compaction choices (`_ckpt_compact`); cost: ops
+            # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats, bn="split", compact=1)
+                          repeats=self.profile_repeats, bn="split", compact=1, cost="time")
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
@@ -299,6 +301,8 @@ class CheckpointMethod:
             ops.compact = _ckpt_compact.profile(model, self.segments, x, autocast,
                                                 self.profile_repeats, scale, self.profile, ops)
             opplan.calibrate(ops, self.profile.time)
+            if not is_fake(x):  # a probe's clock means nothing: it plans on the roofline
+                opplan.plan_on_times(ops)
         if k is not None and (got is None or (got[1] is None and ops is not None)):
             cache.save(cache_dir, k, self.profile, ops)
         self.ops = ops if self.by_op else None
@@ -307,8 +311,10 @@ class CheckpointMethod:
                     num_classes: int) -> list[ProbeStep]:
         """For the probes (`estimate.probe_steps`): the step a run measures, the plan that
         `prepare` would choose on this batch applied (profiled on the probe's own batch: on fake
-        tensors bytes and FLOPs are exact, times meaningless, and only the budget strategy's
-        objective could use times, which it does not when FLOPs were counted)."""
+        tensors bytes and FLOPs are exact, times meaningless: block plans minimise FLOPs, op
+        plans the roofline there, where a run's op plans minimise measured times; both hold
+        the same budget, so the estimate's plan peaks where the run's does, not always by the
+        same ops)."""
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
             self._apply(model)
