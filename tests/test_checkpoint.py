@@ -108,7 +108,9 @@ def _random_profile(rng: random.Random, n: int) -> planner.Profile:
         out=[rng.randint(1, 16) * kib for _ in range(n)],
         out_saved=[rng.random() < 0.5 for _ in range(n)],
         time=[rng.uniform(0.1, 2.0) for _ in range(n)],
-        tail=rng.randint(0, 8) * kib, step_time=3.0 * n)
+        tail=rng.randint(0, 8) * kib, step_time=3.0 * n,
+        # a segment's forward transient (checkpointed: nothing saved) can pass what it keeps
+        transient=[rng.randint(1, 96) * kib for _ in range(n)])
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -47,6 +47,7 @@ class Compact:
     retime: float  # extra measured forward time (calibrated as the segment's ops), seconds
     what: str  # "relu x3, max_pool2d x1"
     names: list[str]  # the compacted segment's ops in forward order (a recomputed group's policy)
+    transient: int = 0  # the compacted forward's transient peak (`_ckpt_plan.transients`)
 
 
 class MaskedReLU(nn.ReLU):
@@ -151,6 +152,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
             h.remove()
     with compacted([m for ms in cands for m in ms]):
         cops = opplan.profile_model(model, segments, x, autocast, repeats, scale)
+        trans = planner.transients(model, segments, x, autocast, scale)
     found = []
     for i, ms in enumerate(cands):
         saves = base.inner[i] - int(inner[i] * scale)
@@ -168,5 +170,5 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
                         steps[on].append(_step_time(segments[i], inputs[i], autocast, 1))
         step = max(statistics.median(steps[True]) - statistics.median(steps[False]), 0.0)
         found.append(Compact(i, saves, max(fwd, 1e-12), max(fwd, 1e-12), step * scale, retime,
-                             _kinds(ms), [o.name for o in cops.ops[i]]))
+                             _kinds(ms), [o.name for o in cops.ops[i]], trans[i]))
     return found

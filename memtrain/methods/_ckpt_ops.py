@@ -203,11 +203,15 @@ def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
     keep = {k for k in keep if k[0] in inside and k[0] not in squeezed}
     rec = sum(o.time for i in inside for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
     less = [0] * p.n
+    transient = list(p.transient)
     for c in comp:
         less[c.seg] = c.saves
+        if transient:
+            transient[c.seg] = c.transient
     rec += sum(c.time + (c.retime if c.seg in inside else 0.0) for c in comp)
     plan = planner.Plan(list(groups),
-                        planner.peak_bytes(p, groups, held_extra(prof, p.n, keep), less),
+                        planner.peak_bytes(p, groups, held_extra(prof, p.n, keep), less,
+                                           transient),
                         rec, p.step_time)
     plan.extra["keep"] = sorted(keep)
     plan.extra["compact"] = sorted(squeezed)
@@ -289,6 +293,20 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         c, integrality, hi = cost, np.ones(width), np.ones(width)
     cons = [LinearConstraint(a_cover, 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
+    if p.transient:  # the forward of each segment (`_ckpt_plan._transient_rows`)
+        trows, tconsts = planner._transient_rows(p, groups, n + ng)
+        a_tr = pad(trows)
+        for i in range(len(trows)):
+            a_tr[i, y] = np.where(seg < i, b, 0.0)
+            a_tr[i, ck] = np.where(cseg < i, -saves, 0.0)
+            own = [(m, (c.transient - p.transient[i]) / mib) for m, c in enumerate(comp)
+                   if c.seg == i]
+            for m, delta in own:  # compacted, segment i makes other transients
+                a_tr[i, ck[m]] += delta
+                a_tr[i, cr[m]] += delta
+        if free_b:
+            a_tr = extend(a_tr, -1.0)
+        cons.append(LinearConstraint(a_tr, -np.inf, (0.0 if free_b else budget / mib) - tconsts))
     if len(a_excl):
         cons.append(LinearConstraint(a_excl, -np.inf, ub_excl))
     res = milp(c, constraints=cons, integrality=integrality, bounds=Bounds(np.zeros(len(c)), hi),

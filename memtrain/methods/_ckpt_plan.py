@@ -24,12 +24,15 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from memtrain import measure
 from memtrain.methods._segments import Segment
@@ -57,6 +60,9 @@ class Profile:
     # inner bytes as a recomputation in backward keeps them, where they differ (in a stack the
     # inner methods' saved-tensor hooks are off by then: quantize's are full precision again)
     recompute: list[int] = field(default_factory=list)
+    # the peak bytes a segment's forward makes while it runs with nothing saved (a checkpointed
+    # forward: its input excluded, its output included; `transients`); empty: not measured
+    transient: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -110,12 +116,13 @@ def _recompute_bytes(p: Profile, a: int, e: int) -> int:
 
 
 def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
-               less: list[int] | None = None) -> int:
+               less: list[int] | None = None, transient: list[int] | None = None) -> int:
     """Modelled activation peak of a plan (see the module docstring); `extra[i]`: bytes a
     recomputed segment i holds from its forward until its recompute (op-level plans: the
     outputs of its kept ops, `_ckpt_ops`); `less[i]`: bytes a kept segment i holds less than
     its profile says, and a recomputed one recomputes less (op-level plans: its compaction,
-    `_ckpt_compact`)."""
+    `_ckpt_compact`); `transient`: the segments' forward transients where they differ from the
+    profile's (compacted ones)."""
     kept, live = _live(p, groups)
     extra = extra or [0] * p.n
     less = less or [0] * p.n
@@ -124,6 +131,13 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
     peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
     for a, e in groups:
         peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1]))
+    transient = transient or p.transient
+    for i, t in enumerate(transient):  # the forward of segment i: what is held before it, its
+        # input, its own transient (what a recomputed segment's forward makes and drops)
+        before = [(p.inner[j] - less[j]) * kept[j] + extra[j] * (not kept[j])
+                  + p.cast[j] * (not kept[j]) + p.out[j] * (live[j] or j == i - 1)
+                  for j in range(i)]
+        peaks.append(sum(before) + t)
     return max(peaks)
 
 
@@ -185,6 +199,24 @@ def _program(p: Profile, max_group: int):
     return groups, cover, fwd, fwd_const, np.array(rows), np.array(consts), np.array(big), cost, mib
 
 
+def _transient_rows(p: Profile, groups: list[Group], nv: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, consts): the forward of segment i, row @ x + const <= B, one per segment with a
+    measured transient: kept segments before i hold their inner bytes, recomputed ones their
+    autocast casts; boundaries before i are live unless a group hides them, and i's input
+    always is (`peak_bytes`)."""
+    n, mib = p.n, float(2**20)
+    inner, out, cast = (np.array(v, dtype=float) / mib for v in (p.inner, p.out, p.cast))
+    rows, consts = np.zeros((len(p.transient), nv)), np.zeros(len(p.transient))
+    for i, t in enumerate(p.transient):
+        rows[i, :i] = inner[:i] - cast[:i]
+        for h, (a2, e2) in enumerate(groups):  # boundaries before i - 1 that a group hides
+            hi = min(e2, i - 1)
+            if hi > a2:
+                rows[i, n + h] -= out[a2:hi].sum()
+        consts[i] = cast[:i].sum() + out[:i].sum() + t / mib
+    return rows, consts
+
+
 def _solve(p: Profile, budget: float | None, max_group: int) -> list[Group] | None:
     """budget None: minimise the peak (an extra continuous variable B); else minimise time.
     None when the program has no solution."""
@@ -208,6 +240,12 @@ def _solve(p: Profile, budget: float | None, max_group: int) -> list[Group] | No
     c = np.append(np.zeros(nv), 1.0) if free_b else cost
     cons = [LinearConstraint(pad(cover), 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
+    if p.transient:
+        trows, tconsts = _transient_rows(p, groups, nv)
+        a_tr = pad(trows)
+        if free_b:
+            a_tr[:, -1] = -1
+        cons.append(LinearConstraint(a_tr, -np.inf, (0.0 if free_b else budget / mib) - tconsts))
     integrality = np.append(np.ones(nv), 0) if free_b else np.ones(nv)
     lo = np.zeros(width)
     hi = np.append(np.ones(nv), np.inf) if free_b else np.ones(width)
@@ -366,6 +404,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         result = _attribute(rec, segments)
         result.flops = list(rec.flops)
         del out
+        result.transient = transients(model, segments, x, autocast, scale)
     result.step_time = statistics.median(steps[1:] or steps) * scale
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
@@ -373,6 +412,70 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
     result.tail = int(result.tail * scale)
     return result
+
+
+class _Live(TorchDispatchMode):
+    """Bytes of the storages that ops make, alive now (a weak reference on each storage); per
+    segment, the most alive at once while it runs over what was alive when it began."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.live, self.current, self.base = 0, -1, 0
+        self.alive: dict[tuple[str, int], int] = {}
+        self.peaks = [0] * n
+
+    def _free(self, key) -> None:
+        self.live -= self.alive.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        ins = {measure.storage_key(t) for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):  # fresh storages only (not views, not in place)
+                key = measure.storage_key(t)
+                if key not in self.alive and key not in ins:
+                    st = t.untyped_storage()
+                    self.alive[key] = st.nbytes()
+                    self.live += st.nbytes()
+                    weakref.finalize(st, self._free, key)
+        if self.current >= 0:
+            i = self.current
+            self.peaks[i] = max(self.peaks[i], self.live - self.base)
+        return out
+
+    def enter(self, i: int):
+        def hook(_mod, _args):
+            self.current, self.base = i, self.live
+        return hook
+
+    def leave(self, _mod, _args, _out) -> None:
+        self.current = -1
+
+
+def transients(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast=None,
+               scale: float = 1.0) -> list[int]:
+    """Per segment, the peak bytes its forward makes while it runs when nothing is saved for
+    backward (a checkpointed segment's forward; its input excluded, its output included): one
+    forward with every save dropped, the model unchanged afterwards. The peak model's
+    end-of-forward and recompute rows count what is kept; a recomputed segment's forward can
+    make more than that at once (resnet's stem: convolution, BatchNorm and ReLU outputs)."""
+    autocast = autocast or contextlib.nullcontext
+    live = _Live(len(segments))
+    handles = []
+    for i, seg in enumerate(segments):
+        mods = seg.modules()
+        handles.append(mods[0].register_forward_pre_hook(live.enter(i)))
+        handles.append(mods[-1].register_forward_hook(live.leave))
+    try:
+        with unchanged(model, x.device), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: None, lambda _: None), autocast(), live:
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return [int(v * scale) for v in live.peaks]
 
 
 @contextlib.contextmanager

@@ -282,7 +282,8 @@ class CheckpointMethod:
             # compact: op profiles carry the compaction choices (`_ckpt_compact`); cost: ops
             # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats, bn="split", compact=1, cost="time")
+                          repeats=self.profile_repeats, bn="split", compact=1, cost="time",
+                          transient=1)
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
