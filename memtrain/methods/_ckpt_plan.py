@@ -10,7 +10,9 @@ segment is kept. The peak model, in bytes of activation memory (what the CPU tra
   (the checkpoint keeps only the group's input; the next segment keeps the group's output);
 - recompute of group (a, e) during backward: everything live before segment a (later segments
   and the tail are freed by then) + the group's inner bytes + its internal boundaries + its
-  output when the group's last op saves it.
+  output when the group's last op saves it;
+- forward of segment i: what is held before it + its input + its `transient` (what its forward
+  makes at once with nothing saved, as a checkpointed forward runs: `transients`).
 
 The peak is the largest of these. The planner minimises the recomputed forward FLOPs
 (deterministic; times when no FLOPs were profiled) subject to peak <= budget as a 0-1
