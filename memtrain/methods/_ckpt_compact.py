@@ -9,11 +9,14 @@ max-pool, both compacted) nothing does; a ReLU feeding a convolution or a linear
 kept whole by that layer, and its mask is bytes on top. So a segment's compaction is measured,
 not assumed: one forward with every candidate module compacted gives each segment's saved bytes
 (the profiler's own accounting), and only segments that it shrinks become choices of
-`_ckpt_ops`' program: compacted while kept (its held bytes shrink from the forward on) or
-compacted while recomputed (the group's recompute holds less; the segment's ops are then all
-recomputed, and its policy checks the compacted op sequence, `names`), chosen when the bytes it
-frees help the budget, at the cost of its extra ops (their measured time, or roofline, as
-`_ckpt_ops` costs ops; twice when recomputed: forward and recompute both run them).
+`_ckpt_ops`' program for a segment the plan keeps (its held bytes shrink from its forward
+until its backward), chosen when the bytes it frees help the budget, at the cost of its
+measured extra forward + backward (the segment alone, compacted and plain, alternately).
+
+Never for a recomputed segment: a mask frees the ReLU's output only after the max-pool has
+read it, so a recompute holds the output anyway while it runs. Offered there at first, it was
+modelled at 1049856 bytes and a step measured 1327624 (resnet18 64 px b2, the stem compacted
+and recomputed), once the tracker counted recomputed stems at all (`_segments._OwnForward`).
 """
 
 from __future__ import annotations
@@ -39,14 +42,10 @@ from memtrain.methods.pool import CompactMaxPool2d
 class Compact:
     seg: int  # the segment
     saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
-    cost: float  # planner's cost, compacted and kept (> 0): roofline of the extra forward ops,
-    # or with measured times (`_ckpt_ops.plan_on_times`) `time`
-    recost: float  # added when the segment is recomputed (its forward runs again): roofline of
-    # the extra forward ops, or `retime`
+    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
+    # times (`_ckpt_ops.plan_on_times`) `time`
     time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
-    retime: float  # extra measured forward time (calibrated as the segment's ops), seconds
     what: str  # "relu x3, max_pool2d x1"
-    names: list[str]  # the compacted segment's ops in forward order (a recomputed group's policy)
     transient: int = 0  # the compacted forward's transient peak (`_ckpt_plan.transients`)
 
 
@@ -124,9 +123,9 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
             scale: float, base: planner.Profile, ops) -> list[Compact]:
     """The compaction choices of `segments`: one forward with every candidate compacted, its
     saved bytes per segment against `base.inner` (the same accounting, the same batch slice
-    and `scale`), its ops (`_ckpt_ops.profile_model`) against `ops` (the plain forward's, not
-    yet calibrated: both are raw op times, scaled like the segment's by `calibrate`), and each
-    shrunk segment's forward + backward alone, compacted and plain, alternately (the compact
+    and `scale`), its ops' roofline (`_ckpt_ops.profile_model`) against `ops` (the plain
+    forward's: the cost where no clock means anything), its forward transients, and each shrunk
+    segment's forward + backward alone, compacted and plain, alternately (the compact
     max-pool's and the mask's backwards differ from aten's too)."""
     from memtrain.methods import _ckpt_ops as opplan
 
@@ -152,16 +151,13 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
             h.remove()
     with compacted([m for ms in cands for m in ms]):
         cops = opplan.profile_model(model, segments, x, autocast, repeats, scale)
-        trans = planner.transients(model, segments, x, autocast, scale)
+        trans = planner.transients(model, segments, x, autocast, scale)[0]
     found = []
     for i, ms in enumerate(cands):
         saves = base.inner[i] - int(inner[i] * scale)
         if not ms or saves <= 0:
             continue
         fwd = sum(o.cost for o in cops.ops[i]) - sum(o.cost for o in ops.ops[i])
-        raw = sum(o.time for o in ops.ops[i])
-        extra = sum(o.time for o in cops.ops[i]) - raw
-        retime = max(extra, 0.0) * (base.time[i] / raw if raw > 0 else 1.0)
         steps = {True: [], False: []}
         with planner.unchanged(model, x.device):
             for _ in range(max(repeats, 3)):
@@ -169,6 +165,5 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
                     with compacted(ms) if on else contextlib.nullcontext():
                         steps[on].append(_step_time(segments[i], inputs[i], autocast, 1))
         step = max(statistics.median(steps[True]) - statistics.median(steps[False]), 0.0)
-        found.append(Compact(i, saves, max(fwd, 1e-12), max(fwd, 1e-12), step * scale, retime,
-                             _kinds(ms), [o.name for o in cops.ops[i]], trans[i]))
+        found.append(Compact(i, saves, max(fwd, 1e-12), step * scale, _kinds(ms), trans[i]))
     return found

@@ -186,21 +186,21 @@ def held_extra(prof: OpProfile, n: int, keep: set[Key]) -> list[int]:
     return extra
 
 
-def _compacts(prof: OpProfile, compact) -> list[Compact]:
-    """The compaction choices of the segments in `compact`."""
-    chosen = set(compact)
+def _compacts(prof: OpProfile, groups: list[planner.Group], compact) -> list[Compact]:
+    """The compaction choices of the segments in `compact` that the plan keeps (a recomputed
+    segment is never compacted: see `_ckpt_compact`)."""
+    inside = {i for a, e in groups for i in range(a, e + 1)}
+    chosen = set(compact) - inside
     return [c for c in prof.compact if c.seg in chosen]
 
 
 def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
             keep: set[Key], compact=()) -> planner.Plan:
-    """The plan of these groups with these ops kept and these segments compacted (keeps outside
-    the groups and in compacted segments are dropped: a compacted recomputed segment recomputes
-    every op of its compacted forward)."""
+    """The plan of these groups with these ops kept and these kept segments compacted (keeps
+    outside the groups and compactions inside them are dropped)."""
     inside = {i for a, e in groups for i in range(a, e + 1)}
-    comp = _compacts(prof, compact)
-    squeezed = {c.seg for c in comp}
-    keep = {k for k in keep if k[0] in inside and k[0] not in squeezed}
+    keep = {k for k in keep if k[0] in inside}
+    comp = _compacts(prof, groups, compact)
     rec = sum(o.time for i in inside for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
     less = [0] * p.n
     transient = list(p.transient)
@@ -208,34 +208,31 @@ def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
         less[c.seg] = c.saves
         if transient:
             transient[c.seg] = c.transient
-    rec += sum(c.time + (c.retime if c.seg in inside else 0.0) for c in comp)
     plan = planner.Plan(list(groups),
                         planner.peak_bytes(p, groups, held_extra(prof, p.n, keep), less,
                                            transient),
-                        rec, p.step_time)
+                        rec + sum(c.time for c in comp), p.step_time)
     plan.extra["keep"] = sorted(keep)
-    plan.extra["compact"] = sorted(squeezed)
+    plan.extra["compact"] = sorted(c.seg for c in comp)
     return plan
 
 
 def op_cost(prof: OpProfile, groups: list[planner.Group], keep: set[Key],
             compact=()) -> float:
-    inside = {i for a, e in groups for i in range(a, e + 1)}
     return sum(o.cost for a, e in groups for i in range(a, e + 1)
                for j, o in enumerate(prof.ops[i]) if (i, j) not in keep) + \
-        sum(c.cost + (c.recost if c.seg in inside else 0.0) for c in _compacts(prof, compact))
+        sum(c.cost for c in _compacts(prof, groups, compact))
 
 
 def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group: int,
            ops: bool) -> tuple[list[planner.Group], set[Key], list[int]] | None:
     """The segment program of `_ckpt_plan` with, at op granularity (`ops`; without, block
-    granularity on the op costs), a y variable per keepable op (y_o <= 1 - kept_i) and two per
-    compaction choice of segment i (`_ckpt_compact`): ck <= kept_i takes its bytes off every
-    row that counts the kept segment (end of forward, recomputes of later groups), cr <= 1 -
-    kept_i off its own group's recompute row (and y_o + cr <= 1: a compacted recomputed
-    segment keeps no op); their costs (cr's with the forward's again) on the objective. budget
-    None: minimise the
-    peak. Returns (groups, kept ops, compacted segments)."""
+    granularity on the op costs), a y variable per keepable op (y_o <= 1 - kept_i) and a c
+    variable per compaction choice of segment i (`_ckpt_compact`): c <= kept_i takes its bytes
+    off every row that counts the kept segment (end of forward, recomputes of later groups,
+    forwards of later segments) and puts its compacted forward's transient in its own
+    forward's row; its cost on the objective. budget None: minimise the peak. Returns (groups,
+    kept ops, compacted segments)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     groups, cover, fwd, fwd_c, rows, consts, big, _, mib = planner._program(p, max_group)
@@ -244,41 +241,33 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
     comp = prof.compact if ops else []
     nk, nc = len(keys), len(comp)
     seg_cost = [sum(o.cost for o in seg) for seg in prof.ops]
-    width = n + ng + nk + 2 * nc
+    width = n + ng + nk + nc
     y = n + ng + np.arange(nk)
     ck = n + ng + nk + np.arange(nc)
-    cr = ck + nc
     cost = np.zeros(width)
     cost[n:n + ng] = [sum(seg_cost[a:e + 1]) for a, e in groups]
     cost[y] = [-prof.ops[i][j].cost for i, j in keys]
     cost[ck] = [c.cost for c in comp]
-    cost[cr] = [c.cost + c.recost for c in comp]
     cost /= max(np.abs(cost).max(), 1e-30)
     b = np.array([prof.ops[i][j].nbytes for i, j in keys]) / mib
     seg = np.array([i for i, _ in keys], dtype=int)
     saves = np.array([c.saves for c in comp]) / mib
     cseg = np.array([c.seg for c in comp], dtype=int)
-    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk + 2 * nc))])  # noqa: E731
+    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk + nc))])  # noqa: E731
     a_cover, a_fwd, a_rec = pad(cover), pad(fwd[None, :]), pad(rows)
     a_fwd[0, y] = b
     a_fwd[0, ck] = -saves
-    for r, (a, e) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
+    for r, (a, _) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
         a_rec[r, y] = np.where(seg < a, b, 0.0)
         a_rec[r, ck] = np.where(cseg < a, -saves, 0.0)
-        a_rec[r, cr] = np.where((cseg >= a) & (cseg <= e), -saves, 0.0)
         big[r] += b[seg < a].sum()
         a_rec[r, n + r] += big[r]
-    # y_o + kept_i <= 1; ck - kept_i <= 0; cr + kept_i <= 1; y_o + cr <= 1 (same segment)
-    excl = [np.zeros((nk, width)), np.zeros((nc, width)), np.zeros((nc, width))]
+    # y_o + kept_i <= 1; c - kept_i <= 0
+    excl = [np.zeros((nk, width)), np.zeros((nc, width))]
     excl[0][np.arange(nk), seg] = excl[0][np.arange(nk), y] = 1
     excl[1][np.arange(nc), cseg], excl[1][np.arange(nc), ck] = -1, 1
-    excl[2][np.arange(nc), cseg] = excl[2][np.arange(nc), cr] = 1
-    pairs = [(k, m) for k in range(nk) for m in range(nc) if seg[k] == cseg[m]]
-    excl.append(np.zeros((len(pairs), width)))
-    for r, (k, m) in enumerate(pairs):
-        excl[3][r, y[k]] = excl[3][r, cr[m]] = 1
     a_excl = np.vstack(excl)
-    ub_excl = np.concatenate([np.ones(nk), np.zeros(nc), np.ones(nc), np.ones(len(pairs))])
+    ub_excl = np.concatenate([np.ones(nk), np.zeros(nc)])
     free_b = budget is None
     if free_b:
         extend = lambda m, v: np.hstack([m, np.full((m.shape[0], 1), v)])  # noqa: E731
@@ -299,11 +288,9 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         for i in range(len(trows)):
             a_tr[i, y] = np.where(seg < i, b, 0.0)
             a_tr[i, ck] = np.where(cseg < i, -saves, 0.0)
-            own = [(m, (c.transient - p.transient[i]) / mib) for m, c in enumerate(comp)
-                   if c.seg == i]
-            for m, delta in own:  # compacted, segment i makes other transients
-                a_tr[i, ck[m]] += delta
-                a_tr[i, cr[m]] += delta
+            for m, choice in enumerate(comp):  # compacted, segment i makes other transients
+                if choice.seg == i:
+                    a_tr[i, ck[m]] += (choice.transient - p.transient[i]) / mib
         if free_b:
             a_tr = extend(a_tr, -1.0)
         cons.append(LinearConstraint(a_tr, -np.inf, (0.0 if free_b else budget / mib) - tconsts))
@@ -315,7 +302,7 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         return None
     chosen = sorted(groups[g] for g in range(ng) if res.x[n + g] > 0.5)
     return (chosen, {keys[k] for k in range(nk) if res.x[y[k]] > 0.5},
-            [comp[m].seg for m in range(nc) if res.x[ck[m]] > 0.5 or res.x[cr[m]] > 0.5])
+            [comp[m].seg for m in range(nc) if res.x[ck[m]] > 0.5])
 
 
 def plan_budget(p: planner.Profile, prof: OpProfile, budget: float,
@@ -345,13 +332,12 @@ def brute_force(p: planner.Profile, prof: OpProfile, budget: float) -> planner.P
     keys = prof.keys()
     for groups in planner._all_plans(p.n, 0, p.n):
         inside = {i for a, e in groups for i in range(a, e + 1)}
-        cand = [k for k in keys if k[0] in inside] + [c.seg for c in prof.compact]
+        cand = [k for k in keys if k[0] in inside] + \
+            [c.seg for c in prof.compact if c.seg not in inside]
         for bits in itertools.product((0, 1), repeat=len(cand)):
             on = [k for k, bit in zip(cand, bits) if bit]
             keep = {k for k in on if isinstance(k, tuple)}
             compact = [k for k in on if not isinstance(k, tuple)]
-            if any(k[0] in compact for k in keep):
-                continue  # op_plan would drop these keeps: the same plan as without them
             plan = op_plan(p, prof, groups, keep, compact)
             cost = op_cost(prof, groups, keep, compact)
             if plan.peak <= budget and cost < best_cost - 1e-12:
@@ -408,21 +394,14 @@ def _ends_at(ctx, count, n: int, group: str):
 
 
 def policies(prof: OpProfile, names: list[str], groups: list[planner.Group],
-             keep: set[Key], compact=()) -> list[PlanPolicy]:
-    """Per group, its policy; a compacted segment (`_ckpt_compact`) checks its compacted
-    forward's op names and keeps nothing."""
-    squeezed = {c.seg: c.names for c in _compacts(prof, compact)}
-    keep = {k for k in keep if k[0] not in squeezed}
+             keep: set[Key]) -> list[PlanPolicy]:
     out = []
     for a, e in groups:
-        seq = [(i, j, squeezed[i][j] if i in squeezed else o.name)
-               for i in range(a, e + 1)
-               for j, o in enumerate(squeezed.get(i) or prof.ops[i])]
-        out.append(PlanPolicy([name for _, _, name in seq],
-                              {k for k, (i, j, _) in enumerate(seq) if (i, j) in keep},
+        seq = [(i, j) for i in range(a, e + 1) for j in range(len(prof.ops[i]))]
+        out.append(PlanPolicy([prof.ops[i][j].name for i, j in seq],
+                              {k for k, ij in enumerate(seq) if ij in keep},
                               f"{names[a]}..{names[e]}",
-                              any(prof.ops[i][j].relu_after for i, j in keep
-                                  if a <= i <= e)))
+                              any(prof.ops[i][j].relu_after for i, j in seq if (i, j) in keep)))
     return out
 
 
@@ -432,17 +411,14 @@ def short(name: str) -> str:
     return parts[1] if len(parts) > 2 else name
 
 
-def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key],
-             compact=()) -> list[str]:
-    """One line per group: the ops it recomputes and the ops it keeps, counted by kind (a
-    compacted segment's: its compacted forward's)."""
-    squeezed = {c.seg: c.names for c in _compacts(prof, compact)}
+def describe(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> list[str]:
+    """One line per group: the ops it recomputes and the ops it keeps, counted by kind."""
     lines = []
     for a, e in groups:
         rec, kept = Counter(), Counter()
         for i in range(a, e + 1):
-            for j, name in enumerate(squeezed.get(i) or [o.name for o in prof.ops[i]]):
-                (kept if (i, j) in keep and i not in squeezed else rec)[short(name)] += 1
+            for j, o in enumerate(prof.ops[i]):
+                (kept if (i, j) in keep else rec)[short(o.name)] += 1
         fmt = lambda c: ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"  # noqa: E731
         lines.append(f"group {a}-{e}: recompute {fmt(rec)}; keep {fmt(kept)}")
     return lines
@@ -469,9 +445,8 @@ def plan_on_times(prof: OpProfile) -> None:
     for seg in prof.ops:
         for o in seg:
             o.cost = o.time
-    for c in prof.compact:  # forward + backward once; the forward again when recomputed
-        floor = 1e-3 * sum(o.time for o in prof.ops[c.seg])
-        c.cost, c.recost = max(c.time, floor), max(c.retime, floor)
+    for c in prof.compact:  # its extra forward + backward
+        c.cost = max(c.time, 1e-3 * sum(o.time for o in prof.ops[c.seg]))
 
 
 def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,

@@ -10,7 +10,8 @@ segment is kept. The peak model, in bytes of activation memory (what the CPU tra
   (the checkpoint keeps only the group's input; the next segment keeps the group's output);
 - recompute of group (a, e) during backward: everything live before segment a (later segments
   and the tail are freed by then) + the group's inner bytes + its internal boundaries + its
-  output when the group's last op saves it;
+  output when the group's last op saves it, or, where more, what a segment of the group makes
+  at once while it recomputes over what the group's earlier segments keep (`rec_peak`);
 - forward of segment i: what is held before it + its input + its `transient` (what its forward
   makes at once with nothing saved, as a checkpointed forward runs: `transients`).
 
@@ -65,6 +66,11 @@ class Profile:
     # the peak bytes a segment's forward makes while it runs with nothing saved (a checkpointed
     # forward: its input excluded, its output included; `transients`); empty: not measured
     transient: list[int] = field(default_factory=list)
+    # the peak bytes a segment's forward makes while it runs and saves (a recompute: its input
+    # excluded; `transients`), over the whole forward (`rec_peak`) and up to its last op that
+    # saves (`rec_last`: a recompute stops there, torch's early stop), empty: not measured
+    rec_peak: list[int] = field(default_factory=list)
+    rec_last: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -113,8 +119,19 @@ def _live(p: Profile, groups: list[Group]) -> tuple[list[bool], list[bool]]:
 
 
 def _recompute_bytes(p: Profile, a: int, e: int) -> int:
+    """What the recompute of group (a, e) holds at its peak: every segment's saved bytes and
+    internal boundaries, and, where measured, what a segment makes at once while it recomputes
+    over what the segments before it in the group hold (a block's downsample output, alive
+    until the residual add; the stem's max-pool output)."""
     inner = p.recompute or p.inner
-    return sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
+    kept = sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
+    if not p.rec_peak or p.recompute:
+        return kept
+    before, most = 0, 0
+    for i in range(a, e + 1):
+        most = max(most, before + (p.rec_last[i] if i == e else p.rec_peak[i]))
+        before += inner[i] + p.out[i]
+    return max(kept, most)
 
 
 def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
@@ -406,7 +423,8 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         result = _attribute(rec, segments)
         result.flops = list(rec.flops)
         del out
-        result.transient = transients(model, segments, x, autocast, scale)
+        result.transient, result.rec_peak, result.rec_last = transients(model, segments, x,
+                                                                        autocast, scale)
     result.step_time = statistics.median(steps[1:] or steps) * scale
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
@@ -418,13 +436,21 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
 
 class _Live(TorchDispatchMode):
     """Bytes of the storages that ops make, alive now (a weak reference on each storage); per
-    segment, the most alive at once while it runs over what was alive when it began."""
+    segment, after each of its ops, what is alive over what was when it began (`trace`), and
+    how many of its ops had run at its last save for backward (`saved_after`)."""
 
     def __init__(self, n: int):
         super().__init__()
         self.live, self.current, self.base = 0, -1, 0
         self.alive: dict[tuple[str, int], int] = {}
-        self.peaks = [0] * n
+        self.keep = False  # saves kept (a recompute) or dropped (a checkpointed forward)
+        self.trace: list[list[int]] = [[] for _ in range(n)]  # alive over base, per op
+        self.saved_after = [0] * n  # ops run when the segment last saved a tensor
+
+    def pack(self, t):  # a save for backward, right after the op that made it
+        if self.current >= 0:
+            self.saved_after[self.current] = len(self.trace[self.current])
+        return t if self.keep else None
 
     def _free(self, key) -> None:
         self.live -= self.alive.pop(key, 0)
@@ -443,8 +469,7 @@ class _Live(TorchDispatchMode):
                     self.live += st.nbytes()
                     weakref.finalize(st, self._free, key)
         if self.current >= 0:
-            i = self.current
-            self.peaks[i] = max(self.peaks[i], self.live - self.base)
+            self.trace[self.current].append(self.live - self.base)
         return out
 
     def enter(self, i: int):
@@ -457,27 +482,38 @@ class _Live(TorchDispatchMode):
 
 
 def transients(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast=None,
-               scale: float = 1.0) -> list[int]:
-    """Per segment, the peak bytes its forward makes while it runs when nothing is saved for
-    backward (a checkpointed segment's forward; its input excluded, its output included): one
-    forward with every save dropped, the model unchanged afterwards. The peak model's
-    end-of-forward and recompute rows count what is kept; a recomputed segment's forward can
-    make more than that at once (resnet's stem: convolution, BatchNorm and ReLU outputs)."""
+               scale: float = 1.0) -> tuple[list[int], list[int], list[int]]:
+    """Per segment, what its forward makes at once over its input (views and in-place writes
+    make nothing; the model unchanged afterwards): `transient`, with every save dropped (a
+    checkpointed segment's forward), and with saves kept (a recompute) `rec_peak` over the
+    whole forward and `rec_last` up to its last op that saves (where a recompute stops). The
+    peak model's rows count what is kept; a recomputed segment's forward can make more than
+    that at once (resnet's stem: convolution, BatchNorm and ReLU outputs; a block's downsample
+    output until the residual add)."""
     autocast = autocast or contextlib.nullcontext
-    live = _Live(len(segments))
-    handles = []
-    for i, seg in enumerate(segments):
-        mods = seg.modules()
-        handles.append(mods[0].register_forward_pre_hook(live.enter(i)))
-        handles.append(mods[-1].register_forward_hook(live.leave))
-    try:
-        with unchanged(model, x.device), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: None, lambda _: None), autocast(), live:
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return [int(v * scale) for v in live.peaks]
+    runs = []
+    for keep in (False, True):
+        live = _Live(len(segments))
+        live.keep = keep
+        handles = []
+        for i, seg in enumerate(segments):
+            mods = seg.modules()
+            handles.append(mods[0].register_forward_pre_hook(live.enter(i)))
+            handles.append(mods[-1].register_forward_hook(live.leave))
+        try:
+            with unchanged(model, x.device), torch.autograd.graph.saved_tensors_hooks(
+                    live.pack, lambda t: t), autocast(), live:
+                out = model(x)
+            del out
+        finally:
+            for h in handles:
+                h.remove()
+        runs.append(live)
+    drop, keep = runs
+    scaled = lambda v: int(v * scale)  # noqa: E731
+    return ([scaled(max(t, default=0)) for t in drop.trace],
+            [scaled(max(t, default=0)) for t in keep.trace],
+            [scaled(max(t[:k], default=0)) for t, k in zip(keep.trace, keep.saved_after)])
 
 
 @contextlib.contextmanager

@@ -227,16 +227,15 @@ class CheckpointMethod:
         if self.by_op:
             names = [s.name for s in self.segments]
             contexts = [p.make for p in opplan.policies(self.ops, names, self.plan.groups,
-                                                        set(self.plan.extra["keep"]),
-                                                        self.plan.extra["compact"])]
+                                                        set(self.plan.extra["keep"]))]
         for g in self._applied:  # a plan replaced (a stack's re-plan)
             g.remove()
         if self._uncompact is not None:
             self._uncompact()
             self._uncompact = None
         chosen = self.plan.extra.get("compact", [])
-        if chosen:  # ReLUs keep 1-bit masks, max-pools uint8 offsets; before the groups take
-            # their members' forwards
+        if chosen:  # kept segments: ReLUs keep 1-bit masks, max-pools uint8 offsets (before
+            # the groups take their members' forwards)
             cands = _ckpt_compact.candidates(self.segments)
             self._uncompact = _ckpt_compact.apply([m for i in chosen for m in cands[i]])
         self._applied = apply_groups(model, self.segments, self.plan.groups, contexts=contexts,
@@ -283,7 +282,7 @@ class CheckpointMethod:
             # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats, bn="split", compact=1, cost="time",
-                          transient=1)
+                          transient=3)
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
@@ -405,8 +404,7 @@ class CheckpointMethod:
                          f"{', '.join(prof.names[i] for i in sorted(compact)) or 'none'}")
             lines.append("ops (granularity op; keep = output cached by selective checkpointing):")
             lines += ["  " + ln for ln in opplan.describe(self.ops, p.groups,
-                                                          set(p.extra["keep"]),
-                                                          p.extra["compact"])]
+                                                          set(p.extra["keep"]))]
         if "solve_s" in p.extra:
             lines.append(f"solve time {p.extra['solve_s']:.2f} s")
         return "\n".join(lines)
