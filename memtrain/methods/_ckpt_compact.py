@@ -151,7 +151,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
             h.remove()
     with compacted([m for ms in cands for m in ms]):
         cops = opplan.profile_model(model, segments, x, autocast, repeats, scale)
-        trans = planner.transients(model, segments, x, autocast, scale)[0]
+        trans = planner.forward_transients(model, segments, x, autocast, scale)
     found = []
     for i, ms in enumerate(cands):
         saves = base.inner[i] - int(inner[i] * scale)

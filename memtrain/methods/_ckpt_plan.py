@@ -490,30 +490,40 @@ def transients(model: nn.Module, segments: list[Segment], x: torch.Tensor, autoc
     peak model's rows count what is kept; a recomputed segment's forward can make more than
     that at once (resnet's stem: convolution, BatchNorm and ReLU outputs; a block's downsample
     output until the residual add)."""
-    autocast = autocast or contextlib.nullcontext
-    runs = []
-    for keep in (False, True):
-        live = _Live(len(segments))
-        live.keep = keep
-        handles = []
-        for i, seg in enumerate(segments):
-            mods = seg.modules()
-            handles.append(mods[0].register_forward_pre_hook(live.enter(i)))
-            handles.append(mods[-1].register_forward_hook(live.leave))
-        try:
-            with unchanged(model, x.device), torch.autograd.graph.saved_tensors_hooks(
-                    live.pack, lambda t: t), autocast(), live:
-                out = model(x)
-            del out
-        finally:
-            for h in handles:
-                h.remove()
-        runs.append(live)
-    drop, keep = runs
+    drop, keep = (_trace(model, segments, x, autocast, k) for k in (False, True))
     scaled = lambda v: int(v * scale)  # noqa: E731
     return ([scaled(max(t, default=0)) for t in drop.trace],
             [scaled(max(t, default=0)) for t in keep.trace],
             [scaled(max(t[:k], default=0)) for t, k in zip(keep.trace, keep.saved_after)])
+
+
+def forward_transients(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast,
+                       scale: float = 1.0) -> list[int]:
+    """`transients`' first list alone (one forward, saves dropped)."""
+    return [int(max(t, default=0) * scale)
+            for t in _trace(model, segments, x, autocast, False).trace]
+
+
+def _trace(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast,
+           keep: bool) -> _Live:
+    """One forward under `_Live`, saves kept or dropped, the model unchanged afterwards."""
+    autocast = autocast or contextlib.nullcontext
+    live = _Live(len(segments))
+    live.keep = keep
+    handles = []
+    for i, seg in enumerate(segments):
+        mods = seg.modules()
+        handles.append(mods[0].register_forward_pre_hook(live.enter(i)))
+        handles.append(mods[-1].register_forward_hook(live.leave))
+    try:
+        with unchanged(model, x.device), torch.autograd.graph.saved_tensors_hooks(
+                live.pack, lambda t: t), autocast(), live:
+            out = model(x)
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    return live
 
 
 @contextlib.contextmanager
