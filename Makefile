@@ -9,7 +9,7 @@ ARGS   ?=
 QUICK_DIR := runs/quick/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast test-compat lint sweep report clean
+.PHONY: help install run test test-fast test-compat check-studies coverage lint sweep report clean
 
 help: ## show this help
 	@if [ -t 1 ]; then c='\033[36m'; r='\033[0m'; else c=''; r=''; fi; \
@@ -29,8 +29,13 @@ run: $(STAMP) ## run the default study (every method, synthetic data, CPU, ~3 mi
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode)
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) $(ARGS)
+# One worker per core, one thread per worker (more oversubscribes the cores: small convolutions
+# get many times slower); worksteal hands a finished worker the other's queued tests, so one
+# slow file at the end does not leave a core idle. docs/TESTING.md: the budget and its parts.
+PYTEST = OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(1)/python -m pytest -q -n $(JOBS) --dist worksteal
+
+test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode); prints the 20 slowest tests
+	$(call PYTEST,$(BIN)) --durations=20 $(ARGS)
 
 # The oldest torch the project supports (what GPU boxes have: torch 2.11, torchvision 0.26, Triton
 # 3.6), in a second virtual environment; pyproject's torch range names exactly these two ends.
@@ -41,19 +46,32 @@ $(COMPAT)/.installed: pyproject.toml
 	$(COMPAT)/bin/python -m pip install -q $(COMPAT_TORCH) -e '.[dev]'
 	touch $@
 
-# The suite again minus the files that check no torch-version-sensitive code: the default
-# recipes' 3-seed training runs, and the orchestration around a run (Hydra's command line and
-# presets, sweeps, launchers, SLURM, signals and relaunches, the results driver, the wheel
-# install), whose Hydra, submitit and joblib are the same in both environments; together more
-# than half of the suite's time. They all run in `make test`.
-COMPAT_SKIP  ?= $(addprefix --ignore=tests/,test_recipes.py test_slurm.py test_sweeps.py \
-                  test_survive.py test_hydra_cli.py test_launchers.py test_variants.py \
-                  test_results.py test_results_device.py test_install.py test_experiments.py)
-test-compat: $(COMPAT)/.installed ## the test suite again on torch 2.11 + torchvision 0.26 + Triton 3.6 (.venv-compat)
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(COMPAT)/bin/python -m pytest -q -n $(JOBS) $(COMPAT_SKIP) $(ARGS)
+# The tests of what depends on the torch/Triton version (marked compat: the kernels, selective
+# checkpointing, compile, quantize, saved-tensor hooks and the memory tracker), on the oldest
+# torch; the rest (Hydra, the launchers, reports, sweeps) is the same code in both environments.
+test-compat: $(COMPAT)/.installed ## the compat-marked tests on torch 2.11 + torchvision 0.26 + Triton 3.6 (.venv-compat)
+	$(call PYTEST,$(COMPAT)/bin) -m compat --durations=10 $(ARGS)
 
-test-fast: $(STAMP) ## the tests without those marked slow
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m "not slow" $(ARGS)
+test-fast: $(STAMP) ## the inner loop (~2 min): the tests not marked slow
+	$(call PYTEST,$(BIN)) -m "not slow" $(ARGS)
+
+# The multi-seed accuracy studies (marked study; their single-seed guards run in make test too):
+# every run kept under runs/studies/<study>/, then one report per study, committed under
+# docs/results/studies/<study>/ (mean and std over the seeds).
+STUDIES_DIR ?= runs/studies
+check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/results/studies/
+	rm -rf $(STUDIES_DIR)
+	$(call PYTEST,$(BIN)) --studies --studies-dir $(CURDIR)/$(STUDIES_DIR) -m "study or guard" $(ARGS)
+	for d in $(STUDIES_DIR)/*/; do n=$$(basename $$d); \
+	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures || exit 1; done
+
+# Line coverage of memtrain/ and kernels/ over the whole suite (pyproject's [tool.coverage]:
+# subprocesses and xdist workers measured too, Triton kernels through the interpreter)
+coverage: $(STAMP) ## make test under coverage.py; prints the coverage of memtrain/ and kernels/
+	rm -f .coverage .coverage.*
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/coverage run -m pytest -q -n $(JOBS) --dist worksteal $(ARGS)
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report --skip-covered | tail -n 3
 
 lint: $(STAMP) ## ruff over the code and tests
 	$(BIN)/ruff check memtrain kernels tests
@@ -96,7 +114,7 @@ bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torc
 	$(BIN)/python -m memtrain.bench.prune
 
 clean: ## remove caches (keeps .venv and runs/)
-	rm -rf .pytest_cache .ruff_cache build *.egg-info
+	rm -rf .pytest_cache .ruff_cache build *.egg-info .coverage .coverage.*
 
 # The whole study (memtrain/bench/results.py): every part a row of its own, raw results in
 # runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>).

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from memtrain.kernels import triton_available
+from memtrain.kernels import chunk_starts, is_fake, triton_available
 
 BITS = (2, 4, 8)
 GROUP_MULTIPLE = 32  # group sizes are multiples of this: a group's codes fill whole 32-bit words
@@ -259,7 +259,7 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
     per, levels = 8 // bits, (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
     step = _groups_per_chunk(n, group_size)
-    for g0 in range(0, n_groups(n, group_size), step):
+    for g0 in chunk_starts(n_groups(n, group_size), step, is_fake(x)):
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
         part = flat[g0 * group_size:(g0 + step) * group_size].to(torch.float32, copy=True)
         if chan is not None:
@@ -302,7 +302,7 @@ def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
     mask = (1 << bits) - 1
     step = _groups_per_chunk(n, group_size)
     rows = codes.view(-1, group_size * bits // 8)
-    for g0 in range(0, rows.shape[0], step):
+    for g0 in chunk_starts(rows.shape[0], step, is_fake(buf)):
         q = (rows[g0:g0 + step, :, None] >> shifts) & mask  # [groups, bytes, per]
         x = q.view(q.shape[0], group_size).float()
         x.mul_(scale[g0:g0 + step, None]).add_(mn[g0:g0 + step, None])

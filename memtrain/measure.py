@@ -111,6 +111,7 @@ class PeakTracker:
     """
 
     def __init__(self, *external, device: torch.device | None = None):
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
         # the run's device only (host copies of an offloaded GPU run are not GPU memory)
@@ -121,18 +122,23 @@ class PeakTracker:
         self._mt.track_external(*external)
         self.act_peak_bytes = 0
         self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
-        orig = self._mt._update_peak_stats
+        mt = self._mt
 
-        # MemTracker keeps a breakdown at the total peak only; the peak of the activation part
-        # alone needs a look at every update, so wrap its update hook.
+        # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
+        # breakdown at that moment (what `peak_bytes` and `at_peak` read), and a peak per module,
+        # which nothing here reads and which costs a pass over every module at every allocation
+        # (most of an accounting step's time on a few hundred modules under quantize's many
+        # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
+        # peak as MemTracker does, and the peak of the activation part alone with its moment.
         def update(state):
-            orig(state)
-            for dev, snap in self._mt._curr_mem_snap.items():
-                # keep that moment too
+            for dev, snap in mt._curr_mem_snap.items():
+                total = snap[_TOTAL]
+                if mt._peak_mem.get(dev, 0) < total:
+                    mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
                 if self._counts(dev) and snap.get(_MemRefType.ACT, 0) > self.act_peak_bytes:
                     self.act_peak_bytes, self._act_snap = snap[_MemRefType.ACT], dict(snap)
 
-        self._mt._update_peak_stats = update
+        mt._update_peak_stats = update
 
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,45 @@ def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                           capture_output=True, timeout=timeout, env=full_env)
 
 
+@dataclass
+class Checked:
+    """What `memtrain ARGS` did before Hydra took over: its exit status, stdout and stderr."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli_checks(monkeypatch, capsys):
+    """`cli_checks(*args)`: the `memtrain` command's checks (`cli.main` up to Hydra) in this
+    process, for the many tests of bad input that must stop there with one line and exit 2;
+    a subprocess costs a fresh interpreter, torch and Hydra (~4 s) per call. Reaching Hydra
+    fails the test (the input was not refused); tests/test_validate.py keeps the same check in
+    a real subprocess, where a traceback or a wrong exit status would show."""
+    import hydra
+
+    from memtrain import cli, faults
+
+    def reached_hydra(*args, **kwargs):
+        raise AssertionError("memtrain handed these overrides to Hydra: they were not refused")
+
+    def check(*args: str) -> Checked:
+        monkeypatch.setattr(sys, "argv", ["memtrain", *args])
+        monkeypatch.setattr(hydra, "main", reached_hydra)
+        # a multirun's SIGTERM handler is the sweep's, not this test process's
+        monkeypatch.setattr(faults.SweepStop, "install_main", staticmethod(lambda: None))
+        capsys.readouterr()
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        out = capsys.readouterr()
+        return Checked(code, out.out, out.err)
+
+    return check
+
+
 def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
     """Saved-for-backward bytes of one forward pass (no backward); the inputs, parameters and
     buffers are not counted (`measure.alive_before_step`), as on a run's accounting step."""
@@ -59,12 +99,38 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.fixture
+def study_dir(request, tmp_path):
+    """`study_dir(name)`: the folder a study's runs go to. With --studies (make check-studies)
+    the runs are kept, one folder per study under --studies-dir, for memtrain-report; otherwise
+    (a study's guard in make test) a temporary one."""
+    def folder(name: str) -> Path:
+        if request.config.getoption("--studies"):
+            return Path(request.config.getoption("--studies-dir")) / name
+        return tmp_path / name
+    return folder
+
+
 def fashion_mnist_available() -> bool:
     return Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").exists()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--studies", action="store_true",
+                     help="run the multi-seed accuracy studies (marked study; make check-studies)")
+    parser.addoption("--studies-dir", default=str(ROOT / "runs" / "studies"),
+                     help="with --studies: where the studies' runs are kept (for memtrain-report)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu need CUDA; on a machine without it they are skipped, saying why."""
+    """Studies (marked study) run only with --studies: they are deselected otherwise, so that
+    `-m slow` or `-k` never pulls one into make test. Tests marked gpu need CUDA; on a machine
+    without it they are skipped, saying why."""
+    if not config.getoption("--studies"):
+        studies = [item for item in items if "study" in item.keywords]
+        if studies:
+            config.hook.pytest_deselected(items=studies)
+            items[:] = [item for item in items if "study" not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

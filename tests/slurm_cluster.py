@@ -29,6 +29,8 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 PARTITION = "debug"
+# The tests' node size, fixed so that what runs and what waits does not depend on the machine
+TEST_CPUS = 2
 
 SACCT = '''#!{python}
 """sacct for a cluster without accounting: the job states, read from `scontrol show job`."""

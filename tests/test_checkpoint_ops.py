@@ -18,12 +18,13 @@ from memtrain.methods._ckpt_compact import Compact
 from memtrain.methods._segments import discover
 from memtrain.methods.checkpoint import CheckpointMethod
 
-# torch 2.11 (the compat pass) routes no SAC-cached output through saved-tensor hooks, so op
-# plans fall back to block there (CheckpointMethod warns; the row's plan_granularity says so)
-pytestmark = pytest.mark.skipif(
+# make test-compat runs this file on the oldest torch (selective checkpointing): torch 2.11 routes
+# no SAC-cached output through saved-tensor hooks, so op plans fall back to block there
+# (CheckpointMethod warns; the row's plan_granularity says so)
+pytestmark = [pytest.mark.compat, pytest.mark.skipif(
     not opplan.sac_cache_is_counted(),
     reason=f"torch {torch.__version__}: selective checkpointing has no respect_saved_tensors_hooks;"
-           f" granularity=op falls back to block")
+           f" granularity=op falls back to block")]
 
 
 @pytest.fixture(autouse=True)

@@ -32,8 +32,8 @@ def test_hydra_flags_pass_through(in_tmp, flags, expected):
     assert not (in_tmp / "runs").exists()  # shown, not run
 
 
-def test_cfg_job_still_checks_the_overrides(in_tmp):
-    p = run_memtrain("--cfg", "job", "trainer.batchsize=3", cwd=in_tmp, timeout=300)
+def test_cfg_job_still_checks_the_overrides(in_tmp, cli_checks):
+    p = cli_checks("--cfg", "job", "trainer.batchsize=3")
     assert p.returncode == 2
     assert p.stderr.strip() == ("memtrain: error: unknown option trainer.batchsize; did you mean "
                                 "trainer.batch_size?")
@@ -67,21 +67,21 @@ def test_user_preset_in_config_dir_runs(in_tmp):
                                      "experiment/bad)"),
     ("optim:\n  lr: .nan\n", "optim.lr must be a finite number, got nan"),
 ])
-def test_user_preset_is_checked_like_built_in_ones(in_tmp, body, expected):
+def test_user_preset_is_checked_like_built_in_ones(in_tmp, cli_checks, body, expected):
     if "sparsty" in body:
         body = "defaults:\n  - override /method: prune\n" + body
     mine = _preset(in_tmp / "myconf", "bad", body)
-    p = run_memtrain("--config-dir", str(mine), "experiment=bad", *TINY, cwd=in_tmp, timeout=300)
+    p = cli_checks("--config-dir", str(mine), "experiment=bad", *TINY)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], p.stderr
     assert not (in_tmp / "runs").exists()
 
 
-def test_unknown_preset_and_missing_config_dir_are_one_line(in_tmp):
-    p = run_memtrain("experiment=mine", *TINY, cwd=in_tmp, timeout=300)
+def test_unknown_preset_and_missing_config_dir_are_one_line(in_tmp, cli_checks):
+    p = cli_checks("experiment=mine", *TINY)
     assert p.returncode == 2 and "unknown experiment 'mine'" in p.stderr
-    p = run_memtrain("--config-dir", str(in_tmp / "nope"), *TINY, cwd=in_tmp, timeout=300)
+    p = cli_checks("--config-dir", str(in_tmp / "nope"), *TINY)
     assert p.returncode == 2
     assert p.stderr.strip() == f"memtrain: error: --config-dir {in_tmp / 'nope'}: no such folder"
 

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+# make test-compat runs this file on the oldest torch: Triton's ahead-of-time compiler
+pytestmark = pytest.mark.compat
 
 @pytest.mark.slow
 def test_every_kernel_compiles_for_sm80_and_sm90():

@@ -1,5 +1,6 @@
 """Memory accounting against hand-computed values."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -7,6 +8,9 @@ from memtrain import measure
 
 F32 = 4
 
+
+# make test-compat runs this file on the oldest torch: saved-tensor hooks and torch's MemTracker
+pytestmark = pytest.mark.compat
 
 class Tiny(nn.Module):
     """Linear(8->16) -> ReLU -> Linear(16->4): saves x, relu_out (used by ReLU's backward and the

@@ -13,6 +13,9 @@ from memtrain.errors import ConfigError
 from memtrain.methods.offload import HostMover, Offloader, OffloadMethod
 from memtrain.methods.quantize import ActivationQuantizer
 
+# make test-compat runs this file on the oldest torch: saved-tensor hooks
+pytestmark = pytest.mark.compat
+
 TINY = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=8",
         "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=1", "trainer.batch_size=2"]
 

@@ -15,6 +15,9 @@ from torch import nn
 from memtrain.methods._pool_ops import CompactMaxPool2dFn, PooledBatchNormFn, PooledConv2dFn
 
 # (in_ch, out_ch, kernel, stride, padding, dilation, groups, H, W)
+# make test-compat runs this file on the oldest torch: pool's Triton kernels and autograd Functions
+pytestmark = pytest.mark.compat
+
 CONVS = {
     "3x3": (4, 6, 3, 1, 1, 1, 1, 8, 8),
     "3x3_s2_odd": (4, 6, 3, 2, 1, 1, 1, 9, 7),

@@ -8,6 +8,9 @@ import torch
 from memtrain.kernels import bsr
 from memtrain.kernels import reference as ref
 
+# make test-compat runs this file on the oldest torch: the Triton prune kernels
+pytestmark = pytest.mark.compat
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRET, reason="Triton on the CPU needs TRITON_INTERPRET=1 (make test sets it)"))]

@@ -9,9 +9,11 @@ import pytest
 import torch
 from memtrain.kernels import quant, reference
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
-                                not torch.cuda.is_available(),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+# make test-compat runs this file on the oldest torch: the Triton quantize kernels
+pytestmark = [pytest.mark.compat,
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                 not torch.cuda.is_available(),
+                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 37, 200]  # one element, a partial group, several groups with a partial last

@@ -18,6 +18,9 @@ from memtrain.methods.quantize import (
     unpack_tensor,
 )
 
+# make test-compat runs this file on the oldest torch: quantize's saved-tensor hooks and kernels
+pytestmark = pytest.mark.compat
+
 TINY = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16",
         "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=2", "trainer.batch_size=8",
         "trainer.eval_max_batches=1", "trainer.seed=0"]

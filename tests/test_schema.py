@@ -10,7 +10,7 @@ import functools
 import typing
 
 import pytest
-from conftest import CONF, conf_options, run_memtrain
+from conftest import CONF, conf_options
 from omegaconf import OmegaConf
 
 from memtrain import config, schema, validate
@@ -93,9 +93,9 @@ def test_composed_config_is_checked_too():
         schema.check_config(cfg, ("trainer",))
 
 
-def test_cli_nan_in_a_sweep_exits_2_before_training(in_tmp):
-    p = run_memtrain("-m", "trainer=smoke", "model=mlp6", "method=prune",
-                     "method.sparsity=0.5,nan", "hydra.sweep.dir=sw", cwd=in_tmp, timeout=300)
+def test_cli_nan_in_a_sweep_exits_2_before_training(in_tmp, cli_checks):
+    p = cli_checks("-m", "trainer=smoke", "model=mlp6", "method=prune",
+                   "method.sparsity=0.5,nan", "hydra.sweep.dir=sw")
     assert p.returncode == 2, p.stderr[-2000:]
     assert p.stderr.strip() == "memtrain: error: method.sparsity must be a finite number, got nan"
     assert not (in_tmp / "sw").exists()

@@ -35,7 +35,9 @@ def cluster():
                     f"apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
         pytest.skip("the throwaway SLURM cluster needs root (slurmd starts the jobs)")
-    with slurm_cluster.SlurmCluster() as c:
+    # a fixed size, not this machine's: the scancel test needs its fourth one-CPU job still
+    # pending while two others hang, which holds on a two-CPU node whatever the machine has
+    with slurm_cluster.SlurmCluster(cpus=slurm_cluster.TEST_CPUS) as c:
         yield c
 
 

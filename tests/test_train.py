@@ -94,13 +94,16 @@ def test_same_seed_same_result(in_tmp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mlp6_default_recipe_trains(tmp_path, seed):
+# the guard is seed 1: the seed whose loss went to NaN at lr 0.1
+@pytest.mark.parametrize("seed", [pytest.param(1, marks=pytest.mark.guard),
+                                  *(pytest.param(s, marks=pytest.mark.study) for s in (0, 2))])
+def test_mlp6_default_recipe_trains(study_dir, seed):
     """The documented command with its defaults: SGD at the ResNet recipe's lr 0.1 sent the loss
     to NaN (step 64 for seed 1 here); the mlp6+SGD recipe (conf/recipe) must train."""
 
     row = api.run(["model=mlp6", "trainer.max_steps=200", "trainer.batch_size=64",
                    f"trainer.seed={seed}", "trainer.threads=1", "trainer.progress=false",
-                   "trainer.account_memory=false"], out_dir=tmp_path / "r")
+                   "trainer.account_memory=false"],
+                 out_dir=study_dir("mlp6_documented") / f"seed{seed}")
     assert row["status"] == "ok" and math.isfinite(row["train_loss"])
     assert row["test_acc"] > 2 / 10  # ten classes: twice chance

@@ -302,18 +302,22 @@ def min_peak(p: Profile, max_group: int | None = None) -> int:
     return peak_bytes(p, _solve(p, None, max_group or p.n))
 
 
-def brute_force(p: Profile, budget: float, max_group: int | None = None) -> Plan | None:
-    """Exhaustive search over every plan (tests: small n only)."""
+def brute_force(p: Profile, budget: float | list[float],
+                max_group: int | None = None) -> Plan | None | list[Plan | None]:
+    """Exhaustive search over every plan (tests: small n only): the plan of least recompute
+    time within `budget`, or for a list of budgets one such plan each, found in one pass."""
+    budgets = budget if isinstance(budget, list) else [budget]
     max_group = max_group or p.n
-    best: Plan | None = None
+    best: list[Plan | None] = [None] * len(budgets)
+    best_cost = [float("inf")] * len(budgets)
     seg_cost = recompute_cost(p)
-    best_cost = float("inf")
     for groups in _all_plans(p.n, 0, max_group):
         plan = make_plan(p, groups)
         cost = sum(sum(seg_cost[a:e + 1]) for a, e in groups)
-        if plan.peak <= budget and cost < best_cost:
-            best, best_cost = plan, cost
-    return best
+        for k, b in enumerate(budgets):
+            if plan.peak <= b and cost < best_cost[k]:
+                best[k], best_cost[k] = plan, cost
+    return best if isinstance(budget, list) else best[0]
 
 
 def _all_plans(n: int, i: int, max_group: int) -> Iterator[list[Group]]:

@@ -1,0 +1,130 @@
+"""The registry walker: every method of conf/method (with the variants that change what its run
+measures) on every model of conf/model, prepared and estimated without training.
+
+Registry-wide tests take their cases from here rather than writing a matrix of their own, so a new
+method, model or variant is covered by every registry-wide claim at once (tests/test_registry.py).
+Two levels, chosen for what each claim needs:
+
+- `measured(case)`: on the two small reference models (`MEASURED`: an MLP, a CNN with BatchNorm
+  and ReLU) a real run of three steps with `trainer.estimate=true`, so one row holds both the
+  accounting step's measured columns and the GPU-free estimate of the same step.
+- `estimated(case)`: on every model, `trainer.estimate=true` with `trainer.max_steps=0`: the
+  model built, the method applied and prepared (a checkpoint plan profiled and solved) and one
+  training step run on fake tensors, no data and no training. The estimate is held to the
+  measured columns by `measured` on the reference models, so its columns stand for a run's.
+
+Every result is cached for the worker's session: one `none` baseline per model, shared by every
+method's case.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import conf_options
+
+from memtrain import api
+
+METHODS = conf_options("method")
+MODELS = conf_options("model")
+MEASURED = ("mlp6", "resnet18")  # the reference models of measured rows
+# A stack's members are walked on every model; the stack itself on the reference models (its
+# quantize-inside-checkpoint accounting is the slowest case on the CPU: resnet50 377 s alone).
+STACK_MODELS = MEASURED
+
+# Beyond each method's defaults: the options that change what its run measures.
+VARIANTS: dict[str, list[list[str]]] = {
+    "checkpoint": [["method.strategy=uniform"], ["method.strategy=sqrt"],
+                   ["method.strategy=selective"]],
+    "synthetic": [["method.right_input=left"],
+                  ["method.recovery_epochs=1", "trainer.epochs=2", "dataset.train_size=64"]],
+    "prune": [["method.sparsity=0.9", "method.block_size=16", "method.prune_shared=true"]],
+    "pool": [["method.targets=conv+bn"]],
+}
+# A method's defaults where they cannot hold on the small sizes walked: checkpoint's default
+# budget (half of none's activation peak) is infeasible on mlp6, whose smallest feasible plan
+# keeps ~0.62 of it (the run refuses it); a stack's plan at the exact uniform schedule.
+DEFAULTS: dict[str, list[str]] = {
+    "checkpoint": ["method.budget_fraction=0.7"],
+    "checkpoint+quantize": ["method.checkpoint.strategy=uniform",
+                            "method.checkpoint.profile_repeats=1"],
+}
+# The estimate-level walk of the other models: one configuration per method. A budget plan needs
+# a feasible budget, which depends on the model: the exact uniform schedule runs everywhere
+# (budget plans have their own tests in test_checkpoint.py and test_checkpoint_ops.py).
+ESTIMATED: dict[str, list[str]] = {"checkpoint": ["method.strategy=uniform"]}
+
+MEASURED_SIZE = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=32",
+                 "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=3",
+                 "trainer.batch_size=16", "trainer.eval_max_batches=1", "trainer.seed=0",
+                 "trainer.estimate=true"]
+ESTIMATED_SIZE = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=16",
+                  "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=0",
+                  "trainer.batch_size=8", "trainer.seed=0", "trainer.estimate=true"]
+
+
+@dataclass(frozen=True)
+class Case:
+    method: str
+    model: str
+    extra: tuple[str, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return " ".join([self.model, self.method, *self.extra])
+
+    def overrides(self, size: list[str]) -> list[str]:
+        return [f"model={self.model}", f"method={self.method}", *size, *self.extra]
+
+
+def _applies(method: str, model: str) -> bool:
+    return "+" not in method or model in STACK_MODELS
+
+
+def measured_cases() -> list[Case]:
+    """Every method with its defaults and each variant, on the reference models."""
+    return [Case(method, model, tuple(extra)) for model in MEASURED for method in METHODS
+            for extra in [DEFAULTS.get(method, []), *VARIANTS.get(method, [])]]
+
+
+def estimated_cases(models: tuple[str, ...] | list[str] = MODELS) -> list[Case]:
+    """Every method (one configuration each) on every model."""
+    return [Case(method, model, tuple(ESTIMATED.get(method, DEFAULTS.get(method, []))))
+            for model in models for method in METHODS if _applies(method, model)]
+
+
+@dataclass
+class _Cache:
+    rows: dict[tuple[str, tuple[str, ...]], dict] = field(default_factory=dict)
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mt-walker-")))
+
+
+_CACHE = _Cache()
+
+
+def _run(overrides: list[str]) -> dict:
+    """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
+    key = ("run", tuple(overrides))
+    if key not in _CACHE.rows:
+        out = _CACHE.root / str(len(_CACHE.rows))
+        _CACHE.rows[key] = api.run(overrides, out_dir=out)
+    return _CACHE.rows[key]
+
+
+def measured(case: Case) -> dict:
+    """The row of a real three-step run with its estimate (reference models only)."""
+    assert case.model in MEASURED, case
+    return _run(case.overrides(MEASURED_SIZE))
+
+
+def estimated(case: Case) -> dict:
+    """The row of a prepare-and-estimate run: no data step, no training."""
+    return _run(case.overrides(ESTIMATED_SIZE))
+
+
+def baseline(case: Case, level: str) -> dict:
+    """`none` on the case's model at the same level and size."""
+    none = Case("none", case.model)
+    return measured(none) if level == "measured" else estimated(none)
