@@ -98,6 +98,7 @@ def test_unreadable_image_is_named_in_one_line(tmp_path, workers):
     assert "bad.png" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", ["file", "under_file"])
 def test_run_dir_that_is_a_file_is_one_line(in_tmp, make):
     (in_tmp / "f").write_text("x")
@@ -147,6 +148,7 @@ def test_a_64_bit_seed_runs(in_tmp):
     assert row["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_unset_env_in_a_sweep_is_that_jobs_row(in_tmp):
     p = run_memtrain("-m", *TINY, "trainer.seed=0,${oc.env:MEMTRAIN_TEST_UNSET_15}",
                      "hydra.sweep.dir=sw", "+hydra.callbacks.report.enabled=false",

@@ -57,6 +57,7 @@ def test_gpu_slots_never_collide(tmp_path):
         assert c == 0
 
 
+@pytest.mark.slow
 def test_find_max_batch_on_cpu_uses_the_estimate_under_the_cap(in_tmp):
     base = [*TINY, "trainer.max_steps=0", "trainer.find_max_batch=true"]
     with pytest.raises(ConfigError, match="set trainer.gpu_memory_gb"):

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from conftest import run_memtrain
 
 from memtrain import api
@@ -31,6 +32,7 @@ def _check_summary(path: Path, **expect):
     return s
 
 
+@pytest.mark.slow
 def test_cli_single_run_leaves_valid_records(in_tmp):
     p = run_memtrain(*TINY, cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -43,6 +45,7 @@ def test_cli_single_run_leaves_valid_records(in_tmp):
     assert not list(run.glob(".*.tmp"))  # no temporary files left behind
 
 
+@pytest.mark.slow
 def test_multirun_two_jobs(in_tmp):
     p = run_memtrain("-m", *TINY, "trainer.seed=0,1", cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -65,6 +68,7 @@ def test_api_run_and_build(in_tmp):
     assert method.name == "none" and data.input_shape == (3, 8, 8)
 
 
+@pytest.mark.slow
 def test_report_loads_nested_runs_and_skips_corrupt(in_tmp, capsys):
     from memtrain.report.cli import main as report_main
 

@@ -82,6 +82,7 @@ def test_unknown_option_is_one_line_error(in_tmp, cli_checks, override, expected
     ("trainer.precision=fp8", "trainer.precision must be one of fp32, bf16, fp16, got 'fp8'"),
     ("trainer.epochs=0", "trainer.epochs must be in [1, inf], got 0"),
 ])
+@pytest.mark.slow
 def test_bad_trainer_value_is_one_line_error(in_tmp, override, expected):
     _one_line_exit_2(run_memtrain(override, "trainer=smoke", cwd=in_tmp, timeout=120), expected)
 
@@ -94,6 +95,7 @@ def _one_line_exit_2(p, expected: str) -> None:
     assert len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_missing_dataset_folder_names_the_path(in_tmp):
     p = run_memtrain("dataset=cifar10", f"dataset.data_dir={in_tmp}/nodata", "trainer=smoke",
                      cwd=in_tmp, timeout=120)

@@ -32,6 +32,7 @@ def test_synthetic_shapes_and_classes():
     assert abs(float(x.mean())) < 0.5
 
 
+@pytest.mark.slow
 def test_synthetic_is_learnable(in_tmp):
     row = api.run(["model=mlp6", "trainer.max_steps=200", "trainer.batch_size=64",
                    "optim.lr=0.05", "trainer.progress=false", "dataset.image_size=16",

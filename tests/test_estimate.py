@@ -99,6 +99,7 @@ def test_each_probe_step_is_logged(in_tmp, caplog):
     assert f"find_max_batch: largest batch that fits: {row['max_batch_size']}" in caplog.text
 
 
+@pytest.mark.slow
 def test_cli_find_max_batch_on_the_cpu_without_a_cap_is_one_line_and_no_folder(tmp_path):
     from conftest import run_memtrain
 

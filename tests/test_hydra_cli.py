@@ -25,6 +25,7 @@ def _preset(folder, name: str, body: str):
     (["-sc", "install=bash"], "COMP_LINE"),
     (["--cfg", "job", "--resolve", "trainer.batch_size=7"], "batch_size: 7"),
 ])
+@pytest.mark.slow
 def test_hydra_flags_pass_through(in_tmp, flags, expected):
     p = run_memtrain(*flags, cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -39,6 +40,7 @@ def test_cfg_job_still_checks_the_overrides(in_tmp, cli_checks):
                                 "trainer.batch_size?")
 
 
+@pytest.mark.slow
 def test_user_preset_in_config_dir_runs(in_tmp):
     mine = _preset(in_tmp / "myconf", "mine",
                    "defaults:\n  - override /model: mlp6\n  - override /trainer: smoke\n"
@@ -86,6 +88,7 @@ def test_unknown_preset_and_missing_config_dir_are_one_line(in_tmp, cli_checks):
     assert p.stderr.strip() == f"memtrain: error: --config-dir {in_tmp / 'nope'}: no such folder"
 
 
+@pytest.mark.slow
 def test_long_multirun_flag(in_tmp):
     p = run_memtrain("--multirun", *TINY, "trainer.seed=0,1", "hydra.sweep.dir=sw",
                      cwd=in_tmp, timeout=300)

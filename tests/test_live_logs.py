@@ -27,6 +27,7 @@ def _metrics(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_progress_lines_reach_a_redirected_log(in_tmp):
     """stdout to a file, stderr to a pipe (no terminal): a line every log_every steps."""
     with open(in_tmp / "log.txt", "w") as out:
@@ -40,6 +41,7 @@ def test_progress_lines_reach_a_redirected_log(in_tmp):
     assert len(LINE.findall((in_tmp / "r" / "memtrain.log").read_text())) == 10
 
 
+@pytest.mark.slow
 def test_metrics_csv_is_valid_while_training_and_when_killed(in_tmp):
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", *TINY, "trainer.max_steps=100000",
                              "trainer.epochs=1000", "trainer.log_every=1", "hydra.run.dir=r"],

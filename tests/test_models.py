@@ -35,6 +35,7 @@ def test_resnet_small_stem_only_for_small_images():
     assert big.conv1.kernel_size == (7, 7)
 
 
+@pytest.mark.slow
 def test_resmlp_matches_timm_s24_at_224():
     import timm
 

@@ -146,6 +146,7 @@ def test_efficientnet_b0_depthwise_runs_and_saves_less():
     assert all(torch.isfinite(p.grad).all() for p in net1.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,targets", [(torch.bfloat16, "conv+bn"), (torch.float16, "conv")])
 def test_autocast_forward_matches_and_backward_runs(dtype, targets):
     net0, x, y = _build("resnet18", 16, "method=none")
@@ -181,6 +182,7 @@ def test_bad_options_are_config_errors(bad):
         PoolMethod(**bad)
 
 
+@pytest.mark.slow
 def test_cli_bad_option_exits_2_with_one_line(in_tmp):
     p = run_memtrain("method=pool", "method.mode=bilinear", "trainer=smoke", cwd=in_tmp,
                      timeout=120)
@@ -251,6 +253,7 @@ def test_pool_study_variants_compose_to_the_intended_methods():
                    ("pool", 4, "upsample"), ("pool", 4, "pooled")]
 
 
+@pytest.mark.slow
 def test_pool_smoke_run_records_options_and_saves_less(in_tmp):
     common = ["trainer=smoke", "model=resnet18", "dataset.image_size=16"]
     base = api.run([*common, "method=none"], out_dir=in_tmp / "none")

@@ -138,6 +138,7 @@ def test_prune_head_option_adds_the_classifier():
     assert type(net[-1]).__name__ == "PrunedLinear"
 
 
+@pytest.mark.slow
 def test_triton_and_torch_backends_give_the_same_model_gradients():
     if not INTERPRET:
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -252,6 +253,7 @@ def test_mlp6_on_fashion_mnist_converges_within_3_points_of_none(tmp_path):
     assert prune["test_acc"] >= none["test_acc"] - 0.03, (prune["test_acc"], none["test_acc"])
 
 
+@pytest.mark.slow
 def test_prune_study_preset_runs_one_cell_with_smoke_trainer(in_tmp):
     row = api.run(["experiment=prune_study", "trainer=smoke", "method.sparsity=0.9",
                    "method.block_size=16", "model.embed_dim=64"], out_dir=in_tmp / "run")

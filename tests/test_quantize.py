@@ -56,6 +56,7 @@ def test_bad_options_are_one_line_errors(bad, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_bad_option_on_the_command_line_exits_2_in_one_line(in_tmp):
     res = run_memtrain("method=quantize", "method.group_size=40", "model=mlp6",
                        "dataset.image_size=8", "trainer=smoke", cwd=in_tmp)
@@ -64,6 +65,7 @@ def test_bad_option_on_the_command_line_exits_2_in_one_line(in_tmp):
     assert len(lines) == 1 and "group_size" in lines[0], res.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,extra", [("resnet18", ["model.small_input=false"]),
                                          ("resmlp12", [])])
 def test_forward_is_exact_and_gradients_approach_the_baseline_with_bits(model, extra):

@@ -199,6 +199,7 @@ def test_learning_curves_average_seeds(study):
     plots.plt.close(c.fig)
 
 
+@pytest.mark.slow
 def test_report_writes_every_figure_and_marks_failures(study, tmp_path):
     root, _, settings = study
     rep = make_report([root], tmp_path / "out")

@@ -25,6 +25,7 @@ def _make(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 @needs_make
 def test_device_picks_the_device_and_its_sizes():
     cpu = _make("DEVICE=cpu", "ARGS=--dry-run")
@@ -91,6 +92,7 @@ def _script(tmp_path: Path, whl: Path, *args: str) -> subprocess.CompletedProces
                           text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_gpu_call_installs_the_carried_wheels_then_runs_its_parts(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     whl = tmp_path / "whl"

@@ -101,6 +101,7 @@ checkpoint:
 """
 
 
+@pytest.mark.slow
 def test_a_multirun_sweeps_two_stacks(in_tmp):
     """Hydra-native: stacks are method options (here two of the user's, from --config-dir) and
     a sweep over them runs each; the row names the stack and its members' options."""

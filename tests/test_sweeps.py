@@ -57,6 +57,7 @@ def test_relaunch_with_other_values_runs_only_the_new_config(in_tmp):
     assert "never finished" not in (sweep / "report.md").read_text()  # skip markers are no loss
 
 
+@pytest.mark.slow
 def test_a_sweep_folder_in_use_is_refused_in_one_line(in_tmp):
     sweep = in_tmp / "sw"
     sweep.mkdir()

@@ -196,6 +196,7 @@ def _footprint(row: dict, prefix: str = "") -> int:
     return sum(row[f"{prefix}mem_{k}_bytes"] for k in ("act_saved", "params", "grads", "optim"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,k", [("mlp6", 2), ("mlp6", 4), ("resnet18", 3), ("resmlp12", 2)])
 def test_each_partition_is_smaller_than_the_whole_model(in_tmp, one_thread, model, k):
     over = ["trainer=smoke", f"model={model}", "dataset.image_size=16", "trainer.threads=1",
@@ -226,6 +227,7 @@ def test_each_partition_is_smaller_than_the_whole_model(in_tmp, one_thread, mode
     assert syn["mem_act_saved_bytes"] == syn[f"{act}.mem_act_saved_bytes"]
 
 
+@pytest.mark.slow
 def test_resnet18_two_partitions_split_activation_memory(in_tmp, one_thread):
     # The issue's case: cuts balanced by parameters put 97% of resnet18's activations in part0.
     over = ["trainer=smoke", "model=resnet18", "dataset.image_size=32", "trainer.max_steps=2",

@@ -38,6 +38,7 @@ def _train(extra: list[str]):
     return seen, opt, lrs
 
 
+@pytest.mark.slow
 def test_each_option_has_its_effect():
     """bf16 reaches the convolutions (autocast), channels_last the input, adamw keeps its two
     moments, the step schedule decays in steps: each against the defaults."""
@@ -85,6 +86,7 @@ def test_cosine_schedule_reaches_min_and_warmup_ramps():
     assert lrs[-1] < 0.05 and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
 
 
+@pytest.mark.slow
 def test_same_seed_same_result(in_tmp):
     a = api.run(TINY, out_dir=in_tmp / "a")
     b = api.run(TINY, out_dir=in_tmp / "b")

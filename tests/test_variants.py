@@ -29,6 +29,7 @@ def _study(folder, variants: list[str]) -> None:
         f"    variants:\n{lines}")
 
 
+@pytest.mark.slow
 def test_a_baseline_and_variants_sweep_into_one_folder(in_tmp):
     _study(in_tmp / "c", ["method=none", "method=prune method.sparsity=0.5,0.9"])
     p = run_memtrain("--config-dir", str(in_tmp / "c"), "experiment=study", *TINY,
@@ -42,6 +43,7 @@ def test_a_baseline_and_variants_sweep_into_one_folder(in_tmp):
     assert (in_tmp / "sw" / "report.md").exists()  # one folder, one report
 
 
+@pytest.mark.slow
 def test_a_bad_variant_is_one_line_before_any_job(in_tmp):
     _study(in_tmp / "c", ["method=none", "method=prune method.sparsty=0.5"])
     p = run_memtrain("-m", "--config-dir", str(in_tmp / "c"), "experiment=study", *TINY,
