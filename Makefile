@@ -61,9 +61,13 @@ test-fast: $(STAMP) ## the inner loop (~2 min): the tests not marked slow
 STUDIES_DIR ?= runs/studies
 check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/results/studies/
 	rm -rf $(STUDIES_DIR)
-	$(call PYTEST,$(BIN)) --studies --studies-dir $(CURDIR)/$(STUDIES_DIR) -m "study or guard" $(ARGS)
+	$(call PYTEST,$(BIN)) --studies --studies-dir $(CURDIR)/$(STUDIES_DIR) -m "study or guard" \
+	  $(ARGS); rc=$$?; \
 	for d in $(STUDIES_DIR)/*/; do n=$$(basename $$d); \
-	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures || exit 1; done
+	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures >/dev/null || exit 1; \
+	  rm -f docs/results/studies/$$n/summary.parquet; \
+	  sed -i 's#$(CURDIR)/##g' docs/results/studies/$$n/*; done; \
+	echo "check-studies: reports in docs/results/studies/ (pytest exit $$rc)"; exit $$rc
 
 # Line coverage of memtrain/ and kernels/ over the whole suite (pyproject's [tool.coverage]:
 # subprocesses and xdist workers measured too, Triton kernels through the interpreter)

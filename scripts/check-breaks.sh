@@ -31,9 +31,9 @@ EOF
   local failed
   failed=$(printf '%s\n' "$out" | grep -E '^FAILED' | sed 's/ - .*//' | head -3 | tr '\n' ' ')
   if [ $rc -eq 1 ] && [ -n "$failed" ]; then
-    echo "caught   | $claim | $file: $(printf '%q' "$new" | cut -c1-60) | $failed"
+    echo "caught | $claim | $file: \`$(printf '%s\n' "$new" | head -1 | sed 's/^ *//' | cut -c1-72)\` | $failed"
   else
-    echo "MISSED   | $claim | $file | pytest exit $rc"
+    echo "MISSED | $claim | $file | pytest exit $rc"
     printf '%s\n' "$out" | tail -5
     missed=1
   fi

@@ -17,6 +17,10 @@ from memtrain.methods import _ckpt_ops as opplan
 from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods.checkpoint import CheckpointMethod
 
+# make test-compat runs this file on the oldest torch: torch.utils.checkpoint, selective
+# checkpointing, compile, BatchNorm's statistics kernel
+pytestmark = pytest.mark.compat
+
 # (model, image size, batch): small inputs that still exercise every segment kind.
 MODELS = {
     "resnet18": (64, 2), "resnet34": (64, 2), "resnet50": (64, 2), "efficientnet_b0": (32, 2),

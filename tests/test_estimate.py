@@ -14,6 +14,9 @@ from memtrain.methods.prune import PruneMethod
 from memtrain.models.mlp import mlp6
 from memtrain.schema import Trainer
 
+# make test-compat runs this file on the oldest torch: fake tensors and torch's MemTracker
+pytestmark = pytest.mark.compat
+
 SMALL = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=32",
          "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=3", "trainer.batch_size=16",
          "trainer.eval_max_batches=1", "trainer.seed=0", "trainer.estimate=true"]

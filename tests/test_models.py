@@ -6,6 +6,9 @@ from conftest import conf_options
 
 from memtrain import api
 
+# make test-compat runs this file on the oldest torch: torchvision's and timm's models
+pytestmark = pytest.mark.compat
+
 SHAPES = {  # dataset override -> expected input shape
     "synthetic": ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=64"],
     "grey28": ["dataset=synthetic", "dataset.channels=1", "dataset.image_size=28",

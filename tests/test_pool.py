@@ -12,6 +12,9 @@ from memtrain import api, measure
 from memtrain.errors import ConfigError
 from memtrain.methods.pool import MaskedReLU, PooledConv2d, PoolMethod
 
+# make test-compat runs this file on the oldest torch: pool's autograd Functions and Triton kernels
+pytestmark = pytest.mark.compat
+
 CPU = torch.device("cpu")
 
 

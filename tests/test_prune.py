@@ -15,6 +15,10 @@ from memtrain import api, measure
 from memtrain.errors import ConfigError
 from memtrain.methods.prune import PruneMethod
 
+# make test-compat runs this file on the oldest torch: the prune kernels and torch's
+# block-sparse tensors
+pytestmark = pytest.mark.compat
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not INTERPRET, reason="Triton on the CPU needs TRITON_INTERPRET=1 (make test sets it)"))]

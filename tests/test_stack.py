@@ -18,6 +18,10 @@ from memtrain.methods.stack import Stack
 from memtrain.methods.synthetic import Synthetic
 from memtrain.report.names import Names
 
+# make test-compat runs this file on the oldest torch: quantize inside checkpoint
+# (saved-tensor hooks in both passes)
+pytestmark = pytest.mark.compat
+
 TINY = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=8",
         "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=2", "trainer.batch_size=4",
         "trainer.eval_max_batches=1", "trainer.seed=0"]
