@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU study on the lent device machine (docs/results/README.md), one third per call of the
-# device tool, with nothing there but python3 with torch and Triton (no make, no Hydra, offline):
+# The GPU study on a time-limited CUDA machine (docs/results/README.md), one third per call,
+# with nothing there but python3 with torch and Triton (no make, no Hydra, offline):
 #
 #   bash scripts/gpu-results.sh CALL [NAME] [-- more arguments of memtrain.bench.results]
 #
 # CALL 1, 2 or 3: the parts of `python -m memtrain.bench.results --call CALL`; NAME: the study's
 # folder (default <date>_<gpu>; give the first call's to a call on a later UTC date).
-# Reads Hydra's wheels from $WHL (default .whl/, git-ignored: copy /work/shared/gpu-wheels/*.whl
-# there and carry it). Writes $OUT/studyCALL.tar.gz (raw results and view, after every part)
-# and $OUT/studyCALL.log. DEADLINE (s, default 480) keeps the call inside the tool's 600 s.
+# Reads Hydra's wheels from $WHL (default .whl/, git-ignored: put Hydra's wheels there
+# and take the folder along). Writes $OUT/studyCALL.tar.gz (raw results and view, after every part)
+# and $OUT/studyCALL.log. DEADLINE (s, default 480) keeps the call inside a 600 s command limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 call=${1:?usage: bash scripts/gpu-results.sh 1|2|3 [NAME] [-- ARGS]}
@@ -24,7 +24,7 @@ PY=${PY:-python3}
 WHL=${WHL:-.whl}
 : "${OUT:?OUT: the folder whose files come back}"
 if ! compgen -G "$WHL/*.whl" >/dev/null; then
-  echo "gpu-results: no wheels in $WHL/ (copy /work/shared/gpu-wheels/*.whl there, carry it)" >&2
+  echo "gpu-results: no wheels in $WHL/ (put Hydra's wheels there: docs/results/README.md)" >&2
   exit 2
 fi
 WHL=$(cd "$WHL" && pwd)
