@@ -20,7 +20,7 @@ method's case.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import conf_options
@@ -95,22 +95,16 @@ def estimated_cases(models: tuple[str, ...] | list[str] = MODELS) -> list[Case]:
             for model in models for method in METHODS if _applies(method, model)]
 
 
-@dataclass
-class _Cache:
-    rows: dict[tuple[str, tuple[str, ...]], dict] = field(default_factory=dict)
-    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mt-walker-")))
-
-
-_CACHE = _Cache()
+_ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's session
+_ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
 
 
 def _run(overrides: list[str]) -> dict:
     """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
-    key = ("run", tuple(overrides))
-    if key not in _CACHE.rows:
-        out = _CACHE.root / str(len(_CACHE.rows))
-        _CACHE.rows[key] = api.run(overrides, out_dir=out)
-    return _CACHE.rows[key]
+    key = tuple(overrides)
+    if key not in _ROWS:
+        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(len(_ROWS)))
+    return _ROWS[key]
 
 
 def measured(case: Case) -> dict:
@@ -123,8 +117,3 @@ def estimated(case: Case) -> dict:
     """The row of a prepare-and-estimate run: no data step, no training."""
     return _run(case.overrides(ESTIMATED_SIZE))
 
-
-def baseline(case: Case, level: str) -> dict:
-    """`none` on the case's model at the same level and size."""
-    none = Case("none", case.model)
-    return measured(none) if level == "measured" else estimated(none)

@@ -302,11 +302,10 @@ def min_peak(p: Profile, max_group: int | None = None) -> int:
     return peak_bytes(p, _solve(p, None, max_group or p.n))
 
 
-def brute_force(p: Profile, budget: float | list[float],
-                max_group: int | None = None) -> Plan | None | list[Plan | None]:
-    """Exhaustive search over every plan (tests: small n only): the plan of least recompute
-    time within `budget`, or for a list of budgets one such plan each, found in one pass."""
-    budgets = budget if isinstance(budget, list) else [budget]
+def brute_force(p: Profile, budgets: list[float],
+                max_group: int | None = None) -> list[Plan | None]:
+    """Exhaustive search over every plan (tests: small n only): for each budget, the plan of
+    least recompute time within it (None where none fits), all found in one pass."""
     max_group = max_group or p.n
     best: list[Plan | None] = [None] * len(budgets)
     best_cost = [float("inf")] * len(budgets)
@@ -317,7 +316,7 @@ def brute_force(p: Profile, budget: float | list[float],
         for k, b in enumerate(budgets):
             if plan.peak <= b and cost < best_cost[k]:
                 best[k], best_cost[k] = plan, cost
-    return best if isinstance(budget, list) else best[0]
+    return best
 
 
 def _all_plans(n: int, i: int, max_group: int) -> Iterator[list[Group]]:
