@@ -136,27 +136,15 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     epochs = math.ceil(total_steps / steps_per_epoch)
     autocast = autocast_factory(device.type, t.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    fwd, shuffle_gen = _ready(model, t, device)
+    update = functools.partial(_update, model, optimizer, scheduler, scaler, t.grad_clip)
     fault = Fault(t.fault, t.fault_step) if t.fault else None
 
-    torch.manual_seed(t.seed)
-    shuffle_gen = torch.Generator().manual_seed(t.seed)
-    model.to(device)
-    if t.channels_last:
-        model.to(memory_format=torch.channels_last)
-    fwd = torch.compile(model) if t.compile else model
-    model.train()
-
-    rec = Records(metric_prefix, loggers)
+    rec, t_start = Records(metric_prefix, loggers), time.perf_counter()
     meas = measure.Measurement(device, total_steps, t.warmup_steps, t.account_memory, rec.summary)
-    step, start_epoch, replay, loss_val, t_start = 0, 0, 0, float("nan"), time.perf_counter()
-    if checkpointer is not None:
-        state = checkpointer.load(metric_prefix)
-        if checkpointer.warning:  # also on the row of a failed run
-            rec.summary["resume_warning"] = checkpointer.warning
-        if state is not None:  # continue bit for bit: replay the epoch's batches up to the step
-            step, start_epoch, loss_val = _restore(state, model, optimizer, scheduler, scaler,
-                                                   shuffle_gen, rec, meas)
-            replay = step - start_epoch * steps_per_epoch
+    step, start_epoch, loss_val = _resume(checkpointer, metric_prefix, model, optimizer,
+                                          scheduler, scaler, shuffle_gen, rec, meas)
+    replay = step - start_epoch * steps_per_epoch  # resumed: skip the epoch's batches done
     evaluated_at = -1
 
     def run_eval(at: int, epoch: int) -> None:
@@ -190,15 +178,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                         if fault is not None:
                             loss = fault.inject(step, loss)
                     scaler.scale(loss).backward()
-                    if t.grad_clip:
-                        scaler.unscale_(optimizer)
-                        nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-                    scaler.step(optimizer)
-                    scaler.update()
-                    meas.update_done(model)
-                    optimizer.zero_grad(set_to_none=True)
-                    if scheduler is not None:
-                        scheduler.step()
+                    update(meas)
                 del out
                 loss_val = float(loss.detach())
                 if not math.isfinite(loss_val):
@@ -213,14 +193,8 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                     with meas.outside_window():  # the last step's evaluation is the epoch end's
                         run_eval(step, epoch)
                 if checkpointer is not None:
-                    snapshot = functools.partial(  # built only when a save is due
-                        resume.capture, model, optimizer, scheduler, scaler, step=step,
-                        epoch=epoch, epoch_shuffle=epoch_shuffle,
-                        extra={"summary": rec.summary, "metrics": rec.metrics, **meas.state(),
-                               "loss": loss_val})
-                    if stop := checkpointer.step_done(step, snapshot, metric_prefix):
-                        raise rec.failed("interrupted", f"stopped by {stop} after {step} steps; "
-                                         "continue with trainer.resume=true", step)
+                    _save_point(checkpointer, metric_prefix, rec, meas, step, epoch,
+                                epoch_shuffle, loss_val, model, optimizer, scheduler, scaler)
             # ---- end of epoch: evaluation (outside the peak window)
             last = step >= total_steps or epoch == epochs - 1
             due = last or (t.eval_every and (epoch + 1) % t.eval_every == 0)
@@ -236,12 +210,70 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
         for lg in loggers:
             lg.end()
 
-    rec.summary.update(meas.timing(t.batch_size))
-    rec.summary.update(train_loss=loss_val, steps=step, warmup_steps_used=meas.warmup,
-                       epochs_done=epochs, train_time_s=time.perf_counter() - t_start,
-                       mem_peak_rss_bytes=measure.peak_rss_bytes())
-    rec.summary.update(meas.memory())
+    rec.summary.update(_end_columns(meas, t.batch_size, loss_val, step, epochs, t_start))
     return TrainResult(rec.summary, rec.metrics)
+
+
+def _end_columns(meas: measure.Measurement, batch_size: int, loss_val: float, step: int,
+                 epochs: int, t_start: float) -> dict[str, Any]:
+    """A finished run's columns: timing, the last loss and counts, then the memory figures."""
+    return {**meas.timing(batch_size), "train_loss": loss_val, "steps": step,
+            "warmup_steps_used": meas.warmup, "epochs_done": epochs,
+            "train_time_s": time.perf_counter() - t_start,
+            "mem_peak_rss_bytes": measure.peak_rss_bytes(), **meas.memory()}
+
+
+def _ready(model: nn.Module, t: Trainer, device: torch.device) -> tuple[Callable, torch.Generator]:
+    """Seed, place and lay out the model; (what runs the forward pass, the shuffle generator)."""
+    torch.manual_seed(t.seed)
+    shuffle_gen = torch.Generator().manual_seed(t.seed)
+    model.to(device)
+    if t.channels_last:
+        model.to(memory_format=torch.channels_last)
+    fwd = torch.compile(model) if t.compile else model
+    model.train()
+    return fwd, shuffle_gen
+
+
+def _update(model: nn.Module, optimizer, scheduler, scaler, grad_clip: float,
+            meas: measure.Measurement) -> None:
+    """The update after backward: clip, optimizer step (through the fp16 scaler), zero grads."""
+    if grad_clip:
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    meas.update_done(model)
+    optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
+
+
+def _save_point(checkpointer: resume.Checkpointer, prefix: str, rec: Records,
+                meas: measure.Measurement, step: int, epoch: int, epoch_shuffle: torch.Tensor,
+                loss_val: float, model, optimizer, scheduler, scaler) -> None:
+    """A step boundary: save resumable state when due; a stop signal ends the run here."""
+    snapshot = functools.partial(  # built only when a save is due
+        resume.capture, model, optimizer, scheduler, scaler, step=step, epoch=epoch,
+        epoch_shuffle=epoch_shuffle,
+        extra={"summary": rec.summary, "metrics": rec.metrics, **meas.state(), "loss": loss_val})
+    if stop := checkpointer.step_done(step, snapshot, prefix):
+        raise rec.failed("interrupted", f"stopped by {stop} after {step} steps; "
+                         "continue with trainer.resume=true", step)
+
+
+def _resume(checkpointer: resume.Checkpointer | None, prefix: str, model, optimizer, scheduler,
+            scaler, shuffle_gen, rec: Records,
+            meas: measure.Measurement) -> tuple[int, int, float]:
+    """Where the run starts: (step, epoch, last loss), from the saved state when there is one
+    (loaded into the run: continue bit for bit), else (0, 0, nan). A warning about the
+    checkpoint goes on the row (a failed run's too)."""
+    state = checkpointer.load(prefix) if checkpointer is not None else None
+    if checkpointer is not None and checkpointer.warning:
+        rec.summary["resume_warning"] = checkpointer.warning
+    if state is None:
+        return 0, 0, float("nan")
+    return _restore(state, model, optimizer, scheduler, scaler, shuffle_gen, rec, meas)
 
 
 def _restore(state: dict, model, optimizer, scheduler, scaler, shuffle_gen, rec: Records,
