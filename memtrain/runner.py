@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema
+from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema, trust
 from memtrain.config import identity
 from memtrain.data import Data, place
 from memtrain.errors import ConfigError
@@ -74,10 +74,9 @@ def _kwargs(node: DictConfig) -> dict[str, Any]:
     return d
 
 
-def _target(node: DictConfig):
-    from hydra.utils import get_method
-
-    return get_method(node._target_)
+def _target(node: DictConfig, where: str):
+    """What a node's `_target_` names, if a config may build it there (memtrain/trust.py)."""
+    return trust.locate(node._target_, f"{where}._target_")
 
 
 def trainer_of(cfg: DictConfig) -> Trainer:
@@ -90,14 +89,14 @@ def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.
     """(data, model, method) from a composed config; the method already applied to the model.
     `trainer`: the config's trainer options when the caller has them already (validated)."""
     torch.manual_seed((trainer or trainer_of(cfg)).seed)
-    data = _target(cfg.dataset)(**_kwargs(cfg.dataset))
+    data = _target(cfg.dataset, "dataset")(**_kwargs(cfg.dataset))
     model, method = make_model(cfg, data)
     return data, model, method
 
 
 def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     """The model for `data` with the method applied, and the method."""
-    model = _target(cfg.model)(num_classes=data.num_classes, input_shape=data.input_shape,
+    model = _target(cfg.model, "model")(num_classes=data.num_classes, input_shape=data.input_shape,
                                **_kwargs(cfg.model))
     method = build_method(cfg.method)
     return method.wrap(model), method
@@ -109,7 +108,7 @@ def build_method(node: DictConfig) -> Method:
     kwargs = {k: build_method(v) if isinstance(v, DictConfig) and "_target_" in v else
               (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
               for k, v in node.items() if k != "_target_"}
-    return _target(node)(**kwargs)
+    return _target(node, "method")(**kwargs)
 
 
 # ---------------------------------------------------------------- one job

@@ -205,6 +205,57 @@ def check_selection(parsed: list, compose: Callable[[list[str]], DictConfig]) ->
     schema.check_config(compose(selection(parsed)), GROUPS, resolve=False)
 
 
+BUILT = ("method", "model", "dataset")  # the groups the runner builds from their `_target_`
+
+
+def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
+    """What the command would build (memtrain/trust.py): every `_target_` of the composed
+    config, Hydra's callbacks, launcher, sweeper and logging included, lies where memtrain builds
+    from, checked before the job imports it; each option of a group sweep composed in turn.
+
+    And a row names what ran: the `_target_`s under `method`, `model` and `dataset` are those of
+    the option chosen (an override or a preset that swaps one for another class would record
+    `method=none` for a run of quantize)."""
+    from memtrain import trust
+
+    # (a sweep's params and variants are checked as overrides of their own: config._check_sweep)
+    plain = [o.input_line for o in parsed if not o.is_sweep_override()
+             and o.key_or_group not in GROUPS
+             and not o.key_or_group.startswith(("hydra.sweeper.params", "hydra.sweeper.variants"))]
+    for o in parsed:  # a sweep over a build key: each of its values
+        if o.is_sweep_override() and o.key_or_group.split(".")[-1] in ("_target_", "class", "()"):
+            for v in _values(o):
+                trust.locate(str(v), o.key_or_group)
+    chosen = selection(parsed)
+    selections = [chosen]
+    for o in parsed:
+        if o.key_or_group in GROUPS and not o.is_delete():
+            for c in _choices(o)[1:]:
+                selections.append([s for s in chosen if not s.startswith(f"{o.key_or_group}=")]
+                                  + [f"{o.key_or_group}={c}"])
+    named_by: dict[str, dict] = {}  # "group=choice" -> that option's build keys
+    for sel in selections:
+        cfg = compose(sel + plain, hydra=True)
+        container = OmegaConf.to_container(cfg, resolve=False)
+        trust.check_config(container)
+        choices = container["hydra"]["runtime"]["choices"]
+        for group in BUILT:
+            if not choices.get(group) or group not in container:
+                continue
+            option = f"{group}={choices[group]}"
+            if option not in named_by:
+                own = OmegaConf.to_container(compose([option]), resolve=False)
+                named_by[option] = dict(trust.targets(own.get(group, {}), group))
+            ran, named = dict(trust.targets(container[group], group)), named_by[option]
+            for key in sorted(set(ran) | set(named)):
+                if ran.get(key) != named.get(key):
+                    raise ConfigError(
+                        f"{key}={ran.get(key)}: {group}={choices[group]} builds "
+                        f"{named.get(key)}; a row names the option chosen, so choose the option "
+                        f"that builds what you want ({group}=<name>, or a preset of yours under "
+                        "--config-dir) instead of changing its _target_")
+
+
 def check(parsed: list, options: Callable[[str], list[str]],
           compose: Callable[[list[str]], DictConfig]) -> None:
     """All of the above but the output folders over parsed command-line overrides; raises
@@ -219,6 +270,7 @@ def check(parsed: list, options: Callable[[str], list[str]],
     if any(o.key_or_group not in GROUPS and not o.key_or_group.startswith("hydra")
            for o in parsed):
         check_values(parsed, compose)
+    check_targets(parsed, compose)  # last: the checks above name a mistyped key better
 
 
 def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]], DictConfig]:

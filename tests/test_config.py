@@ -32,7 +32,7 @@ def _instantiate(group: str, option: str, cfg):
         assert build_scheduler(opt, 10, **kw).get_last_lr()[0] > 0
     elif group == "dataset":
         try:
-            data = runner._target(cfg.dataset)(**runner._kwargs(cfg.dataset))
+            data = runner._target(cfg.dataset, "dataset")(**runner._kwargs(cfg.dataset))
         except ConfigError as e:  # a dataset that is not on this machine: the documented line
             assert f"dataset {option} not found" in str(e) or "is not a folder" in str(e), e
             return

@@ -136,7 +136,7 @@ def test_every_model_trains_the_same_with_offload(model):
     """Registry-wide: forward and backward of every model with its saved tensors through the
     offloader (host copies on the CPU) give none's gradients, bit for bit."""
     cfg, _ = api.compose([f"model={model}", *TINY])
-    data = runner._target(cfg.dataset)(**runner._kwargs(cfg.dataset))
+    data = runner._target(cfg.dataset, "dataset")(**runner._kwargs(cfg.dataset))
     x, y = next(iter(data.train.batches(2, torch.device("cpu"))))
     grads = []
     for hooks in (None, Offloader(HostMover("cpu"), min_bytes=0)):

@@ -1,0 +1,140 @@
+"""A config builds only memtrain's own classes (memtrain/trust.py), and a row names what ran.
+
+Every hostile `_target_` is refused in one line with exit 2 before anything is imported or
+trained: from the command line (set, `+`added, swept) and from a preset under --config-dir, in
+each slot that builds something (method, model, dataset, Hydra's callbacks, launcher, sweeper
+and logging). A package of the user's, registered under the `memtrain.trusted` entry point,
+still runs (tests/test_registry.py's toy method does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memtrain import runner, trust
+from memtrain.errors import ConfigError
+
+TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
+HOSTILE = ["os.system", "builtins.exec", "subprocess.run", "memtrain.record.atomic_write",
+           "memtrain.methods.none.nn.Module", "memtrain.data.torch.load", "posix.system"]
+SLOTS = ["method", "model", "dataset", "hydra.callbacks.evil", "hydra.launcher", "hydra.sweeper"]
+
+
+def _one_line_refusal(p, key: str) -> None:
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"memtrain: error: {key}="), p.stderr
+
+
+@pytest.mark.parametrize("slot", SLOTS)
+@pytest.mark.parametrize("target", HOSTILE[:3])
+def test_a_hostile_target_on_the_command_line_is_refused(in_tmp, cli_checks, slot, target):
+    key = f"{slot}._target_"
+    add = "+" if slot.startswith("hydra.callbacks") else ""
+    p = cli_checks(f"{add}{key}={target}", "+method.command=touch pwned", *TINY)
+    _one_line_refusal(p, key)
+    assert not (in_tmp / "pwned").exists() and not (in_tmp / "runs").exists()
+
+
+@pytest.mark.parametrize("target", HOSTILE)
+def test_a_target_resolving_outside_memtrain_is_refused(cli_checks, target):
+    """A trusted prefix is not enough: what the path resolves to must be defined there
+    (memtrain.data.torch.load is torch's), and a slot takes only its own package
+    (memtrain.record.atomic_write writes files: no method)."""
+    p = cli_checks(f"method._target_={target}", *TINY)
+    _one_line_refusal(p, "method._target_")
+
+
+def test_logging_factories_and_swept_targets_are_checked(cli_checks):
+    _one_line_refusal(cli_checks("hydra.job_logging.handlers.console.class=logging.os.system",
+                                 *TINY), "hydra.job_logging.handlers.console.class")
+    _one_line_refusal(cli_checks("-m", "method._target_=memtrain.methods.none.NoneMethod,"
+                                 "subprocess.run", *TINY), "method._target_")
+
+
+@pytest.mark.parametrize("preset,body,key", [
+    ("method/evil", "_target_: os.system\ncommand: touch pwned\n", "method._target_"),
+    ("model/evil", "_target_: builtins.exec\nsource: '1'\n", "model._target_"),
+    ("dataset/evil", "_target_: subprocess.run\nargs: [touch, pwned]\n", "dataset._target_"),
+    ("experiment/evil", "# @package _global_\nhydra:\n  callbacks:\n    x:\n"
+     "      _target_: os.system\n      command: touch pwned\n", "hydra.callbacks.x._target_"),
+    ("experiment/logs", "# @package _global_\nhydra:\n  job_logging:\n    formatters:\n"
+     "      x:\n        (): os.system\n        command: touch pwned\n",
+     "hydra.job_logging.formatters.x.()"),
+    ("experiment/sneaky", "# @package _global_\nmethod:\n"
+     "  _target_: memtrain.methods.quantize.QuantizeMethod\n", "method._target_"),
+])
+def test_a_hostile_preset_is_refused(in_tmp, cli_checks, preset, body, key):
+    group, name = preset.split("/")
+    (in_tmp / "mine" / group).mkdir(parents=True)
+    (in_tmp / "mine" / group / f"{name}.yaml").write_text(body)
+    rest = [a for a in TINY if not a.startswith((f"{group}=", f"{group}."))]
+    p = cli_checks("--config-dir", str(in_tmp / "mine"), f"{group}={name}", *rest)
+    _one_line_refusal(p, key)
+    assert not (in_tmp / "pwned").exists()
+
+
+@pytest.mark.parametrize("override,key", [
+    ("method._target_=memtrain.methods.quantize.QuantizeMethod", "method._target_"),
+    ("model._target_=memtrain.models.resnet18", "model._target_"),
+    ("dataset._target_=memtrain.data.mnist", "dataset._target_"),
+])
+def test_a_row_names_what_ran(cli_checks, override, key):
+    """`method=none method._target_=...quantize...` would run quantize and record method=none
+    (the report's baseline): refused; the row's method, model and dataset are the options whose
+    classes run."""
+    p = cli_checks("method=none", override, *TINY)
+    _one_line_refusal(p, key)
+    assert "builds" in p.stderr
+
+
+def test_the_runner_refuses_too(tmp_path):
+    """The API and a launcher's jobs build through the runner, which checks again."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"_target_": "os.system", "command": "touch pwned"})
+    with pytest.raises(ConfigError, match="method._target_=os.system"):
+        runner.build_method(cfg)
+    cfg = OmegaConf.create({"_target_": "memtrain.methods.none.nn.Module"})
+    with pytest.raises(ConfigError, match="defined outside memtrain"):
+        runner.build_method(cfg)
+    assert type(runner.build_method(OmegaConf.create(
+        {"_target_": "memtrain.methods.none.NoneMethod"}))).__name__ == "NoneMethod"
+
+
+def test_every_built_in_target_is_trusted():
+    """The conf tree's own targets pass the rule they are held to (each in its slot)."""
+    from conftest import conf_options
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    from memtrain import config
+
+    with config.session():
+        for group in ("method", "model", "dataset"):
+            for option in conf_options(group):
+                cfg = compose("config", overrides=[f"{group}={option}"],
+                              return_hydra_config=True)
+                trust.check_config(OmegaConf.to_container(cfg, resolve=False))
+        for launcher in conf_options("hydra/launcher"):
+            cfg = compose("config", overrides=[f"hydra/launcher={launcher}",
+                                               "hydra/sweeper=variants"],
+                          return_hydra_config=True)
+            trust.check_config(OmegaConf.to_container(cfg, resolve=False))
+
+
+def test_a_registered_package_is_trusted(tmp_path, monkeypatch):
+    """The `memtrain.trusted` entry point of an installed package extends every slot."""
+    pkg = tmp_path / "mymethods"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("class Mine:\n    name = 'mine'\n")
+    dist = tmp_path / "mymethods-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mymethods\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[memtrain.trusted]\nmine = mymethods\n")
+    with pytest.raises(ConfigError, match="may name only memtrain.methods.*"):
+        trust.locate("mymethods.Mine", "method._target_")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert trust.registered() == ("mymethods",)
+    assert trust.locate("mymethods.Mine", "method._target_").name == "mine"
+    with pytest.raises(ConfigError):  # registered: its own classes, not its imports
+        trust.locate("mymethods.os.system", "method._target_")
