@@ -109,12 +109,17 @@ class TensorSplit(Split):
         return self.transform(x)[0], y
 
 
-def check_labels(name: str, labels, num_classes: int) -> None:
-    """Labels outside [0, num_classes) would train on garbage or fail mid-run: a ConfigError."""
-    for y in labels:
-        if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-            raise ConfigError(f"dataset {name} has labels in [{int(y.min())}, {int(y.max())}], "
-                              f"outside [0, {num_classes})")
+def check_labels(name: str, labels, num_classes: int, sources=None, first: int = 0) -> None:
+    """Labels are a dataset's definition: `num_classes` classes numbered from `first` (EMNIST
+    letters: 1-26, as torchvision defines it). Any other label would train on garbage, fail
+    mid-run or, inferred, silently change the task: a ConfigError naming where it came from."""
+    for i, y in enumerate(labels):
+        if len(y) and (int(y.min()) < first or int(y.max()) >= first + num_classes):
+            bad = y[(y < first) | (y >= first + num_classes)]
+            where = sources[i] if sources else f"dataset {name}"
+            raise ConfigError(f"{where}: label {int(bad[0])} is outside {first}-"
+                              f"{first + num_classes - 1} ({name} has {num_classes} classes; "
+                              f"{len(bad)} labels out of range)")
 
 
 @dataclass
@@ -265,7 +270,7 @@ def _find_idx(root: Path, stem: str) -> Path | None:
 
 
 def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_size, seed,
-                augment=False, **tv_kwargs) -> Data:
+                augment=False, num_classes: int = 10, first: int = 0, **tv_kwargs) -> Data:
     from torchvision import datasets
 
     root = Path(data_dir).expanduser() if data_dir else Path("~/.cache/memtrain").expanduser()
@@ -284,7 +289,7 @@ def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_si
                                       f"({'x'.join(map(str, y.shape))}) do not match: need "
                                       f"N images of HxW and N labels")
             return _tensor_data(name, xtr[:, None], ytr, xte[:, None], yte, mean, std,
-                                image_size, augment)
+                                image_size, augment, num_classes, (files[1], files[3]), first)
     try:
         cls = getattr(datasets, tv_name)
         tr = cls(str(root), train=True, download=download, **tv_kwargs)
@@ -295,10 +300,13 @@ def _mnist_like(name: str, tv_name: str, mean, std, data_dir, download, image_si
         raise _missing(name, tried) from e
     return _tensor_data(name, tr.data.numpy()[:, None], tr.targets.numpy(),
                         te.data.numpy()[:, None], te.targets.numpy(), mean, std, image_size,
-                        augment)
+                        augment, num_classes, (f"{root} (train)", f"{root} (test)"), first)
 
 
-def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment) -> Data:
+def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment, num_classes: int,
+                 sources=None, first: int = 0) -> Data:
+    """Images and labels as Data; labels checked against the dataset's definition (`first` ..
+    `first + num_classes - 1`) and numbered from 0."""
     xtr = torch.as_tensor(np.ascontiguousarray(xtr))
     xte = torch.as_tensor(np.ascontiguousarray(xte))
     ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
@@ -308,8 +316,8 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment) -> Da
         if len(y) == 0 or len(x) != len(y):
             raise ConfigError(f"dataset {name}: the {split} split has {len(x)} images and "
                               f"{len(y)} labels")
-    num_classes = int(max(ytr.max(), yte.max())) + 1
-    check_labels(name, (ytr, yte), num_classes)
+    check_labels(name, (ytr, yte), num_classes, sources, first)
+    ytr, yte = ytr - first, yte - first
     train = TensorSplit(xtr, ytr, mean, std, size, augment)
     test = TensorSplit(xte, yte, mean, std, size, False)
     return Data(train, test, num_classes, (xtr.shape[1], size, size), name)
@@ -327,24 +335,22 @@ def mnist(data_dir: str | None = None, download: bool = False,
                        seed, augment)
 
 
-EMNIST_SPLITS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
+# classes of each split as torchvision defines them (letters numbers its labels 1-26)
+EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10,
+                 "mnist": 10}
 
 
 def emnist(split: str = "balanced", data_dir: str | None = None, download: bool = False,
            image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
     if split not in EMNIST_SPLITS:
         raise ConfigError(f"dataset.split must be one of {', '.join(EMNIST_SPLITS)}, got {split!r}")
-    data = _mnist_like("emnist", "EMNIST", (0.1751,), (0.3332,), data_dir, download, image_size,
-                       seed, augment, split=split)
-    if split == "letters":  # labels 1..26: shift to 0..25 so num_classes is right
-        for s in (data.train, data.test):
-            s.labels = s.labels - 1
-        data.num_classes = 26
-        check_labels("emnist", (data.train.labels, data.test.labels), 26)
-    return data
+    return _mnist_like("emnist", "EMNIST", (0.1751,), (0.3332,), data_dir, download, image_size,
+                       seed, augment, num_classes=EMNIST_SPLITS[split],
+                       first=1 if split == "letters" else 0, split=split)
 
 
-def _cifar(name, tv_name, mean, std, data_dir, download, image_size, augment) -> Data:
+def _cifar(name, tv_name, mean, std, data_dir, download, image_size, augment,
+           num_classes: int) -> Data:
     from torchvision import datasets
 
     root = Path(data_dir).expanduser() if data_dir else Path("~/.cache/memtrain").expanduser()
@@ -358,19 +364,20 @@ def _cifar(name, tv_name, mean, std, data_dir, download, image_size, augment) ->
         raise _missing(name, [root]) from e
     to_nchw = lambda a: np.ascontiguousarray(a.transpose(0, 3, 1, 2))
     return _tensor_data(name, to_nchw(tr.data), tr.targets, to_nchw(te.data), te.targets,
-                        mean, std, image_size, augment)
+                        mean, std, image_size, augment, num_classes,
+                        (f"{root} (train)", f"{root} (test)"))
 
 
 def cifar10(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
             seed: int = 0, augment: bool = True) -> Data:
     return _cifar("cifar10", "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
-                  data_dir, download, image_size, augment)
+                  data_dir, download, image_size, augment, 10)
 
 
 def cifar100(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
              seed: int = 0, augment: bool = True) -> Data:
     return _cifar("cifar100", "CIFAR100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
-                  data_dir, download, image_size, augment)
+                  data_dir, download, image_size, augment, 100)
 
 
 def place(data: Data, device: torch.device, max_bytes: int) -> Data:

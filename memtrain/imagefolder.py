@@ -73,6 +73,9 @@ def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | 
         te = datasets.ImageFolder(str(root / "val"), transform=test_tf, loader=_read_image)
     except FileNotFoundError as e:  # no class folder, or no image in them
         raise ConfigError(f"dataset imagenet: {str(e).splitlines()[0]}") from None
+    if len(tr.classes) < 2:  # as synthetic data's num_classes < 2: nothing to classify
+        raise ConfigError(f"dataset imagenet: {root / 'train'} holds {len(tr.classes)} class "
+                          "folder; a classifier needs at least 2")
     if tr.classes != te.classes:
         raise ConfigError(f"dataset imagenet: {root / 'train'} and {root / 'val'} hold different "
                           f"class folders ({len(tr.classes)} and {len(te.classes)})")

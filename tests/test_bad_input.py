@@ -63,20 +63,50 @@ def test_label_and_image_counts_must_match(tmp_path):
 
 
 def test_labels_outside_the_classes_are_an_error(tmp_path):
-    # EMNIST letters are shifted by one: a label 0 there would become -1
-    _mnist_folder(tmp_path)
-    _one_line_error(lambda: data.emnist(split="letters", data_dir=str(tmp_path)),
-                    r"labels in \[-1, 8\], outside \[0, 26\)")
-    with pytest.raises(ConfigError, match=r"outside \[0, 3\)"):
+    """A dataset's classes are its definition's, never inferred from the largest label: a
+    label outside them is one line naming the file (EMNIST letters numbers 1-26)."""
+    _mnist_folder(tmp_path)  # labels 0-9: 0 is no EMNIST letter
+    msg = _one_line_error(lambda: data.emnist(split="letters", data_dir=str(tmp_path)),
+                          r"label 0 is outside 1-26 \(emnist has 26 classes; 1 labels out")
+    assert msg.startswith(str(tmp_path / STEMS[1]))
+    _mnist_folder(tmp_path, labels=np.array([0, 1, 2, 3, 200, 5, 6, 7, 8, 9]))
+    msg = _one_line_error(lambda: data.mnist(data_dir=str(tmp_path)),
+                          r"label 200 is outside 0-9 \(mnist has 10 classes")
+    assert msg.startswith(str(tmp_path / STEMS[1]))
+    with pytest.raises(ConfigError, match=r"label 3 is outside 0-2"):
         data.check_labels("x", [torch.tensor([0, 3])], 3)
+
+
+def test_the_class_count_is_the_datasets_not_the_files(tmp_path):
+    """Labels 0-2 only are a 10-class Fashion-MNIST with 3 classes present, not a 3-class task;
+    EMNIST letters' 1-26 train as classes 0-25."""
+    _mnist_folder(tmp_path, labels=np.arange(10) % 3)
+    d = data.fashion_mnist(data_dir=str(tmp_path))
+    assert d.num_classes == 10 and int(d.train.labels.max()) == 2
+    _mnist_folder(tmp_path, labels=np.arange(10) % 26 + 1)
+    (tmp_path / STEMS[3]).write_bytes(_idx(np.array([1, 26, 3, 4])))
+    d = data.emnist(split="letters", data_dir=str(tmp_path))
+    assert d.num_classes == 26
+    assert d.test.labels.tolist() == [0, 25, 2, 3] and int(d.train.labels.min()) == 0
+
+
+def test_a_one_class_image_folder_is_refused(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (tmp_path / split / "only").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / split / "only" / "x.png")
+    _one_line_error(lambda: imagefolder.imagenet(data_dir=str(tmp_path), image_size=8),
+                    "holds 1 class folder; a classifier needs at least 2")
 
 
 def _image_folder(root, train_files: dict[str, bytes]):
     from PIL import Image
 
     for split in ("train", "val"):
-        (root / split / "a").mkdir(parents=True)
-        Image.new("RGB", (8, 8)).save(root / split / "a" / "ok.png")
+        for cls in ("a", "b"):
+            (root / split / cls).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(root / split / cls / "ok.png")
     for name, raw in train_files.items():
         (root / "train" / "a" / name).write_bytes(raw)
     return root
