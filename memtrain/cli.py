@@ -115,6 +115,10 @@ def main() -> None:
     task = hydra.main(version_base="1.3", config_path=str(config.conf_dir()),
                       config_name="config")(_hydra_task)
     task()
+    from memtrain.hydra_callbacks import StatusCount
+
+    if StatusCount.all_failed:  # after the report and the lock's release
+        _fail(1, StatusCount.all_failed)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ class StatusCount(Callback):
     Reads the jobs' summary.json files, so it works with every launcher (the jobs may have run
     in other processes or on other machines)."""
 
+    # set at the end of a multirun whose every job failed: the CLI then exits 1 (a script or a
+    # scheduler checking the status must not read success), after every callback has run
+    all_failed: str | None = None
+
     def __init__(self) -> None:
         self.started: float | None = None
 
@@ -77,6 +81,8 @@ class StatusCount(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         counts, skipped = count_statuses(sweep_dir, self.started)
         print(format_counts(counts, skipped), flush=True)
+        if sum(counts.values()) and not counts["ok"]:
+            StatusCount.all_failed = f"every job of the sweep failed; their rows are in {sweep_dir}"
         # jobs in worker processes (hydra/launcher=parallel, local) return interrupted rows
         # instead of exiting; the sweep as a whole ends here, as the basic launcher's would
         stop = SweepStop.requested
