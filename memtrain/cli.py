@@ -106,6 +106,11 @@ def main() -> None:
             config.check_overrides(args.overrides, config_path=args.config_path,
                                    config_dir=args.config_dir, config_name=args.config_name,
                                    multirun=True if args.multirun else None)
+            if not (args.cfg or args.info or args.help or args.hydra_help):  # they write nothing
+                config.check_default_output_dir(args.overrides, bool(args.multirun),
+                                                config_path=args.config_path,
+                                                config_dir=args.config_dir,
+                                                config_name=args.config_name)
         except ConfigError as e:
             if any(a.startswith("hydra.verbose=") and not a.endswith("=false")
                    for a in args.overrides):

@@ -111,7 +111,8 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
     from memtrain.sweeper import variant_overrides
 
     own = [o.input_line for o in parsed
-           if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper"))]
+           if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper", "hydra/launcher",
+                                         "hydra.launcher"))]
     try:
         hydra = validate.one_line(compose)(validate.selection(parsed) + own, hydra=True).hydra
     except ConfigError as e:
@@ -119,6 +120,7 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
         raise ConfigError(f"{e}{hint}") from None
     if multirun is None and str(hydra.mode) != "MULTIRUN":
         return
+    _check_launcher(hydra)
     sweeper = hydra.sweeper
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     common = params + [o.input_line for o in parsed]
@@ -131,6 +133,54 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
             where = f"hydra.sweeper.variants[{i}] ({variant})" if variant else \
                 "hydra.sweeper.params"
             raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_launcher(hydra: DictConfig) -> None:
+    """A launcher that cannot start a job here: one line before Hydra writes anything (SLURM's
+    launcher without SLURM's `sbatch` on PATH failed in submitit with a traceback, leaving a
+    stray multirun.yaml)."""
+    import shutil
+
+    target = str(hydra.launcher.get("_target_", ""))
+    if target.endswith(".SlurmLauncher") and shutil.which("sbatch") is None:
+        raise ConfigError("hydra/launcher=slurm needs SLURM: no sbatch on PATH; run on a SLURM "
+                          "login node, or use hydra/launcher=local (or parallel) on this machine")
+
+
+def check_default_output_dir(overrides: list[str], multirun: bool, *,
+                             config_path: str | None = None, config_dir: str | None = None,
+                             config_name: str | None = None) -> None:
+    """The CLI's output folder when the command does not name one (`runs/${now:...}/...`): the
+    folder before its first interpolation must be one this user can make here (a read-only
+    current folder, or a file named like it, gave Hydra's 24-line traceback). Nothing is made;
+    call after check_overrides (the overrides are known to compose)."""
+    import os
+
+    from hydra import compose as hcompose
+
+    from memtrain import validate
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    parsed = validate.parse(overrides)
+    if any(o.key_or_group == key for o in parsed):
+        return  # named on the command line: validate.check_output_dirs made and probed it
+    with session(config_path, config_dir):
+        cfg = hcompose(config_name or "config", return_hydra_config=True,
+                       overrides=[o.input_line for o in parsed if not o.is_sweep_override()])
+    value = str(OmegaConf.to_container(cfg.hydra, resolve=False)[key.split(".")[1]]["dir"])
+    prefix = value.split("${")[0]
+    if "${" not in value:
+        folder = Path(value)
+    else:
+        folder = Path(prefix or ".") if prefix.endswith("/") or not prefix else Path(prefix).parent
+    probe = folder.expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    reason = ("a file of that name is in the way" if not probe.is_dir() else
+              "no permission to write there" if not os.access(probe, os.W_OK | os.X_OK) else None)
+    if reason:
+        raise ConfigError(f"the output folder {value} cannot be made in {probe}: {reason}; run "
+                          f"from a folder you can write to, or set {key}=PATH")
 
 
 def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:

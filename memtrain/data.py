@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,21 @@ class TensorSplit(Split):
     def __getitem__(self, i: int) -> Batch:
         x, y = self.images[i:i + 1], self.labels[i]
         return self.transform(x)[0], y
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on every platform
+        return 2**62
+
+
+def check_fits(key: str, value, nbytes: int, what: str) -> None:
+    """A value whose data cannot fit in this machine's memory is refused before the run, naming
+    the key (the allocation would fail mid-run with a message that names no option)."""
+    if nbytes > host_memory_bytes():
+        raise ConfigError(f"{key}={value} needs {nbytes / 2**30:.1f} GiB for {what}, more than "
+                          f"this machine's {host_memory_bytes() / 2**30:.1f} GiB of memory")
 
 
 def check_labels(name: str, labels, num_classes: int, sources=None, first: int = 0) -> None:
@@ -222,6 +238,8 @@ def synthetic(
     if noise < 0 or max_shift < 0:
         raise ConfigError(f"dataset.noise and dataset.max_shift must be >= 0, got {noise} "
                           f"and {max_shift}")
+    check_fits("dataset.image_size", image_size, num_classes * channels * image_size ** 2 * 4,
+               f"{num_classes} class templates of {channels}x{image_size}x{image_size} fp32")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(num_classes, channels, 4, 4, generator=g)
     templates = F.interpolate(coarse, size=(image_size, image_size), mode="bicubic",
@@ -312,6 +330,8 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment, num_c
     ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
     yte = torch.as_tensor(np.asarray(yte), dtype=torch.int64)
     size = image_size or xtr.shape[-1]
+    check_fits("dataset.image_size", size, xtr.shape[1] * size * size * 4 * 128,
+               f"a batch of 128 {xtr.shape[1]}x{size}x{size} fp32 images")
     for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
         if len(y) == 0 or len(x) != len(y):
             raise ConfigError(f"dataset {name}: the {split} split has {len(x)} images and "

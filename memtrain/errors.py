@@ -14,8 +14,14 @@ def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=Fa
     if bad:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
-        rng = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        rng = f"{left}{'-inf' if lo is None else _num(lo)}, {'inf' if hi is None else _num(hi)}" \
+            f"{right}"
         raise ConfigError(f"{name} must be in {rng}, got {value}")
+
+
+def _num(x) -> str:
+    """A bound as a reader wants it: 0.5, 100, 3.4e+38 (not 3.4028234663852886e+38)."""
+    return f"{x:.3g}" if isinstance(x, float) and abs(x) >= 1e6 else str(x)
 
 
 def check_choice(name: str, value, choices) -> None:

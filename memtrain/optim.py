@@ -10,6 +10,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice, check_range
 
 SCHEDULES = ("cosine", "step", "constant")
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -27,8 +28,12 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.1, moment
                     betas: tuple[float, float] = (0.9, 0.999),
                     **_schedule) -> torch.optim.Optimizer:
     check_choice("optim.name", name, ("sgd", "adamw"))
-    check_range("optim.lr", lr, 0, None, lo_open=True)
-    check_range("optim.weight_decay", weight_decay, 0, None)
+    # the parameters are fp32 at most: a factor past fp32's range overflows in the first step
+    check_range("optim.lr", lr, 0, FP32_MAX, lo_open=True)
+    check_range("optim.weight_decay", weight_decay, 0, FP32_MAX)
+    check_range("optim.momentum", momentum, 0, 1)
+    for i, b in enumerate(betas):
+        check_range(f"optim.betas[{i}]", b, 0, 1, hi_open=True)
     groups = _param_groups(model, weight_decay)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)

@@ -96,8 +96,16 @@ def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.
 
 def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     """The model for `data` with the method applied, and the method."""
-    model = _target(cfg.model, "model")(num_classes=data.num_classes, input_shape=data.input_shape,
-                               **_kwargs(cfg.model))
+    try:
+        model = _target(cfg.model, "model")(num_classes=data.num_classes,
+                                            input_shape=data.input_shape, **_kwargs(cfg.model))
+    except (RuntimeError, MemoryError) as e:  # a model too large to build names its inputs
+        if "alloc" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        shape = "x".join(map(str, data.input_shape))
+        raise ConfigError(f"model={cfg.model._target_.rsplit('.', 1)[-1]} for {shape} inputs "
+                          f"(dataset.image_size) and {data.num_classes} classes does not fit in "
+                          f"memory: {str(e).splitlines()[0][:160]}") from None
     method = build_method(cfg.method)
     return method.wrap(model), method
 

@@ -278,11 +278,18 @@ def one_line(compose: Callable[[list[str]], DictConfig]) -> Callable[[list[str]]
     missing default) as one ConfigError line: the most specific line of Hydra's message."""
 
     def wrapped(overrides: list[str], **kwargs) -> DictConfig:
+        import yaml
         from hydra.errors import HydraException
         from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
         try:
             return compose(overrides, **kwargs)
+        except yaml.YAMLError as e:  # a preset that is no plain YAML (a !!python/... tag)
+            mark = getattr(e, "problem_mark", None)
+            where = f"{mark.name} line {mark.line + 1}: " if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}{problem} (a preset holds plain values: no YAML tags that "
+                              "build objects)") from None
         except (HydraException, OmegaConfBaseException) as e:
             # Hydra re-raises OmegaConf's error (which names the key) as its context
             inner = e.__cause__ or e.__context__

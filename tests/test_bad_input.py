@@ -190,3 +190,85 @@ def test_unset_env_in_a_sweep_is_that_jobs_row(in_tmp):
     assert rows[1]["status"] == "error"
     assert "MEMTRAIN_TEST_UNSET_15" in rows[1]["error"] and "not found" in rows[1]["error"]
     assert "memtrain: 2 jobs: ok 1, error 1" in p.stdout
+
+
+# ---- one line where a traceback was (issue: the third round of bad inputs)
+
+
+def test_a_preset_with_a_python_tag_is_one_line(in_tmp, cli_checks):
+    (in_tmp / "mine" / "experiment").mkdir(parents=True)
+    (in_tmp / "mine" / "experiment" / "t.yaml").write_text(
+        "# @package _global_\ntrainer:\n  seed: !!python/object/apply:os.system ['touch pwned']\n")
+    p = cli_checks("--config-dir", str(in_tmp / "mine"), "experiment=t", *TINY)
+    assert p.returncode == 2
+    (line,) = p.stderr.strip().splitlines()
+    assert "t.yaml line 3" in line and "no YAML tags that build objects" in line
+    assert not (in_tmp / "pwned").exists()
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_default_output_folder_that_cannot_be_made_is_one_line(in_tmp, cli_checks, multirun):
+    (in_tmp / "runs").write_text("a file where the runs folder goes")
+    p = cli_checks(*(["-m"] if multirun else []), *TINY)
+    assert p.returncode == 2
+    (line,) = p.stderr.strip().splitlines()
+    assert "cannot be made in runs: a file of that name is in the way" in line
+    assert ("hydra.sweep.dir=PATH" if multirun else "hydra.run.dir=PATH") in line
+
+
+def test_slurm_without_slurm_is_one_line(in_tmp, cli_checks, monkeypatch):
+    monkeypatch.setenv("PATH", str(in_tmp))  # no sbatch here
+    p = cli_checks("-m", "hydra/launcher=slurm", *TINY, "hydra.sweep.dir=sw")
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("memtrain: error: hydra/launcher=slurm needs SLURM: no sbatch on "
+                                "PATH; run on a SLURM login node, or use hydra/launcher=local (or "
+                                "parallel) on this machine")
+    assert not (in_tmp / "sw").exists()
+
+
+@pytest.mark.slow
+def test_a_scheduler_that_refuses_is_one_line_and_leaves_no_folder(in_tmp):
+    """sbatch present but refusing (no cluster configured): submitit's traceback was 28 lines
+    and a sweep folder holding only multirun.yaml stayed behind."""
+    from conftest import run_memtrain
+
+    bin_dir = in_tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: no cluster' >&2\n"
+                                    "echo 'sbatch: fatal: Could not establish a configuration "
+                                    "source' >&2\nexit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    import os
+
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    p = run_memtrain("-m", "hydra/launcher=slurm", *TINY, "hydra.sweep.dir=sw", cwd=in_tmp,
+                     env=env, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("memtrain: error: hydra/launcher=slurm: the scheduler refused the "
+                                "jobs (sbatch: fatal: Could not establish a configuration source)"
+                                "; run on a SLURM login node, or use hydra/launcher=local")
+    assert not (in_tmp / "sw").exists()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["optim.lr=1e300"], r"optim.lr must be in \(0, 3.4e\+38\], got 1e\+300"),
+    (["optim.momentum=1.5"], r"optim.momentum must be in \[0, 1\], got 1.5"),
+    (["dataset.image_size=100000"], r"dataset.image_size=100000 needs 1117.6 GiB for 10 class "
+                                    r"templates of 3x100000x100000 fp32, more than this machine"),
+])
+def test_values_past_what_can_run_name_their_key(tmp_path, overrides, match):
+    from memtrain import api
+
+    with pytest.raises(ConfigError, match=match):
+        api.run([*TINY, *overrides], out_dir=tmp_path)
+
+
+def test_a_model_too_large_to_build_names_the_input_size(tmp_path, monkeypatch):
+    """Past the data's bound, the model's own allocation fails: the row names the input size."""
+    from memtrain import api, data
+
+    monkeypatch.setattr(data, "host_memory_bytes", lambda: 2**50)  # the data bound passes
+    with pytest.raises(ConfigError, match=r"model=mlp6 for 3x9000x9000 inputs \(dataset.image_size"
+                                          r"\) and 10 classes does not fit in memory"):
+        api.run([*TINY, "dataset.image_size=9000", "dataset.train_size=1",
+                 "dataset.test_size=1"], out_dir=tmp_path)

@@ -43,7 +43,7 @@ BAD = [
     (["trainer.fault=segfault"], "trainer.fault must be one of oom, nan, error, sigterm, hang"),
     (["trainer.gpu_memory_gb=0"], "trainer.gpu_memory_gb must be in (0, inf], got 0"),
     (["trainer.save_every=-1"], "trainer.save_every must be in [0, inf], got -1"),
-    (["optim.lr=-1"], "optim.lr must be in (0, inf], got -1"),
+    (["optim.lr=-1"], "optim.lr must be in (0, 3.4e+38], got -1"),
     (["optim.schedule=linear"], "optim.schedule must be one of cosine, step, constant"),
     (["dataset.num_classes=1"], "dataset.num_classes must be >= 2, got 1"),
     (["model.widths=[8,8]"], "model.widths must list 5 positive hidden widths"),

@@ -23,13 +23,17 @@ SLURM scheduler, tests/test_slurm.py):
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
+import shutil
 import signal
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job
@@ -108,7 +112,11 @@ class _Sweep:
             log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
             args.append((overrides, "hydra.sweep.dir", num, f"job_id_for_{num}",
                          Singleton.get_state()))
-        return executor.map_array(self, *zip(*args))
+        try:  # submitit prints a refused submission's stderr; its reason goes in our one line
+            with contextlib.redirect_stderr(io.StringIO()):
+                return executor.map_array(self, *zip(*args))
+        except submitit.core.utils.FailedJobError as e:  # sbatch refused: nothing was queued
+            _no_submission(sweep_dir, self._EXECUTOR, str(e))
 
     def _result(self, job, cfg: DictConfig, started: float) -> JobReturn:
         """The job's JobReturn; a job that left none gets a row (see the module docstring)."""
@@ -234,6 +242,21 @@ class TimeLimit:
             self.submitit_handler(self.sig, None)
         except Exception as e:  # UncompletedJobError: timed out too many times
             log.warning("not requeued: %s", e)
+
+
+def _no_submission(sweep_dir: Path, executor: str, error: str) -> NoReturn:
+    """The scheduler refused the job array (no SLURM configured here, a bad partition): one
+    line, exit 2, and no sweep folder left that holds nothing but Hydra's multirun.yaml."""
+    lines = [ln.strip() for ln in error.splitlines() if ln.strip()]
+    why = next((ln for ln in reversed(lines) if "fatal" in ln or "error" in ln),
+               lines[-1] if lines else "no reason given")
+    leftovers = {sweep_dir / n for n in ("multirun.yaml", ".submitit", ".memtrain-sweep.lock")}
+    if sweep_dir.is_dir() and set(sweep_dir.iterdir()) <= leftovers:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+    print(f"memtrain: error: hydra/launcher={executor}: the scheduler refused the jobs ({why}); "
+          f"run on a {executor.upper()} login node, or use hydra/launcher=local", file=sys.stderr,
+          flush=True)
+    sys.exit(2)
 
 
 class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
