@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import api, measure
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
-from memtrain.methods._segments import discover
 from memtrain.methods.checkpoint import CheckpointMethod
+from memtrain.methods.checkpoint.compact import Compact
+from memtrain.methods.checkpoint.segments import discover
 
 # make test-compat runs this file on the oldest torch (selective checkpointing): torch 2.11 routes
 # no SAC-cached output through saved-tensor hooks, so op plans fall back to block there
@@ -173,7 +173,7 @@ def test_dry_run_table_lists_ops_and_solve_time():
 def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     """Jobs of one sweep folder share one profile: a block job measures the segments, the first
     op job adds the ops, the next plans without profiling; one profile: a monotone frontier."""
-    from memtrain.methods import _ckpt_cache
+    import memtrain.methods.checkpoint.cache as ckpt_cache
 
     args = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
             "method=checkpoint", "method.dry_run=true"]
@@ -188,7 +188,7 @@ def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     first = api.run([*args, "method.budget_fraction=0.9"], out_dir=sweep / "1")
     monkeypatch.setattr(opplan, "profile_model", no_profile)
     second = api.run([*args, "method.budget_fraction=0.7"], out_dir=sweep / "2")
-    assert len(list((sweep / _ckpt_cache.FOLDER).glob("*.json"))) == 1
+    assert len(list((sweep / ckpt_cache.FOLDER).glob("*.json"))) == 1
     assert second["plan_baseline_peak_bytes"] == first["plan_baseline_peak_bytes"] \
         == block["plan_baseline_peak_bytes"]
     assert second["plan_peak_bytes"] <= first["plan_peak_bytes"]
@@ -253,7 +253,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     keeps the stem compacted (or a plan is given it); loss, gradients and BatchNorm statistics
     equal none's, the modelled peak is the tracker's within 5%, the dry-run table names the
     choice, the sweep cache keeps it, and a compaction inside a recomputed group is dropped."""
-    from memtrain.methods import _ckpt_cache
+    import memtrain.methods.checkpoint.cache as ckpt_cache
 
     _, base, _ = api.build(["model=resnet18", "dataset.image_size=64"])
     g = torch.Generator().manual_seed(0)
@@ -270,7 +270,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     p, ops = method.profile, method.ops
     assert [(c.seg, c.what) for c in ops.compact] == [(0, "max_pool2d x1, relu x1")]
     assert 0 < ops.compact[0].saves < p.inner[0]
-    loaded = _ckpt_cache.load(tmp_path, next((tmp_path / _ckpt_cache.FOLDER).glob("*")).stem)
+    loaded = ckpt_cache.load(tmp_path, next((tmp_path / ckpt_cache.FOLDER).glob("*")).stem)
     assert loaded[1].compact == ops.compact
     plain = opplan.OpProfile(ops.ops)
     least = _least_peak(p, ops)

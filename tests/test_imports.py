@@ -128,6 +128,6 @@ def test_the_checker_sees_a_cycle():
     """The checker itself can fail: a cycle, and a lazy import inside a function, are found."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-    deps = _imports(ROOT / "memtrain" / "methods" / "synthetic.py", "memtrain.methods.synthetic",
-                    False)
-    assert "memtrain.methods._workers" in deps  # imported inside `fit`
+    deps = _imports(ROOT / "memtrain" / "methods" / "synthetic" / "method.py",
+                    "memtrain.methods.synthetic.method", False)
+    assert "memtrain.methods.synthetic.workers" in deps  # imported inside `fit`

@@ -12,7 +12,7 @@ from memtrain.kernels import bitmask
 from memtrain.kernels import reference as ref
 from torch import nn
 
-from memtrain.methods._pool_ops import CompactMaxPool2dFn, PooledBatchNormFn, PooledConv2dFn
+from memtrain.methods.common.compact import CompactMaxPool2dFn, PooledBatchNormFn, PooledConv2dFn
 
 # (in_ch, out_ch, kernel, stride, padding, dilation, groups, H, W)
 # make test-compat runs this file on the oldest torch: pool's Triton kernels and autograd Functions

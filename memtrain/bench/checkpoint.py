@@ -119,8 +119,8 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
     """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
     import time
 
-    from memtrain.methods import _ckpt_ops as opplan
-    from memtrain.methods import _ckpt_plan as planner
+    import memtrain.methods.checkpoint.ops as opplan
+    import memtrain.methods.checkpoint.plan as planner
 
     _, model, method = api.build([f"model={model_name}", f"dataset.image_size={size}",
                                   "method=checkpoint", "method.dry_run=true",
@@ -166,8 +166,8 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
 
 
 def _least(p, ops, by_op: bool) -> int:
-    from memtrain.methods import _ckpt_ops as opplan
-    from memtrain.methods import _ckpt_plan as planner
+    import memtrain.methods.checkpoint.ops as opplan
+    import memtrain.methods.checkpoint.plan as planner
 
     try:
         opplan.plan_budget(p, ops, 1, ops=by_op)

@@ -30,8 +30,7 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, check_range
-from memtrain.methods import _hooks
-from memtrain.methods._hooks import ChainedHooks, around_forward
+from memtrain.methods.common.hooks import ChainedHooks, around_forward, stands_in
 from memtrain.methods.quantize import _memory_order, is_activation
 
 # ---------------------------------------------------------------- moving bytes
@@ -134,7 +133,7 @@ class Offloader(ChainedHooks):
         return super().__enter__()
 
     def offloads(self, t: torch.Tensor) -> bool:
-        return (t.device == self.mover.device and (is_activation(t) or _hooks.stands_in(t))
+        return (t.device == self.mover.device and (is_activation(t) or stands_in(t))
                 and t.untyped_storage().nbytes() >= self.min_bytes)
 
     def keep(self, t: torch.Tensor) -> tuple[Offloaded | None, torch.Tensor]:

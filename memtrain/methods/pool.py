@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.methods._pool_ops import (
+from memtrain.methods.common.compact import (
     CompactMaxPool2dFn,
     MaskedReLUFn,
     PooledBatchNormFn,
     PooledConv2dFn,
     autocast_dtype,
 )
-from memtrain.methods._swap import swap_modules
+from memtrain.methods.common.swap import swap_modules
 
 log = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
-from memtrain.methods._hooks import ChainedHooks, around_forward, recomputed_input
-from memtrain.methods._swap import swap_modules
+from memtrain.methods.common.hooks import ChainedHooks, around_forward, recomputed_input
+from memtrain.methods.common.swap import swap_modules
 from memtrain.methods.pool import CompactMaxPool2d, MaskedReLU, _recast
 
 ROUNDINGS = ("stochastic", "nearest")

@@ -31,9 +31,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
+from memtrain.methods.checkpoint.compact import Compact
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 

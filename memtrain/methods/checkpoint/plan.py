@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memtrain import measure
-from memtrain.methods._segments import Segment
+from memtrain.methods.checkpoint.segments import Segment
 
 Group = tuple[int, int]
 

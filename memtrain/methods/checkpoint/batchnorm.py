@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memtrain.methods._segments import batchnorms
+from memtrain.methods.checkpoint.segments import batchnorms
 
 
 class SplitBatchNormFn(torch.autograd.Function):

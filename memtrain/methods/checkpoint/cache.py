@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
+from memtrain.methods.checkpoint.compact import Compact
 
 log = logging.getLogger(__name__)
 FOLDER = ".checkpoint-profiles"

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._pool_ops import MaskedReLUFn
-from memtrain.methods._segments import Segment
+from memtrain.methods.checkpoint.segments import Segment
+from memtrain.methods.common.compact import MaskedReLUFn
 from memtrain.methods.pool import CompactMaxPool2d
 
 
@@ -127,7 +127,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
     forward's: the cost where no clock means anything), its forward transients, and each shrunk
     segment's forward + backward alone, compacted and plain, alternately (the compact
     max-pool's and the mask's backwards differ from aten's too)."""
-    from memtrain.methods import _ckpt_ops as opplan
+    import memtrain.methods.checkpoint.ops as opplan
 
     cands = candidates(segments)
     if not any(cands):

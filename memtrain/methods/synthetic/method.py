@@ -33,7 +33,7 @@ from torch import nn
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
-from memtrain.methods._cuts import (
+from memtrain.methods.synthetic.cuts import (
     PROFILE_BATCH,
     Partitioned,
     balanced_cuts,
@@ -42,7 +42,7 @@ from memtrain.methods._cuts import (
     numel,
     profile_units,
 )
-from memtrain.methods._partition import (
+from memtrain.methods.synthetic.partition import (
     Phase,
     frozen_input,
     label_matrix,
@@ -56,7 +56,7 @@ from memtrain.models import chain_of
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under
 
 RIGHT_INPUTS = ("left", "synthetic")
 # Per-phase columns copied to the top level from the largest phase (see `_merge`).
@@ -175,7 +175,7 @@ class Synthetic:
         t0 = time.perf_counter()
         try:
             if self.parallel:
-                from memtrain.methods._workers import run_parallel
+                from memtrain.methods.synthetic.workers import run_parallel
 
                 done += run_parallel(phases, data, device)
             else:

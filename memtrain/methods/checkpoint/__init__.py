@@ -1,0 +1,13 @@
+"""method=checkpoint: activation checkpointing (`method.py`; docs/ARCHITECTURE.md).
+
+The package re-exports `CheckpointMethod` under the name conf/method/checkpoint.yaml's `_target_`
+holds (hashed into every run_id). Its modules: `segments` (the model's segments, the
+`CheckpointGroup` wrapper, the BatchNorm shield), `plan` (profiler, peak model, 0-1 program),
+`compact` (lossless compaction choices), `ops` (operator granularity), `batchnorm` (BatchNorm as
+two ops), `cache` (one profile per sweep), `method`. They import each other by full module name,
+never from this package (which imports `method`).
+"""
+
+from memtrain.methods.checkpoint.method import CheckpointMethod
+
+__all__ = ["CheckpointMethod"]
