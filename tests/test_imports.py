@@ -105,6 +105,28 @@ def test_the_core_has_no_module_cycle():
     assert _cycle(core) is None, " -> ".join(_cycle(core))
 
 
+def method_of(module: str) -> str | None:
+    """The method a module belongs to: `memtrain.methods.<name>` (a module or a folder); None for
+    common/, the methods package itself and everything outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["memtrain", "methods"] or len(parts) < 3 or parts[2] == "common":
+        return None
+    return ".".join(parts[:3])
+
+
+def _method_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) wherever a module of one method imports a module of another."""
+    return sorted((m, d) for m, deps in edges.items() for d in deps
+                  if method_of(m) and method_of(d) and method_of(m) != method_of(d))
+
+
+def test_no_method_imports_another():
+    """A method (a module or folder of memtrain/methods, common/ aside) imports the core,
+    models/, kernels/ and common/, never another method, lazy imports included: what two methods
+    share lives in common/, and a stack builds its members by their `_target_`."""
+    assert _method_imports(graph()) == []
+
+
 def test_kernels_are_a_leaf():
     """kernels/ imports torch, triton (numpy for the oracles) and itself, nothing of memtrain."""
     mods = _modules()
@@ -131,3 +153,19 @@ def test_the_checker_sees_a_cycle():
     deps = _imports(ROOT / "memtrain" / "methods" / "synthetic" / "method.py",
                     "memtrain.methods.synthetic.method", False)
     assert "memtrain.methods.synthetic.workers" in deps  # imported inside `fit`
+
+
+def test_the_checker_sees_a_method_import():
+    """One method importing another is found; a method's own modules and common/ are not."""
+    edges = {"memtrain.methods.quantize": {"memtrain.methods.pool",
+                                           "memtrain.methods.common.compact"},
+             "memtrain.methods.checkpoint.compact": {"memtrain.methods.checkpoint.plan",
+                                                     "memtrain.methods.common.compact"},
+             "memtrain.methods.stack": {"memtrain.methods.synthetic"}}
+    assert _method_imports(edges) == [
+        ("memtrain.methods.quantize", "memtrain.methods.pool"),
+        ("memtrain.methods.stack", "memtrain.methods.synthetic")]
+    # the real graph has the edges the test looks at: into common/, and inside a method
+    real = graph()
+    assert "memtrain.methods.common.compact" in real["memtrain.methods.quantize"]
+    assert "memtrain.methods.checkpoint.plan" in real["memtrain.methods.checkpoint.ops"]

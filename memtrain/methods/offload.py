@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, check_range
+from memtrain.methods.common.activations import is_activation, memory_order
 from memtrain.methods.common.hooks import ChainedHooks, around_forward, stands_in
-from memtrain.methods.quantize import _memory_order, is_activation
 
 # ---------------------------------------------------------------- moving bytes
 
@@ -45,7 +45,7 @@ class HostMover:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         # the same strides when t's memory is dense (channels_last stays so), else contiguous
-        if _memory_order(t) is not None:
+        if memory_order(t) is not None:
             host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
                                        pin_memory=self.pin)
         else:

@@ -48,20 +48,16 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
+from memtrain.methods.common.activations import is_activation, memory_order
+from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.hooks import ChainedHooks, around_forward, recomputed_input
-from memtrain.methods.common.swap import swap_modules
-from memtrain.methods.pool import CompactMaxPool2d, MaskedReLU, _recast
+from memtrain.methods.common.swap import recast, swap_modules
 
 ROUNDINGS = ("stochastic", "nearest")
 CHANNEL_NORMS = ("auto", "minmax", "none")
 MIN_CHANNEL_ELEMS = 64  # per-channel scaling only where a channel's 8 bytes cost <= 1 bit each
 RELU_MASKS = ("bits", "none")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# autograd nodes that only cast or reshape their one input: a chain of them down to a parameter
-# is a weight copy (autocast's, linear's weight.t()), not an activation
-_PASS_THROUGH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward",
-                 "PermuteBackward", "UnsafeViewBackward", "ExpandBackward", "ReshapeAlias",
-                 "UnsqueezeBackward", "SqueezeBackward", "CloneBackward")
 
 
 # ---------------------------------------------------------------- one tensor
@@ -78,13 +74,6 @@ class Packed:
     bits: int
     group_size: int
     chan: tuple[int, int] | None = None  # (C, inner): per-channel scaling (kernels/quant.py)
-
-
-def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation that makes x contiguous (its memory order), or None when x's memory has
-    gaps or overlaps (an expanded view), which reading it flat cannot reproduce."""
-    perm = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
-    return perm if x.permute(perm).is_contiguous() else None
 
 
 def _channels(x: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int] | None:
@@ -107,7 +96,7 @@ def pack_tensor(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
     in its memory)."""
     if x.dtype not in FLOATS or x.numel() == 0:
         return None
-    perm = _memory_order(x)
+    perm = memory_order(x)
     if perm is None:
         return None
     chan = _channels(x, perm) if per_channel else None
@@ -126,19 +115,6 @@ def unpack_tensor(p: Packed, buf: torch.Tensor | None = None) -> torch.Tensor:
     flat = quant.dequantize(buf, p.shape.numel(), p.bits, p.group_size, p.dtype, chan=p.chan)
     inverse = sorted(range(len(p.perm)), key=p.perm.__getitem__)
     return flat.view(permuted).permute(inverse)
-
-
-def is_activation(t: torch.Tensor) -> bool:
-    """Made by the step's differentiable ops, and not a cast or view of a parameter."""
-    fn = t.grad_fn
-    if fn is None or isinstance(t, nn.Parameter):  # parameters, buffers, the batch, statistics
-        return False
-    while any(type(fn).__name__.startswith(p) for p in _PASS_THROUGH):
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
-            return True
-        fn = nxt[0]
-    return type(fn).__name__ != "AccumulateGrad"
 
 
 # ---------------------------------------------------------------- saved-tensor hooks
@@ -204,5 +180,5 @@ class QuantizeMethod:
             swap_modules(model, lambda _, m: type(m) is nn.ReLU,
                          lambda _, m: MaskedReLU(m.inplace, "bits"))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
-                     lambda _, m: _recast(m, CompactMaxPool2d))
+                     lambda _, m: recast(m, CompactMaxPool2d))
         return around_forward(model, self.hooks)

@@ -34,8 +34,7 @@ from torch import nn
 import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
 from memtrain.methods.checkpoint.segments import Segment
-from memtrain.methods.common.compact import MaskedReLUFn
-from memtrain.methods.pool import CompactMaxPool2d
+from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLUFn
 
 
 @dataclass
