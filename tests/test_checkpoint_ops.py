@@ -15,7 +15,7 @@ import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
 from memtrain import api, measure
 from memtrain.methods.checkpoint import CheckpointMethod
-from memtrain.methods.checkpoint.compact import Compact
+from memtrain.methods.checkpoint.ops import Compact
 from memtrain.methods.checkpoint.segments import discover
 
 # make test-compat runs this file on the oldest torch (selective checkpointing): torch 2.11 routes

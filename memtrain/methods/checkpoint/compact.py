@@ -26,26 +26,16 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
+from memtrain.methods.checkpoint.ops import Compact
 from memtrain.methods.checkpoint.segments import Segment
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLUFn
-
-
-@dataclass
-class Compact:
-    seg: int  # the segment
-    saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
-    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
-    # times (`_ckpt_ops.plan_on_times`) `time`
-    time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
-    what: str  # "relu x3, max_pool2d x1"
-    transient: int = 0  # the compacted forward's transient peak (`_ckpt_plan.transients`)
 
 
 class MaskedReLU(nn.ReLU):
@@ -126,8 +116,6 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
     forward's: the cost where no clock means anything), its forward transients, and each shrunk
     segment's forward + backward alone, compacted and plain, alternately (the compact
     max-pool's and the mask's backwards differ from aten's too)."""
-    import memtrain.methods.checkpoint.ops as opplan
-
     cands = candidates(segments)
     if not any(cands):
         return []

@@ -366,7 +366,7 @@ class CheckpointMethod:
                if self.by_op else {}),
         }
 
-    def _compacted(self) -> list[compaction.Compact]:
+    def _compacted(self) -> list[opplan.Compact]:
         chosen = set(self.plan.extra.get("compact", []))
         return [c for c in self.ops.compact if c.seg in chosen]
 

@@ -33,7 +33,6 @@ from torch.utils._pytree import tree_flatten
 
 import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
-from memtrain.methods.checkpoint.compact import Compact
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 
@@ -64,6 +63,19 @@ class Op:
     keepable: bool = True  # fresh outputs, not the segment's output, never overwritten later
     # (but by an idempotent in-place op as its first use: `relu_` after BatchNorm)
     relu_after: bool = False  # its cached output then holds relu(output); recompute reapplies it
+
+
+@dataclass
+class Compact:
+    """A lossless compaction choice of one kept segment (compact.py measures them)."""
+
+    seg: int  # the segment
+    saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
+    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
+    # times (`plan_on_times`) `time`
+    time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
+    what: str  # "relu x3, max_pool2d x1"
+    transient: int = 0  # the compacted forward's transient peak (`_ckpt_plan.transients`)
 
 
 @dataclass
