@@ -288,7 +288,7 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     assert again["status"] == "ok" and again["resumed_at_step"] > 0
     assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
     # the op decisions too (absent where op plans fall back to block: torch without
-    # respect_saved_tensors_hooks, ops.sac_cache_is_counted)
+    # respect_saved_tensors_hooks, opplan.sac_cache_is_counted)
     assert again.get("plan_kept_ops") == part.get("plan_kept_ops")
     assert again["plan_granularity"] == part["plan_granularity"]
 
@@ -334,9 +334,9 @@ def test_plan_table_of_a_small_model_reads_in_its_unit():
 
 @pytest.mark.parametrize("case", ["2d", "channels_last", "1d", "cumulative", "untracked"])
 def test_split_batchnorm_is_native_batchnorm(case):
-    """BatchNorm split into statistics + normalisation (`_ckpt_bn`, what an op plan recomputes
-    apart) gives native BatchNorm's output, gradients and running statistics, bitwise on the
-    CPU, over two training steps."""
+    """BatchNorm split into statistics + normalisation (checkpoint/batchnorm.py, what an op plan
+    recomputes apart) gives native BatchNorm's output, gradients and running statistics, bitwise
+    on the CPU, over two training steps."""
     from memtrain.methods.checkpoint.batchnorm import split_batchnorms
 
     torch.manual_seed(0)
@@ -375,8 +375,9 @@ def test_split_batchnorm_is_native_batchnorm(case):
 def test_tracked_peak_counts_a_recomputed_first_module():
     """A group that starts at resnet's stem recomputes conv1 (a leaf, the group's first module)
     in backward; the CPU tracker files recomputed tensors as activations only inside a module's
-    forward, so the group runs that forward as a module (`_segments._OwnForward`): the tracked
-    activation peak is the modelled recompute peak (before: 2 MiB, conv1's output, low)."""
+    forward, so the group runs that forward as a module (`_OwnForward`, checkpoint/segments.py):
+    the tracked activation peak is the modelled recompute peak (before: 2 MiB, conv1's output,
+    low)."""
     from memtrain import measure
 
     _, model, _ = api.build(["model=resnet18", "dataset.image_size=64"])

@@ -49,7 +49,7 @@ def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, oppla
                         [rng.random() < 0.5 for _ in range(n)], [0.0] * n,
                         tail=rng.randint(0, 8) * kib, step_time=3.0 * n,
                         transient=[rng.randint(1, 96) * kib for _ in range(n)])
-    # lossless compaction choices (_ckpt_compact) on up to two segments
+    # lossless compaction choices (checkpoint/compact.py) on up to two segments
     compact = [Compact(i, rng.randint(1, max(1, inner[i] // kib)) * kib, rng.uniform(0.01, 0.5),
                        rng.uniform(0.01, 0.5), "relu x1", rng.randint(1, 96) * kib)
                for i in rng.sample(range(n), rng.randint(0, 2))]
@@ -166,7 +166,7 @@ def test_dry_run_table_lists_ops_and_solve_time():
     assert out["dry_run"] and out["plan_kept_ops"] > 0 and out["plan_recomputed_ops"] > 0
     assert "recompute" in table and "solve time" in table
     assert re.search(r"keep [^\n]*convolution x", table)
-    # BatchNorm split (`_ckpt_bn`): its statistics kept, its normalisation recomputed
+    # BatchNorm split (checkpoint/batchnorm.py): its statistics kept, its normalisation recomputed
     assert re.search(r"keep [^\n]*batch_norm_update_stats x", table)
 
 
@@ -313,8 +313,8 @@ def test_frontier_table_names_the_compactions():
 def test_least_feasible_peak_is_what_a_step_measures(model, size, batch):
     """At the least feasible budget the modelled peak is the tracker's within 5%: the forward of a
     recomputed segment makes more at once than it keeps (resnet's stem: convolution, BatchNorm
-    and ReLU outputs together), which the transient rows model (`_ckpt_plan.transients`); without
-    them a compacted stem claimed 0.22x of resnet18's peak where a step measures 0.30x."""
+    and ReLU outputs together), which the transient rows model (`transients`, checkpoint/plan.py);
+    without them a compacted stem claimed 0.22x of resnet18's peak where a step measures 0.30x."""
     _, base, _ = api.build([f"model={model}", f"dataset.image_size={size}"])
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
     method = CheckpointMethod(strategy="budget", budget_fraction=0.9, profile_repeats=1,

@@ -151,7 +151,7 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
             over.append(pl.overhead)
             cells += [f"{pl.peak / p.baseline_peak:.3f}", f"+{100 * pl.overhead:.1f}%",
                       f"{pl.extra['solve_s']:.1f}"]
-            if by_op:  # the segments compacted (`_ckpt_compact`: lossless masks and offsets)
+            if by_op:  # the segments compacted (checkpoint/compact.py: lossless masks, offsets)
                 cells.append(", ".join(p.names[i] for i in pl.extra["compact"]) or "-")
         ratio = f"{over[0] / over[1]:.2f}" if len(over) == 2 and over[1] > 0 else "-"
         out.append(f"| {f} | " + " | ".join(cells) + f" | {ratio} |")

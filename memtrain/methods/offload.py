@@ -1,12 +1,12 @@
 """method=offload: saved activations live in (pinned) host memory between forward and backward.
 
-Every activation the forward keeps for backward (`quantize.is_activation`: made by the step's
-ops, not a parameter, its cast or view, the batch or a buffer) on the run's GPU, of at least
-`min_bytes`, is copied to host memory when it is saved and back when backward needs it, as
-`torch.autograd.graph.save_on_cpu(pin_memory=True)` does, with two differences: a storage saved
-twice is copied once, and the hooks compose (methods/_hooks.py): around quantize they move the
-quantized bytes, and memtrain's accounting sees the host copy (`mem_act_saved_host_bytes`), not
-a device tensor.
+Every activation the forward keeps for backward (`is_activation`, methods/common/activations.py:
+made by the step's ops, not a parameter, its cast or view, the batch or a buffer) on the run's
+GPU, of at least `min_bytes`, is copied to host memory when it is saved and back when backward
+needs it, as `torch.autograd.graph.save_on_cpu(pin_memory=True)` does, with two differences: a
+storage saved twice is copied once, and the hooks compose (methods/common/hooks.py): around
+quantize they move the quantized bytes, and memtrain's accounting sees the host copy
+(`mem_act_saved_host_bytes`), not a device tensor.
 
 `prefetch=true`: when backward unpacks saved tensor i, the copy back of the one saved just
 before it (the next one backward needs) starts on a side stream, so it overlaps the backward

@@ -23,9 +23,10 @@ at most its range / (2^bits - 1).
 What is *not* quantized: parameters and the low-precision copies autocast makes of them (casts
 and views of a parameter), the batch and anything else a step finds alive (no grad_fn: buffers,
 BatchNorm's saved statistics), tensors whose packed form would not be smaller, tensors with
-overlapping memory (expanded views), and non-float tensors. ReLUs keep pool's 1-bit masks
-(`relu_mask=bits`) and max-pools pool's uint8 window offsets (both exact), so a ReLU's output is
-kept once, quantized, by the layer that reads it.
+overlapping memory (expanded views), and non-float tensors. ReLUs keep 1-bit masks
+(`relu_mask=bits`) and max-pools uint8 window offsets (both exact; pool's modules, from
+methods/common/compact.py), so a ReLU's output is kept once, quantized, by the layer that reads
+it.
 
 Two ways to use the quantizer, so other methods can compose it (offload, stacks):
 - `ActivationQuantizer(bits, group_size, stochastic)` is a `saved_tensors_hooks`: every saved
@@ -123,7 +124,7 @@ def unpack_tensor(p: Packed, buf: torch.Tensor | None = None) -> torch.Tensor:
 class ActivationQuantizer(ChainedHooks):
     """Saved-tensor hooks that quantize every activation saved inside the `with` (see the module
     docstring), each storage once per entry, and hand the packed buffer to the hooks that were
-    active on entry (or keep it, when there were none): methods/_hooks.py."""
+    active on entry (or keep it, when there were none): methods/common/hooks.py."""
 
     def __init__(self, bits: int, group_size: int, stochastic: bool = True,
                  per_channel: bool = True):

@@ -6,7 +6,7 @@ Strategies (`method.strategy`):
 - `budget`: profile every segment on the run's device, then solve a 0-1 program (MONeT-style,
   scipy's HiGHS) for the least recompute time whose modelled activation peak fits the budget;
   `granularity=op` (the default) also decides per op inside recomputed groups: keep its output
-  (selective checkpointing) or recompute it (`_ckpt_ops`); `block` recomputes groups whole;
+  (selective checkpointing) or recompute it (`ops.py`); `block` recomputes groups whole;
 - `selective`: every segment checkpointed with torch's selective activation checkpointing:
   matmul and convolution outputs saved, the cheap ops recomputed;
 - `compile`: torch.compile with `torch._functorch.config.activation_memory_budget`, PyTorch's own
@@ -121,7 +121,7 @@ class CheckpointMethod:
             return CompiledBudget(model, self.budget_fraction)
         self.segments = discover(model)
         if self.strategy == "budget":
-            # BatchNorm as statistics + normalisation (`_ckpt_bn`): an op plan keeps the
+            # BatchNorm as statistics + normalisation (`batchnorm.py`): an op plan keeps the
             # statistics and recomputes one elementwise pass; block plans profile the same forward
             # (one profile per sweep serves both granularities)
             batchnorm.split_batchnorms([m for s in self.segments for m in s.modules()])
@@ -278,9 +278,9 @@ class CheckpointMethod:
         k, got = None, None
         stacked = self._stacked(model)
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
-            # bn: BatchNorm split into statistics + normalisation (`_ckpt_bn`); profiles of
+            # bn: BatchNorm split into statistics + normalisation (`batchnorm.py`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
-            # compact: op profiles carry the compaction choices (`_ckpt_compact`); cost: ops
+            # compact: op profiles carry the compaction choices (`compact.py`); cost: ops
             # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats, bn="split", compact=1, cost="time",

@@ -10,7 +10,7 @@ on each other and may train in parallel processes). Optional end-to-end recovery
 The composed model predicts argmax right(...(left(x))).
 
 The cuts fall between the units of the model's chain (`memtrain.models.chain_of`); automatic
-cuts balance the partitions' activation memory on the run's first batch (`_cuts.py`). The
+cuts balance the partitions' activation memory on the run's first batch (`cuts.py`). The
 partitioned model keeps the plain model's parameter names under any cuts.
 
 Each phase is one call of `train.train` (its loss_fn / evaluate_fn / metric_prefix hooks); only
@@ -137,7 +137,7 @@ class Synthetic:
 
     def choose_cuts(self, model: Partitioned, x: torch.Tensor, autocast=None) -> list[int]:
         """The cuts that balance the partitions' modelled activation memory, profiled on the first
-        `PROFILE_BATCH` samples of the batch `x` (`_cuts`): `fit` and the probes both call this."""
+        `PROFILE_BATCH` samples of the batch `x` (cuts.py): `fit` and the probes both call this."""
         prof = profile_units(model, x[:PROFILE_BATCH], autocast)
         self.profile = prof
         return balanced_cuts([numel(u) for u in model.units], self.partitions,
