@@ -48,7 +48,7 @@ break_one memtrain/resume.py \
   '    shuffle_gen.set_state(rng["epoch_shuffle"])' \
   '    pass  # the shuffle state is not restored' \
   tests/test_survive.py "kill -9, then resume bit-identical"
-break_one memtrain/methods/_segments.py \
+break_one memtrain/methods/checkpoint/segments.py \
   '    saved = [(bn, [getattr(bn, k) for k in names]) for bn in bns if bn.track_running_stats]' \
   '    saved = []  # recomputation updates the running statistics a second time' \
   tests/test_checkpoint.py "checkpoint gradients and statistics equal none's"

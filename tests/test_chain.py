@@ -6,7 +6,7 @@ import torch
 from conftest import conf_options
 
 from memtrain import api
-from memtrain.methods._segments import discover
+from memtrain.methods.checkpoint.segments import discover
 from memtrain.methods.synthetic import Synthetic
 from memtrain.models import chain_of
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import api
 from memtrain.errors import ConfigError
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
 from memtrain.methods.checkpoint import CheckpointMethod
 
 # make test-compat runs this file on the oldest torch: torch.utils.checkpoint, selective
@@ -261,7 +261,7 @@ def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
 def test_every_plan_keeps_the_plain_state_dict_keys():
     from torchvision.models import resnet18
 
-    from memtrain.methods._segments import apply_groups, discover
+    from memtrain.methods.checkpoint.segments import apply_groups, discover
 
     model = resnet18(num_classes=10)
     keys = list(model.state_dict())
@@ -275,21 +275,20 @@ def test_every_plan_keeps_the_plain_state_dict_keys():
 
 def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     from memtrain import api
-    from memtrain.methods import _ckpt_ops
 
     args = [*CKPT_RUN, "trainer.max_steps=6"]
     part = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2"],
                    out_dir=tmp_path / "p")
     assert part["status"] == "interrupted"
     # a new profile that would plan differently (noise on a shared machine): recompute all
-    monkeypatch.setattr(_ckpt_ops, "plan_budget",
-                        lambda p, ops, b, g=None: _ckpt_ops.op_plan(p, ops, [(0, p.n - 1)], set()))
+    monkeypatch.setattr(opplan, "plan_budget",
+                        lambda p, ops, b, g=None: opplan.op_plan(p, ops, [(0, p.n - 1)], set()))
     again = api.run([*args, "trainer.fault=sigterm", "trainer.fault_step=2",
                      "trainer.resume=true"], out_dir=tmp_path / "p")
     assert again["status"] == "ok" and again["resumed_at_step"] > 0
     assert again["plan_groups"] == part["plan_groups"] != f"0-{part['plan_segments'] - 1}"
     # the op decisions too (absent where op plans fall back to block: torch without
-    # respect_saved_tensors_hooks, _ckpt_ops.sac_cache_is_counted)
+    # respect_saved_tensors_hooks, opplan.sac_cache_is_counted)
     assert again.get("plan_kept_ops") == part.get("plan_kept_ops")
     assert again["plan_granularity"] == part["plan_granularity"]
 
@@ -335,10 +334,10 @@ def test_plan_table_of_a_small_model_reads_in_its_unit():
 
 @pytest.mark.parametrize("case", ["2d", "channels_last", "1d", "cumulative", "untracked"])
 def test_split_batchnorm_is_native_batchnorm(case):
-    """BatchNorm split into statistics + normalisation (`_ckpt_bn`, what an op plan recomputes
-    apart) gives native BatchNorm's output, gradients and running statistics, bitwise on the
-    CPU, over two training steps."""
-    from memtrain.methods._ckpt_bn import split_batchnorms
+    """BatchNorm split into statistics + normalisation (checkpoint/batchnorm.py, what an op plan
+    recomputes apart) gives native BatchNorm's output, gradients and running statistics, bitwise
+    on the CPU, over two training steps."""
+    from memtrain.methods.checkpoint.batchnorm import split_batchnorms
 
     torch.manual_seed(0)
     shape = (6, 24) if case == "1d" else (4, 8, 5, 3)
@@ -376,8 +375,9 @@ def test_split_batchnorm_is_native_batchnorm(case):
 def test_tracked_peak_counts_a_recomputed_first_module():
     """A group that starts at resnet's stem recomputes conv1 (a leaf, the group's first module)
     in backward; the CPU tracker files recomputed tensors as activations only inside a module's
-    forward, so the group runs that forward as a module (`_segments._OwnForward`): the tracked
-    activation peak is the modelled recompute peak (before: 2 MiB, conv1's output, low)."""
+    forward, so the group runs that forward as a module (`_OwnForward`, checkpoint/segments.py):
+    the tracked activation peak is the modelled recompute peak (before: 2 MiB, conv1's output,
+    low)."""
     from memtrain import measure
 
     _, model, _ = api.build(["model=resnet18", "dataset.image_size=64"])

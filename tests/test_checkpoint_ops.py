@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import api, measure
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
-from memtrain.methods._segments import discover
 from memtrain.methods.checkpoint import CheckpointMethod
+from memtrain.methods.checkpoint.ops import Compact
+from memtrain.methods.checkpoint.segments import discover
 
 # make test-compat runs this file on the oldest torch (selective checkpointing): torch 2.11 routes
 # no SAC-cached output through saved-tensor hooks, so op plans fall back to block there
@@ -49,7 +49,7 @@ def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, oppla
                         [rng.random() < 0.5 for _ in range(n)], [0.0] * n,
                         tail=rng.randint(0, 8) * kib, step_time=3.0 * n,
                         transient=[rng.randint(1, 96) * kib for _ in range(n)])
-    # lossless compaction choices (_ckpt_compact) on up to two segments
+    # lossless compaction choices (checkpoint/compact.py) on up to two segments
     compact = [Compact(i, rng.randint(1, max(1, inner[i] // kib)) * kib, rng.uniform(0.01, 0.5),
                        rng.uniform(0.01, 0.5), "relu x1", rng.randint(1, 96) * kib)
                for i in rng.sample(range(n), rng.randint(0, 2))]
@@ -166,14 +166,14 @@ def test_dry_run_table_lists_ops_and_solve_time():
     assert out["dry_run"] and out["plan_kept_ops"] > 0 and out["plan_recomputed_ops"] > 0
     assert "recompute" in table and "solve time" in table
     assert re.search(r"keep [^\n]*convolution x", table)
-    # BatchNorm split (`_ckpt_bn`): its statistics kept, its normalisation recomputed
+    # BatchNorm split (checkpoint/batchnorm.py): its statistics kept, its normalisation recomputed
     assert re.search(r"keep [^\n]*batch_norm_update_stats x", table)
 
 
 def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     """Jobs of one sweep folder share one profile: a block job measures the segments, the first
     op job adds the ops, the next plans without profiling; one profile: a monotone frontier."""
-    from memtrain.methods import _ckpt_cache
+    import memtrain.methods.checkpoint.cache as ckpt_cache
 
     args = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
             "method=checkpoint", "method.dry_run=true"]
@@ -188,7 +188,7 @@ def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     first = api.run([*args, "method.budget_fraction=0.9"], out_dir=sweep / "1")
     monkeypatch.setattr(opplan, "profile_model", no_profile)
     second = api.run([*args, "method.budget_fraction=0.7"], out_dir=sweep / "2")
-    assert len(list((sweep / _ckpt_cache.FOLDER).glob("*.json"))) == 1
+    assert len(list((sweep / ckpt_cache.FOLDER).glob("*.json"))) == 1
     assert second["plan_baseline_peak_bytes"] == first["plan_baseline_peak_bytes"] \
         == block["plan_baseline_peak_bytes"]
     assert second["plan_peak_bytes"] <= first["plan_peak_bytes"]
@@ -253,7 +253,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     keeps the stem compacted (or a plan is given it); loss, gradients and BatchNorm statistics
     equal none's, the modelled peak is the tracker's within 5%, the dry-run table names the
     choice, the sweep cache keeps it, and a compaction inside a recomputed group is dropped."""
-    from memtrain.methods import _ckpt_cache
+    import memtrain.methods.checkpoint.cache as ckpt_cache
 
     _, base, _ = api.build(["model=resnet18", "dataset.image_size=64"])
     g = torch.Generator().manual_seed(0)
@@ -270,7 +270,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     p, ops = method.profile, method.ops
     assert [(c.seg, c.what) for c in ops.compact] == [(0, "max_pool2d x1, relu x1")]
     assert 0 < ops.compact[0].saves < p.inner[0]
-    loaded = _ckpt_cache.load(tmp_path, next((tmp_path / _ckpt_cache.FOLDER).glob("*")).stem)
+    loaded = ckpt_cache.load(tmp_path, next((tmp_path / ckpt_cache.FOLDER).glob("*")).stem)
     assert loaded[1].compact == ops.compact
     plain = opplan.OpProfile(ops.ops)
     least = _least_peak(p, ops)
@@ -313,8 +313,8 @@ def test_frontier_table_names_the_compactions():
 def test_least_feasible_peak_is_what_a_step_measures(model, size, batch):
     """At the least feasible budget the modelled peak is the tracker's within 5%: the forward of a
     recomputed segment makes more at once than it keeps (resnet's stem: convolution, BatchNorm
-    and ReLU outputs together), which the transient rows model (`_ckpt_plan.transients`); without
-    them a compacted stem claimed 0.22x of resnet18's peak where a step measures 0.30x."""
+    and ReLU outputs together), which the transient rows model (`transients`, checkpoint/plan.py);
+    without them a compacted stem claimed 0.22x of resnet18's peak where a step measures 0.30x."""
     _, base, _ = api.build([f"model={model}", f"dataset.image_size={size}"])
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
     method = CheckpointMethod(strategy="budget", budget_fraction=0.9, profile_repeats=1,

@@ -47,3 +47,18 @@ def test_wheel_install_runs_a_variants_sweep(tmp_path):
     assert sorted(rows["method"]) == ["none", "prune"] and set(rows["status"]) == {"ok"}
     assert (sweep / "report.md").is_file()
     shutil.rmtree(venv)
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """pyproject names its packages one by one (kernels/ and conf/ install under other names),
+    so a new package folder must be added there: an editable install finds it anyway, a wheel
+    leaves it out."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+                 ["tool"]["setuptools"]["packages"])
+    folders = {".".join(f.parent.relative_to(ROOT).parts)
+               for f in (ROOT / "memtrain").rglob("__init__.py")}
+    installed = {n.removeprefix("memtrain.") if n.startswith("memtrain.hydra_plugins.") else n
+                 for n in folders}
+    assert {"memtrain.methods.checkpoint", "memtrain.methods.common"} <= installed
+    assert installed - listed == set()

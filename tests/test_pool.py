@@ -10,7 +10,8 @@ from conftest import run_memtrain, saved_bytes
 
 from memtrain import api, measure
 from memtrain.errors import ConfigError
-from memtrain.methods.pool import MaskedReLU, PooledConv2d, PoolMethod
+from memtrain.methods.common.compact import MaskedReLU
+from memtrain.methods.pool import PooledConv2d, PoolMethod
 
 # make test-compat runs this file on the oldest torch: pool's autograd Functions and Triton kernels
 pytestmark = pytest.mark.compat

@@ -12,7 +12,8 @@ from memtrain.kernels import bitmask
 from memtrain.kernels import reference as ref
 from torch import nn
 
-from memtrain.methods._pool_ops import CompactMaxPool2dFn, PooledBatchNormFn, PooledConv2dFn
+from memtrain.methods.common.compact import CompactMaxPool2d, CompactMaxPool2dFn
+from memtrain.methods.pool import PooledBatchNormFn, PooledConv2dFn
 
 # (in_ch, out_ch, kernel, stride, padding, dilation, groups, H, W)
 # make test-compat runs this file on the oldest torch: pool's Triton kernels and autograd Functions
@@ -198,8 +199,6 @@ def test_batchnorm_backward_exact_on_block_constant_input_and_saves_pooled():
     dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 1)),
 ])
 def test_compact_maxpool_exact(conf):
-    from memtrain.methods.pool import CompactMaxPool2d
-
     pair = nn.modules.utils._pair
     torch.manual_seed(0)
     x = torch.randn(2, 3, 11, 9, requires_grad=True)

@@ -199,7 +199,7 @@ def test_a_stack_replans_while_measured_over_budget(monkeypatch):
     measurement is replaced here by the model's peak plus a fixed excess): each measured excess
     lowers the model's budget by as much and the plan is chosen again; when no plan fits, a
     one-line error before training names the stack's option and the least measured peak."""
-    from memtrain.methods import _ckpt_plan as planner
+    import memtrain.methods.checkpoint.plan as planner
 
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
     seen, excess = [], [0]

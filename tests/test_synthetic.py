@@ -9,9 +9,14 @@ from conftest import fashion_mnist_available
 
 from memtrain import api, measure, runner
 from memtrain.errors import ConfigError
-from memtrain.methods._cuts import balanced_cuts
-from memtrain.methods._partition import NearestColumn, label_matrix, mse_to_label, run_phase
 from memtrain.methods.synthetic import Synthetic
+from memtrain.methods.synthetic.cuts import balanced_cuts
+from memtrain.methods.synthetic.partition import (
+    NearestColumn,
+    label_matrix,
+    mse_to_label,
+    run_phase,
+)
 from memtrain.models import efficientnet_b0, mlp6, resmlp12, resmlp24, resnet18, resnet50
 from memtrain.optim import build_optimizer, build_scheduler
 
@@ -265,14 +270,12 @@ def test_label_loss_is_mse_without_batch_sized_temporaries():
 
 def test_weights_load_into_the_plain_model_and_resume_keeps_the_cuts(in_tmp, one_thread,
                                                                      monkeypatch):
-    from memtrain.methods import synthetic
-
     args = [*SYN, "method.partitions=3", "trainer.threads=1", "trainer.max_steps=6",
             "trainer.fault=sigterm", "trainer.fault_step=2"]
     first = api.run(args, out_dir=in_tmp / "r")  # stopped inside part0
     assert first["status"] == "interrupted" and first["synthetic_cuts"]
     # a profile that would cut elsewhere must not change a resumed run's partitions
-    monkeypatch.setattr(synthetic.Synthetic, "choose_cuts", lambda *a, **k: [2, 6])
+    monkeypatch.setattr(Synthetic, "choose_cuts", lambda *a, **k: [2, 6])
     row = first
     for _ in range(3):  # each phase meets the fault once; a resumed one continues past it
         if row["status"] == "ok":

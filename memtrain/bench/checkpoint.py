@@ -119,8 +119,8 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
     """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
     import time
 
-    from memtrain.methods import _ckpt_ops as opplan
-    from memtrain.methods import _ckpt_plan as planner
+    import memtrain.methods.checkpoint.ops as opplan
+    import memtrain.methods.checkpoint.plan as planner
 
     _, model, method = api.build([f"model={model_name}", f"dataset.image_size={size}",
                                   "method=checkpoint", "method.dry_run=true",
@@ -151,7 +151,7 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
             over.append(pl.overhead)
             cells += [f"{pl.peak / p.baseline_peak:.3f}", f"+{100 * pl.overhead:.1f}%",
                       f"{pl.extra['solve_s']:.1f}"]
-            if by_op:  # the segments compacted (`_ckpt_compact`: lossless masks and offsets)
+            if by_op:  # the segments compacted (checkpoint/compact.py: lossless masks, offsets)
                 cells.append(", ".join(p.names[i] for i in pl.extra["compact"]) or "-")
         ratio = f"{over[0] / over[1]:.2f}" if len(over) == 2 and over[1] > 0 else "-"
         out.append(f"| {f} | " + " | ".join(cells) + f" | {ratio} |")
@@ -166,8 +166,8 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
 
 
 def _least(p, ops, by_op: bool) -> int:
-    from memtrain.methods import _ckpt_ops as opplan
-    from memtrain.methods import _ckpt_plan as planner
+    import memtrain.methods.checkpoint.ops as opplan
+    import memtrain.methods.checkpoint.plan as planner
 
     try:
         opplan.plan_budget(p, ops, 1, ops=by_op)

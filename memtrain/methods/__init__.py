@@ -1,3 +1,7 @@
-"""Memory-saving methods, one module each (shared helpers in `_*.py`). A method is any object
-with the members `runner.Method` lists (no base class); one module plus one conf/method/*.yaml
-adds a method, nothing else is edited."""
+"""Memory-saving methods: one module per single-file method (none, pool, prune, quantize,
+offload, stack), one package per multi-file method (checkpoint/, synthetic/: `method.py` holds the
+class, which the package re-exports under the name its YAML's `_target_` holds), and common/ for
+what several methods share (compact ReLU/max-pool, saved-tensor hooks, activation detection,
+module surgery). A method imports common/, never another method (tests/test_imports.py). A
+method is any object with the members `runner.Method` lists (no base class); one module (or
+folder) plus one conf/method/*.yaml adds a method, nothing else is edited."""

@@ -1,12 +1,12 @@
 """method=offload: saved activations live in (pinned) host memory between forward and backward.
 
-Every activation the forward keeps for backward (`quantize.is_activation`: made by the step's
-ops, not a parameter, its cast or view, the batch or a buffer) on the run's GPU, of at least
-`min_bytes`, is copied to host memory when it is saved and back when backward needs it, as
-`torch.autograd.graph.save_on_cpu(pin_memory=True)` does, with two differences: a storage saved
-twice is copied once, and the hooks compose (methods/_hooks.py): around quantize they move the
-quantized bytes, and memtrain's accounting sees the host copy (`mem_act_saved_host_bytes`), not
-a device tensor.
+Every activation the forward keeps for backward (`is_activation`, methods/common/activations.py:
+made by the step's ops, not a parameter, its cast or view, the batch or a buffer) on the run's
+GPU, of at least `min_bytes`, is copied to host memory when it is saved and back when backward
+needs it, as `torch.autograd.graph.save_on_cpu(pin_memory=True)` does, with two differences: a
+storage saved twice is copied once, and the hooks compose (methods/common/hooks.py): around
+quantize they move the quantized bytes, and memtrain's accounting sees the host copy
+(`mem_act_saved_host_bytes`), not a device tensor.
 
 `prefetch=true`: when backward unpacks saved tensor i, the copy back of the one saved just
 before it (the next one backward needs) starts on a side stream, so it overlaps the backward
@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from memtrain.errors import ConfigError, check_range
-from memtrain.methods import _hooks
-from memtrain.methods._hooks import ChainedHooks, around_forward
-from memtrain.methods.quantize import _memory_order, is_activation
+from memtrain.methods.common.activations import is_activation, memory_order
+from memtrain.methods.common.hooks import ChainedHooks, around_forward, stands_in
 
 # ---------------------------------------------------------------- moving bytes
 
@@ -46,7 +45,7 @@ class HostMover:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         # the same strides when t's memory is dense (channels_last stays so), else contiguous
-        if _memory_order(t) is not None:
+        if memory_order(t) is not None:
             host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
                                        pin_memory=self.pin)
         else:
@@ -134,7 +133,7 @@ class Offloader(ChainedHooks):
         return super().__enter__()
 
     def offloads(self, t: torch.Tensor) -> bool:
-        return (t.device == self.mover.device and (is_activation(t) or _hooks.stands_in(t))
+        return (t.device == self.mover.device and (is_activation(t) or stands_in(t))
                 and t.untyped_storage().nbytes() >= self.min_bytes)
 
     def keep(self, t: torch.Tensor) -> tuple[Offloaded | None, torch.Tensor]:

@@ -21,14 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.methods._pool_ops import (
-    CompactMaxPool2dFn,
-    MaskedReLUFn,
-    PooledBatchNormFn,
-    PooledConv2dFn,
-    autocast_dtype,
-)
-from memtrain.methods._swap import swap_modules
+from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
+from memtrain.methods.common.swap import recast, swap_modules
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +59,19 @@ class PoolMethod:
         pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size,
                        compress_input=self.compress_input)
         convs = swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
-                             lambda _, m: _recast(m, PooledConv2d, mode=self.mode, **pooling))
+                             lambda _, m: recast(m, PooledConv2d, mode=self.mode, **pooling))
         if not convs:  # not silent: its ReLU masks alone can cost memory (Linear keeps the input)
             log.warning("method=pool found no nn.Conv2d in %s: nothing is pooled, only its ReLUs "
                         "and max-pools change", type(model).__name__)
         if self.targets == "conv+bn":
             swap_modules(model, lambda _, m: type(m) is nn.BatchNorm2d,
-                         lambda _, m: _recast(m, PooledBatchNorm2d, **pooling))
+                         lambda _, m: recast(m, PooledBatchNorm2d, **pooling))
         if self.relu_mask != "none":
             swap_modules(model, lambda _, m: type(m) is nn.ReLU,
                          lambda _, m: MaskedReLU(m.inplace, self.relu_mask))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
-                     lambda _, m: _recast(m, CompactMaxPool2d))
+                     lambda _, m: recast(m, CompactMaxPool2d))
         return model
-
-
-def _recast(module: nn.Module, cls: type, **attrs) -> nn.Module:
-    """A `cls` instance sharing `module`'s parameters, buffers and settings (same state_dict
-    keys, same Parameter objects) plus `attrs`."""
-    new = cls.__new__(cls)
-    new.__dict__.update(module.__dict__)
-    new.__dict__.update(attrs)
-    return new
 
 
 def _compress(module: nn.Module, x: torch.Tensor) -> bool:
@@ -150,35 +135,141 @@ class PooledBatchNorm2d(nn.BatchNorm2d):
                                            self.pool_type)
 
 
-class MaskedReLU(nn.Module):
-    """ReLU that keeps a packed 1-bit (`bits`) or bool mask for backward, not its output.
-    Stateless, so one instance may be called many times (torchvision's blocks do)."""
-
-    def __init__(self, inplace: bool = False, mask: str = "bits"):
-        super().__init__()
-        self.inplace, self.mask = inplace, mask
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled() and x.requires_grad:
-            return MaskedReLUFn.apply(x, self.inplace, self.mask)
-        return F.relu(x, inplace=self.inplace)
-
-    def extra_repr(self) -> str:
-        return f"inplace={self.inplace}, mask={self.mask}"
+# ---------------------------------------------------------------- autograd functions
+#
+# - `PooledConv2dFn`: saves `pool(x)` (avg or max values, never int64 indices) and the weight.
+#   grad_input is exact (it needs only the weight); grad_weight comes from the pooled input,
+#   `mode="upsample"` (nearest-upsampled pooled input, full grad_output) or `mode="pooled"` (grad
+#   output pooled too, correlation at low resolution, rescaled by the element-count ratio).
+# - `PooledBatchNormFn`: training-mode BatchNorm2d that saves the pooled normalised input x_hat;
+#   its backward uses the upsampled x_hat (approximate).
+# Both keep what backward needs through `ctx.save_for_backward` (memtrain's contract). The
+# ReLU and max-pool this method compacts are common/compact.py's (quantize uses them too).
 
 
-class CompactMaxPool2d(nn.MaxPool2d):
-    """nn.MaxPool2d whose backward keeps uint8 window offsets (exact, see CompactMaxPool2dFn)."""
+def pool(x: torch.Tensor, k: int, pool_type: str) -> torch.Tensor:
+    """k x k pooling, stride k; a partial last window (size not divisible by k) is kept
+    (ceil mode; the average then runs over the elements inside)."""
+    if k == 1:
+        return x
+    if pool_type == "max":  # values only: max_pool2d without return_indices
+        return F.max_pool2d(x, k, k, ceil_mode=True)
+    return F.avg_pool2d(x, k, k, ceil_mode=True)
+
+
+def upsample(xp: torch.Tensor, k: int, size: tuple[int, int]) -> torch.Tensor:
+    """Nearest upsampling by k, cropped to `size`: element (i, j) reads xp[i // k, j // k]
+    (F.interpolate's nearest would misalign when the size is not a multiple of k)."""
+    if k == 1:
+        return xp
+    return xp.repeat_interleave(k, dim=-2)[..., :size[0], :].repeat_interleave(k, dim=-1)[
+        ..., :size[1]]
+
+
+def _fit(t: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Crop or zero-pad the last two dims of t to `size` (F.pad crops on negative pads)."""
+    dh, dw = size[0] - t.shape[-2], size[1] - t.shape[-1]
+    return F.pad(t, (0, dw, 0, dh)) if dh or dw else t
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast would run a convolution in on this device, or None."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+# ---------------------------------------------------------------- convolution
+
+
+class PooledConv2dFn(torch.autograd.Function):
+    """conv2d that keeps `pool(x)` and the weight for backward.
+
+    Called outside autocast with tensors already in the compute dtype (see PooledConv2d).
+    """
 
     @staticmethod
-    def fits(m: nn.MaxPool2d) -> bool:
-        kh, kw = nn.modules.utils._pair(m.kernel_size)
-        return not m.return_indices and kh * kw <= 256
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, k, pool_type, mode):
+        out = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        ctx.conf = (stride, padding, dilation, groups, k, mode)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        ctx.save_for_backward(pool(x, k, pool_type), weight)
+        return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and torch.is_grad_enabled() and x.requires_grad and x.dim() == 4):
-            return super().forward(x)
-        pair = nn.modules.utils._pair
-        return CompactMaxPool2dFn.apply(x, pair(self.kernel_size),
-                                        pair(self.stride or self.kernel_size), pair(self.padding),
-                                        pair(self.dilation), self.ceil_mode)
+    @staticmethod
+    def backward(ctx, grad_out):
+        xp, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, k, mode = ctx.conf
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_out = grad_out.contiguous()
+        args = (stride, padding, dilation, False, [0], groups)
+        gx = gw = gb = None
+        if mode == "pooled" and k > 1 and need_w:
+            gw = _pooled_grad_weight(xp, weight, grad_out, ctx.x_shape, k, args)
+            need_w = False
+        if need_x or need_w or need_b:
+            # grad_input reads only the shape of the input, so the upsampled map gives it exactly
+            x_full = upsample(xp, k, ctx.x_shape[-2:]) if need_w else \
+                grad_out.new_empty(1).expand(ctx.x_shape)
+            gx, gw_up, gb = torch.ops.aten.convolution_backward(
+                grad_out, x_full, weight, [weight.shape[0]] if ctx.has_bias else None,
+                *args, (need_x, need_w, need_b))
+            gw = gw if gw is not None else gw_up
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+
+def _pooled_grad_weight(xp, weight, grad_out, x_shape, k, args):
+    """grad_weight correlated at 1/k resolution: the same convolution run on the pooled input
+    must produce the pooled grad_output's size (cropped or zero-padded to it); the sum over
+    positions is scaled by how many full-resolution outputs each pooled one stands for."""
+    stride, padding, dilation = args[:3]
+    gp = F.avg_pool2d(grad_out, k, k, ceil_mode=True)
+    size = tuple(
+        (xp.shape[-2 + i] + 2 * padding[i] - dilation[i] * (weight.shape[-2 + i] - 1) - 1)
+        // stride[i] + 1 for i in range(2))
+    gp = _fit(gp, size)
+    scale = grad_out.shape[-2] * grad_out.shape[-1] / (gp.shape[-2] * gp.shape[-1])
+    _, gw, _ = torch.ops.aten.convolution_backward(
+        gp.contiguous(), xp, weight, None, *args, (False, True, False))
+    return gw * scale
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+class PooledBatchNormFn(torch.autograd.Function):
+    """Training-mode batch norm (running statistics updated as nn.BatchNorm2d does) that keeps
+    pool(x_hat), the weight and 1/std; backward from the nearest-upsampled x_hat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, k, pool_type):
+        out, mean, rstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
+                                                  True, momentum, eps)
+        shape = (1, -1, 1, 1)
+        # pooling commutes with the per-channel affine map x -> (x - mean) * rstd (rstd > 0)
+        acc = torch.promote_types(x.dtype, torch.float32)  # statistics precision, at least fp32
+        xhat_p = pool(x, k, pool_type).to(acc)  # a new tensor (k > 1): normalised in place
+        xhat_p.sub_(mean.view(shape)).mul_(rstd.view(shape))
+        ctx.k, ctx.size, ctx.x_dtype = k, x.shape[-2:], x.dtype
+        ctx.save_for_backward(xhat_p.to(x.dtype), weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xhat_p, weight, rstd = ctx.saved_tensors
+        dims = (0, 2, 3)
+        shape = (1, -1, 1, 1)
+        acc = torch.promote_types(ctx.x_dtype, torch.float32)
+        g = grad_out.to(acc)
+        xhat = upsample(xhat_p.to(acc), ctx.k, ctx.size)
+        gb = g.sum(dims)
+        gw = (g * xhat).sum(dims)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            n = g.numel() / g.shape[1]
+            scale = rstd if weight is None else rstd * weight.to(acc)
+            gx = (scale.view(shape) * (g - (gb / n).view(shape) - xhat * (gw / n).view(shape)))
+            gx = gx.to(ctx.x_dtype)
+        gw = gw.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        gb = gb.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None, None, None, None, None

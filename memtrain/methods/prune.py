@@ -26,7 +26,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
-from memtrain.methods._swap import swap_modules
+from memtrain.methods.common.swap import swap_modules
 
 LAYERS = ("linear", "conv1x1", "both")
 BLOCK_SIZES = (16, 32, 64)

@@ -23,9 +23,10 @@ at most its range / (2^bits - 1).
 What is *not* quantized: parameters and the low-precision copies autocast makes of them (casts
 and views of a parameter), the batch and anything else a step finds alive (no grad_fn: buffers,
 BatchNorm's saved statistics), tensors whose packed form would not be smaller, tensors with
-overlapping memory (expanded views), and non-float tensors. ReLUs keep pool's 1-bit masks
-(`relu_mask=bits`) and max-pools pool's uint8 window offsets (both exact), so a ReLU's output is
-kept once, quantized, by the layer that reads it.
+overlapping memory (expanded views), and non-float tensors. ReLUs keep 1-bit masks
+(`relu_mask=bits`) and max-pools uint8 window offsets (both exact; pool's modules, from
+methods/common/compact.py), so a ReLU's output is kept once, quantized, by the layer that reads
+it.
 
 Two ways to use the quantizer, so other methods can compose it (offload, stacks):
 - `ActivationQuantizer(bits, group_size, stochastic)` is a `saved_tensors_hooks`: every saved
@@ -48,20 +49,16 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
-from memtrain.methods._hooks import ChainedHooks, around_forward, recomputed_input
-from memtrain.methods._swap import swap_modules
-from memtrain.methods.pool import CompactMaxPool2d, MaskedReLU, _recast
+from memtrain.methods.common.activations import is_activation, memory_order
+from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
+from memtrain.methods.common.hooks import ChainedHooks, around_forward, recomputed_input
+from memtrain.methods.common.swap import recast, swap_modules
 
 ROUNDINGS = ("stochastic", "nearest")
 CHANNEL_NORMS = ("auto", "minmax", "none")
 MIN_CHANNEL_ELEMS = 64  # per-channel scaling only where a channel's 8 bytes cost <= 1 bit each
 RELU_MASKS = ("bits", "none")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# autograd nodes that only cast or reshape their one input: a chain of them down to a parameter
-# is a weight copy (autocast's, linear's weight.t()), not an activation
-_PASS_THROUGH = ("ToCopyBackward", "TBackward", "ViewBackward", "TransposeBackward",
-                 "PermuteBackward", "UnsafeViewBackward", "ExpandBackward", "ReshapeAlias",
-                 "UnsqueezeBackward", "SqueezeBackward", "CloneBackward")
 
 
 # ---------------------------------------------------------------- one tensor
@@ -78,13 +75,6 @@ class Packed:
     bits: int
     group_size: int
     chan: tuple[int, int] | None = None  # (C, inner): per-channel scaling (kernels/quant.py)
-
-
-def _memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation that makes x contiguous (its memory order), or None when x's memory has
-    gaps or overlaps (an expanded view), which reading it flat cannot reproduce."""
-    perm = tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d])))
-    return perm if x.permute(perm).is_contiguous() else None
 
 
 def _channels(x: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int] | None:
@@ -107,7 +97,7 @@ def pack_tensor(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
     in its memory)."""
     if x.dtype not in FLOATS or x.numel() == 0:
         return None
-    perm = _memory_order(x)
+    perm = memory_order(x)
     if perm is None:
         return None
     chan = _channels(x, perm) if per_channel else None
@@ -128,26 +118,13 @@ def unpack_tensor(p: Packed, buf: torch.Tensor | None = None) -> torch.Tensor:
     return flat.view(permuted).permute(inverse)
 
 
-def is_activation(t: torch.Tensor) -> bool:
-    """Made by the step's differentiable ops, and not a cast or view of a parameter."""
-    fn = t.grad_fn
-    if fn is None or isinstance(t, nn.Parameter):  # parameters, buffers, the batch, statistics
-        return False
-    while any(type(fn).__name__.startswith(p) for p in _PASS_THROUGH):
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
-            return True
-        fn = nxt[0]
-    return type(fn).__name__ != "AccumulateGrad"
-
-
 # ---------------------------------------------------------------- saved-tensor hooks
 
 
 class ActivationQuantizer(ChainedHooks):
     """Saved-tensor hooks that quantize every activation saved inside the `with` (see the module
     docstring), each storage once per entry, and hand the packed buffer to the hooks that were
-    active on entry (or keep it, when there were none): methods/_hooks.py."""
+    active on entry (or keep it, when there were none): methods/common/hooks.py."""
 
     def __init__(self, bits: int, group_size: int, stochastic: bool = True,
                  per_channel: bool = True):
@@ -204,5 +181,5 @@ class QuantizeMethod:
             swap_modules(model, lambda _, m: type(m) is nn.ReLU,
                          lambda _, m: MaskedReLU(m.inplace, "bits"))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
-                     lambda _, m: _recast(m, CompactMaxPool2d))
+                     lambda _, m: recast(m, CompactMaxPool2d))
         return around_forward(model, self.hooks)

@@ -22,7 +22,7 @@ The runner builds every member (a node with a `_target_`) and passes them by nam
 
 Order: the first member is the outermost. `wrap` applies the members innermost first (the
 outer one wraps what the inner ones made); hook-based members enter their saved-tensor hooks
-outermost first (methods/_hooks.py), so an inner method hands what it keeps to the outer one
+outermost first (methods/common/hooks.py), so an inner method hands what it keeps to the outer one
 (offload around quantize moves the quantized bytes). Allowed orders, outermost first: checkpoint
 (it recomputes whatever the methods inside its segments would save; its planner profiles the
 model with them applied, so its budget is a fraction of *their* activation peak), then offload

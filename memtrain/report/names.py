@@ -26,6 +26,10 @@ from typing import Any
 
 import numpy as np
 
+# The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI (here, the
+# report's lowest module, so that tables and screen both read it without importing each other).
+CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
+
 # parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`)
 PARAMS = {
     "kernel_size": "k", "pool_type": "", "mode": "", "targets": "", "relu_mask": "relu",

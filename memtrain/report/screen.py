@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from memtrain.report.tables import CONFIG_PREFIXES
+from memtrain.report.names import CONFIG_PREFIXES
 
 # Columns that always hold numbers (snake_case with units, the contract in DESIGN.md), even when
 # a single run is reported and no other row could tell.

@@ -15,17 +15,15 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
-from memtrain.report import derive
+from memtrain.report import derive, screen
+from memtrain.report.names import CONFIG_PREFIXES, Names, fmt_value, isna
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
-from memtrain.report.names import Names, fmt_value, isna
 
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 
-# The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI.
-CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
 CHOICES = GROUPS
 SEED = "trainer.seed"
 # A run's baseline: the `none` run that differs from it only in the method (the documented rule).
@@ -89,8 +87,6 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tu
         row["run_dir"] = str(d)
         rows.append(row)
         files.append(d / SUMMARY)
-    from memtrain.report import screen  # it reads CONFIG_PREFIXES from here
-
     rows, bad = screen.check_rows(rows, files)
     df, superseded = screen.latest_per_run(screen.as_numbers(pd.DataFrame(rows)))
     for d, why in bad + superseded:

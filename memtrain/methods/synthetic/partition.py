@@ -1,8 +1,8 @@
 """Pieces of the `synthetic` method: the synthetic label matrices, the loss against them, and
 one partition's training phase (a thin adapter around `train.train`). Where the model is cut:
-`_cuts.py`.
+`cuts.py`.
 
-Kept apart from `synthetic.py` so that a phase is a plain picklable description (`Phase`) that a
+Kept apart from `method.py` so that a phase is a plain picklable description (`Phase`) that a
 worker process can run as well as the parent.
 """
 

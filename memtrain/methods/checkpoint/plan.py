@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from memtrain import measure
-from memtrain.methods._segments import Segment
+from memtrain.methods.checkpoint.segments import Segment
 
 Group = tuple[int, int]
 
@@ -138,9 +138,9 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
                less: list[int] | None = None, transient: list[int] | None = None) -> int:
     """Modelled activation peak of a plan (see the module docstring); `extra[i]`: bytes a
     recomputed segment i holds from its forward until its recompute (op-level plans: the
-    outputs of its kept ops, `_ckpt_ops`); `less[i]`: bytes a kept segment i holds less than
+    outputs of its kept ops, `ops.py`); `less[i]`: bytes a kept segment i holds less than
     its profile says, and a recomputed one recomputes less (op-level plans: its compaction,
-    `_ckpt_compact`); `transient`: the segments' forward transients where they differ from the
+    `compact.py`); `transient`: the segments' forward transients where they differ from the
     profile's (compacted ones)."""
     kept, live = _live(p, groups)
     extra = extra or [0] * p.n

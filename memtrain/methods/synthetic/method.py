@@ -10,7 +10,7 @@ on each other and may train in parallel processes). Optional end-to-end recovery
 The composed model predicts argmax right(...(left(x))).
 
 The cuts fall between the units of the model's chain (`memtrain.models.chain_of`); automatic
-cuts balance the partitions' activation memory on the run's first batch (`_cuts.py`). The
+cuts balance the partitions' activation memory on the run's first batch (`cuts.py`). The
 partitioned model keeps the plain model's parameter names under any cuts.
 
 Each phase is one call of `train.train` (its loss_fn / evaluate_fn / metric_prefix hooks); only
@@ -33,7 +33,7 @@ from torch import nn
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
-from memtrain.methods._cuts import (
+from memtrain.methods.synthetic.cuts import (
     PROFILE_BATCH,
     Partitioned,
     balanced_cuts,
@@ -42,7 +42,7 @@ from memtrain.methods._cuts import (
     numel,
     profile_units,
 )
-from memtrain.methods._partition import (
+from memtrain.methods.synthetic.partition import (
     Phase,
     frozen_input,
     label_matrix,
@@ -56,7 +56,7 @@ from memtrain.models import chain_of
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under
 
 RIGHT_INPUTS = ("left", "synthetic")
 # Per-phase columns copied to the top level from the largest phase (see `_merge`).
@@ -137,7 +137,7 @@ class Synthetic:
 
     def choose_cuts(self, model: Partitioned, x: torch.Tensor, autocast=None) -> list[int]:
         """The cuts that balance the partitions' modelled activation memory, profiled on the first
-        `PROFILE_BATCH` samples of the batch `x` (`_cuts`): `fit` and the probes both call this."""
+        `PROFILE_BATCH` samples of the batch `x` (cuts.py): `fit` and the probes both call this."""
         prof = profile_units(model, x[:PROFILE_BATCH], autocast)
         self.profile = prof
         return balanced_cuts([numel(u) for u in model.units], self.partitions,
@@ -175,7 +175,7 @@ class Synthetic:
         t0 = time.perf_counter()
         try:
             if self.parallel:
-                from memtrain.methods._workers import run_parallel
+                from memtrain.methods.synthetic.workers import run_parallel
 
                 done += run_parallel(phases, data, device)
             else:

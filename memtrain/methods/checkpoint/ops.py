@@ -6,9 +6,9 @@ The profile (`OpTimer`, a TorchDispatchMode over one instrumented forward) lists
 every segment in forward order with its fresh output bytes, its forward time and a cost: the
 time (scaled per segment to the segment's measured forward, `calibrate`; `plan_on_times`), or
 on a probe's fake tensors, where no clock means anything, a roofline of its FLOPs and the bytes
-it reads and writes. A sweep plans every budget on one cached profile (`_ckpt_cache`), so its
+it reads and writes. A sweep plans every budget on one cached profile (`cache.py`), so its
 plans do not move with the clock from job to job. The 0-1 program is the segment
-program of `_ckpt_plan` plus one variable y_o per keepable op: y_o <= 1 - kept_i (only ops of
+program of `plan.py` plus one variable y_o per keepable op: y_o <= 1 - kept_i (only ops of
 recomputed segments), the kept bytes are held from the forward until the group is recomputed
 (end-of-forward row and the recompute rows of later groups), and the objective is the cost of
 every recomputed op minus the cost of the kept ones. The plan applies through
@@ -31,9 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 
@@ -67,9 +66,22 @@ class Op:
 
 
 @dataclass
+class Compact:
+    """A lossless compaction choice of one kept segment (compact.py measures them)."""
+
+    seg: int  # the segment
+    saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
+    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
+    # times (`plan_on_times`) `time`
+    time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
+    what: str  # "relu x3, max_pool2d x1"
+    transient: int = 0  # the compacted forward's transient peak (`plan.transients`)
+
+
+@dataclass
 class OpProfile:
     ops: list[list[Op]] = field(default_factory=list)  # per segment, forward order
-    compact: list[Compact] = field(default_factory=list)  # lossless choices (_ckpt_compact)
+    compact: list[Compact] = field(default_factory=list)  # lossless choices (compact.py)
 
     def keys(self) -> list[Key]:
         return [(i, j) for i, seg in enumerate(self.ops) for j, o in enumerate(seg)
@@ -145,7 +157,7 @@ class OpTimer(TorchDispatchMode):
 def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
                 autocast=contextlib.nullcontext) -> OpProfile:
     """`repeats` forwards under OpTimer (the first warms up); `rec_factory()` is a fresh
-    profiling recorder (`_ckpt_plan._Recorder`) telling the current segment and the outputs.
+    profiling recorder (`plan._Recorder`) telling the current segment and the outputs.
     Each forward enters `autocast` anew, as a training step does: autocast caches its weight
     casts until the context ends, so one context around every forward would cast in the first
     only, and the op sequence (which the plan's policy checks) would differ between them."""
@@ -188,7 +200,7 @@ def held_extra(prof: OpProfile, n: int, keep: set[Key]) -> list[int]:
 
 def _compacts(prof: OpProfile, groups: list[planner.Group], compact) -> list[Compact]:
     """The compaction choices of the segments in `compact` that the plan keeps (a recomputed
-    segment is never compacted: see `_ckpt_compact`)."""
+    segment is never compacted: see `compact.py`)."""
     inside = {i for a, e in groups for i in range(a, e + 1)}
     chosen = set(compact) - inside
     return [c for c in prof.compact if c.seg in chosen]
@@ -226,9 +238,9 @@ def op_cost(prof: OpProfile, groups: list[planner.Group], keep: set[Key],
 
 def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group: int,
            ops: bool) -> tuple[list[planner.Group], set[Key], list[int]] | None:
-    """The segment program of `_ckpt_plan` with, at op granularity (`ops`; without, block
+    """The segment program of `plan.py` with, at op granularity (`ops`; without, block
     granularity on the op costs), a y variable per keepable op (y_o <= 1 - kept_i) and a c
-    variable per compaction choice of segment i (`_ckpt_compact`): c <= kept_i takes its bytes
+    variable per compaction choice of segment i (`compact.py`): c <= kept_i takes its bytes
     off every row that counts the kept segment (end of forward, recomputes of later groups,
     forwards of later segments) and puts its compacted forward's transient in its own
     forward's row; its cost on the objective. budget None: minimise the peak. Returns (groups,
@@ -282,7 +294,7 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         c, integrality, hi = cost, np.ones(width), np.ones(width)
     cons = [LinearConstraint(a_cover, 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
-    if p.transient:  # the forward of each segment (`_ckpt_plan._transient_rows`)
+    if p.transient:  # the forward of each segment (`plan._transient_rows`)
         trows, tconsts = planner._transient_rows(p, groups, n + ng)
         a_tr = pad(trows)
         for i in range(len(trows)):
@@ -451,7 +463,7 @@ def plan_on_times(prof: OpProfile) -> None:
 
 def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,
                   scale: float = 1.0) -> OpProfile:
-    """`profile_ops` on `x` without changing the model (`_ckpt_plan.unchanged`)."""
+    """`profile_ops` on `x` without changing the model (`plan.unchanged`)."""
     autocast = autocast or contextlib.nullcontext
     with planner.unchanged(model, x.device):
         return profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,

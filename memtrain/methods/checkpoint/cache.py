@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._ckpt_compact import Compact
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
 
 log = logging.getLogger(__name__)
 FOLDER = ".checkpoint-profiles"
@@ -44,7 +43,7 @@ def load(folder: Path, k: str) -> tuple[planner.Profile, opplan.OpProfile | None
         return None
     ops = None if d["ops"] is None else opplan.OpProfile(
         [[opplan.Op(**o) for o in seg] for seg in d["ops"]],
-        [Compact(**c) for c in d.get("compact", [])])
+        [opplan.Compact(**c) for c in d.get("compact", [])])
     log.info("checkpoint profile reused from %s", path)
     return planner.Profile(**d["profile"]), ops
 

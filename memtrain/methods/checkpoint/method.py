@@ -6,7 +6,7 @@ Strategies (`method.strategy`):
 - `budget`: profile every segment on the run's device, then solve a 0-1 program (MONeT-style,
   scipy's HiGHS) for the least recompute time whose modelled activation peak fits the budget;
   `granularity=op` (the default) also decides per op inside recomputed groups: keep its output
-  (selective checkpointing) or recompute it (`_ckpt_ops`); `block` recomputes groups whole;
+  (selective checkpointing) or recompute it (`ops.py`); `block` recomputes groups whole;
 - `selective`: every segment checkpointed with torch's selective activation checkpointing:
   matmul and convolution outputs saved, the cheap ops recomputed;
 - `compile`: torch.compile with `torch._functorch.config.activation_memory_budget`, PyTorch's own
@@ -26,15 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+import memtrain.methods.checkpoint.batchnorm as batchnorm
+import memtrain.methods.checkpoint.cache as cache
+import memtrain.methods.checkpoint.compact as compaction
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
+import memtrain.methods.common.hooks as hooks
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
-from memtrain.methods import _ckpt_bn, _ckpt_compact, _hooks
-from memtrain.methods import _ckpt_cache as cache
-from memtrain.methods import _ckpt_ops as opplan
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._segments import Segment, apply_groups, discover
+from memtrain.methods.checkpoint.segments import Segment, apply_groups, discover
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("memtrain.methods.checkpoint")  # the name runs have logged under
 
 STRATEGIES = ("uniform", "sqrt", "budget", "selective", "compile")
 PLANNED = ("uniform", "sqrt", "budget")
@@ -119,10 +121,10 @@ class CheckpointMethod:
             return CompiledBudget(model, self.budget_fraction)
         self.segments = discover(model)
         if self.strategy == "budget":
-            # BatchNorm as statistics + normalisation (`_ckpt_bn`): an op plan keeps the
+            # BatchNorm as statistics + normalisation (`batchnorm.py`): an op plan keeps the
             # statistics and recomputes one elementwise pass; block plans profile the same forward
             # (one profile per sweep serves both granularities)
-            _ckpt_bn.split_batchnorms([m for s in self.segments for m in s.modules()])
+            batchnorm.split_batchnorms([m for s in self.segments for m in s.modules()])
         if self.strategy == "selective":
             # A saved matmul/conv output must not be overwritten later in the forward (SAC
             # checks it): in-place activations (SiLU after the squeeze-excite conv) go out-of-place.
@@ -172,7 +174,7 @@ class CheckpointMethod:
 
     def _stacked(self, model: nn.Module) -> bool:
         """Other methods' saved-tensor hooks around or inside the checkpoints (a stack)."""
-        return _hooks.wrapped(model) or self.inside is not None
+        return hooks.wrapped(model) or self.inside is not None
 
     def _fit_measured(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                       autocast) -> None:
@@ -236,8 +238,8 @@ class CheckpointMethod:
         chosen = self.plan.extra.get("compact", [])
         if chosen:  # kept segments: ReLUs keep 1-bit masks, max-pools uint8 offsets (before
             # the groups take their members' forwards)
-            cands = _ckpt_compact.candidates(self.segments)
-            self._uncompact = _ckpt_compact.apply([m for i in chosen for m in cands[i]])
+            cands = compaction.candidates(self.segments)
+            self._uncompact = compaction.apply([m for i in chosen for m in cands[i]])
         self._applied = apply_groups(model, self.segments, self.plan.groups, contexts=contexts,
                                      inside=self.inside)
 
@@ -276,9 +278,9 @@ class CheckpointMethod:
         k, got = None, None
         stacked = self._stacked(model)
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
-            # bn: BatchNorm split into statistics + normalisation (`_ckpt_bn`); profiles of
+            # bn: BatchNorm split into statistics + normalisation (`batchnorm.py`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
-            # compact: op profiles carry the compaction choices (`_ckpt_compact`); cost: ops
+            # compact: op profiles carry the compaction choices (`compact.py`); cost: ops
             # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats, bn="split", compact=1, cost="time",
@@ -288,9 +290,9 @@ class CheckpointMethod:
             loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
             self.profile, ops = planner.profile(model, self.segments, x, loss, autocast,
                                                 self.profile_repeats, scale), None
-            if _hooks.wrapped(model) and self.inside is None:
+            if hooks.wrapped(model) and self.inside is None:
                 # stacked around hooks that are off when backward recomputes (offload's)
-                with _hooks.suspended():
+                with hooks.suspended():
                     self.profile.recompute = planner.profile(model, self.segments, x, loss,
                                                              autocast, 1, scale).inner
         else:
@@ -298,7 +300,7 @@ class CheckpointMethod:
         if self.by_op and ops is None:
             ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
                                        scale)
-            ops.compact = _ckpt_compact.profile(model, self.segments, x, autocast,
+            ops.compact = compaction.profile(model, self.segments, x, autocast,
                                                 self.profile_repeats, scale, self.profile, ops)
             opplan.calibrate(ops, self.profile.time)
             if not is_fake(x):  # a probe's clock means nothing: it plans on the roofline
@@ -364,7 +366,7 @@ class CheckpointMethod:
                if self.by_op else {}),
         }
 
-    def _compacted(self) -> list[_ckpt_compact.Compact]:
+    def _compacted(self) -> list[opplan.Compact]:
         chosen = set(self.plan.extra.get("compact", []))
         return [c for c in self.ops.compact if c.seg in chosen]
 

@@ -1,22 +1,23 @@
 """Lossless local savings as choices of an operator-level checkpoint plan (MONeT's operator
 selection; Gist's binarised ReLU -> max-pool): in a compacted segment every nn.ReLU keeps a
-1-bit mask of where its output is positive (pool's `MaskedReLUFn`) instead of its output, and
-every nn.MaxPool2d keeps uint8 window offsets (pool's `CompactMaxPool2dFn`) instead of its
-input and int64 indices. Both backwards are exact; ReLUs stay in place where they were.
+1-bit mask of where its output is positive (`MaskedReLUFn`, methods/common/compact.py) instead
+of its output, and every nn.MaxPool2d keeps uint8 window offsets (`CompactMaxPool2dFn`, there
+too) instead of its input and int64 indices. Both backwards are exact; ReLUs stay in place
+where they were.
 
 A mask frees a ReLU's output only where nothing else keeps it. In ResNet's stem (ReLU ->
 max-pool, both compacted) nothing does; a ReLU feeding a convolution or a linear layer is still
 kept whole by that layer, and its mask is bytes on top. So a segment's compaction is measured,
 not assumed: one forward with every candidate module compacted gives each segment's saved bytes
 (the profiler's own accounting), and only segments that it shrinks become choices of
-`_ckpt_ops`' program for a segment the plan keeps (its held bytes shrink from its forward
+`ops.py`'s program for a segment the plan keeps (its held bytes shrink from its forward
 until its backward), chosen when the bytes it frees help the budget, at the cost of its
 measured extra forward + backward (the segment alone, compacted and plain, alternately).
 
 Never for a recomputed segment: a mask frees the ReLU's output only after the max-pool has
 read it, so a recompute holds the output anyway while it runs. Offered there at first, it was
 modelled at 1049856 bytes and a step measured 1327624 (resnet18 64 px b2, the stem compacted
-and recomputed), once the tracker counted recomputed stems at all (`_segments._OwnForward`).
+and recomputed), once the tracker counted recomputed stems at all (`segments._OwnForward`).
 """
 
 from __future__ import annotations
@@ -26,27 +27,16 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+import memtrain.methods.checkpoint.ops as opplan
+import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
-from memtrain.methods import _ckpt_plan as planner
-from memtrain.methods._pool_ops import MaskedReLUFn
-from memtrain.methods._segments import Segment
-from memtrain.methods.pool import CompactMaxPool2d
-
-
-@dataclass
-class Compact:
-    seg: int  # the segment
-    saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
-    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
-    # times (`_ckpt_ops.plan_on_times`) `time`
-    time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
-    what: str  # "relu x3, max_pool2d x1"
-    transient: int = 0  # the compacted forward's transient peak (`_ckpt_plan.transients`)
+from memtrain.methods.checkpoint.ops import Compact
+from memtrain.methods.checkpoint.segments import Segment
+from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLUFn
 
 
 class MaskedReLU(nn.ReLU):
@@ -123,12 +113,10 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
             scale: float, base: planner.Profile, ops) -> list[Compact]:
     """The compaction choices of `segments`: one forward with every candidate compacted, its
     saved bytes per segment against `base.inner` (the same accounting, the same batch slice
-    and `scale`), its ops' roofline (`_ckpt_ops.profile_model`) against `ops` (the plain
+    and `scale`), its ops' roofline (`ops.profile_model`) against `ops` (the plain
     forward's: the cost where no clock means anything), its forward transients, and each shrunk
     segment's forward + backward alone, compacted and plain, alternately (the compact
     max-pool's and the mask's backwards differ from aten's too)."""
-    from memtrain.methods import _ckpt_ops as opplan
-
     cands = candidates(segments)
     if not any(cands):
         return []

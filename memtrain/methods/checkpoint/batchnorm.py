@@ -12,7 +12,7 @@ the CPU output, gradients and running statistics are bitwise native BatchNorm's,
 recomputing it is one elementwise pass (MONeT's operator choices do the same). Backward is
 `native_batch_norm_backward` on the same saved input, mean and 1/std that native BatchNorm saves:
 the same formula, the same saved bytes. The running statistics are updated inside the forward, so
-`_segments.shield_batchnorm` shields a recompute's update. The split costs its ~10 small
+`segments.shield_batchnorm` shields a recompute's update. The split costs its ~10 small
 per-channel ops per layer: measured on one CPU core, resnet50 112 px batch 8, forward +3.4% and
 a training step +2.2% against native BatchNorm.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memtrain.methods._segments import batchnorms
+from memtrain.methods.checkpoint.segments import batchnorms
 
 
 class SplitBatchNormFn(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""Module surgery shared by the methods."""
+"""Module surgery shared by the methods: swap submodules, recast one as another class."""
 
 from __future__ import annotations
 
@@ -20,3 +20,12 @@ def swap_modules(model: nn.Module, match: Callable[[str, nn.Module], bool],
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, make(name, mod))
     return [name for name, _ in targets]
+
+
+def recast(module: nn.Module, cls: type, **attrs) -> nn.Module:
+    """A `cls` instance sharing `module`'s parameters, buffers and settings (same state_dict
+    keys, same Parameter objects) plus `attrs`."""
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new.__dict__.update(attrs)
+    return new
