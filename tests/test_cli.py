@@ -101,34 +101,3 @@ def test_failing_run_records_status_error(in_tmp):
     assert s["test_acc"] is None  # NaN is written as null
 
 
-# run_ids computed by the code before the runner/loop restructuring (issue 16), on the same conf/.
-# A run_id names a job folder and lets skip_done/resume find earlier runs: it must not move when
-# the code is reorganised. A change to conf/ that changes what a config computes changes its id;
-# then update the value here on purpose (and say so in the commit).
-STORED_RUN_IDS = [
-    ([], "577ed406825d"),
-    (["trainer=smoke", "model=mlp6"], "49f525fa7bd5"),
-    # issue 18 added method.granularity to conf/method/checkpoint.yaml (was a59a9bfaced6)
-    (["method=checkpoint", "trainer.max_steps=5", "trainer.resume=true"], "954a22e3252d"),
-    (["method=synthetic", "model=resnet18", "dataset=cifar10", "optim=adamw"], "06d84cdf4302"),
-    (["experiment=quick", "method=pool"], "dc7294d99c54"),
-    (["method=prune", "method.sparsity=0.75", "trainer.gpu_memory_gb=4", "trainer.fault=nan"],
-     "7858e1c097fe"),
-    # each method's YAML names its class by `_target_`, and that string is hashed: computed
-    # before memtrain/methods became one folder per multi-file method (issue 30), whose
-    # packages re-export the classes under the names the YAMLs hold
-    (["method=checkpoint"], "a4708d530f33"),
-    (["method=synthetic"], "24199ec4f361"),
-    (["method=quantize"], "28f38b737023"),
-    (["method=pool"], "c7f55d568006"),
-    (["method=offload"], "9688773fc90e"),
-    (["method=checkpoint+quantize"], "14a118bcf69d"),
-]
-
-
-def test_run_id_of_an_unchanged_config_is_stored_value():
-    from memtrain import config
-
-    for overrides, rid in STORED_RUN_IDS:
-        cfg, _ = api.compose(overrides)
-        assert config.run_id(cfg) == rid, overrides
