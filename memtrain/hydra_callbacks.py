@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -94,15 +95,32 @@ class StatusCount(Callback):
             sys.exit(128 + (2 if stop == "SIGINT" else 15))
 
 
+# characters Hydra's override grammar reads as syntax in an unquoted value (a sweep's comma, a
+# function call's parentheses, a list, a dict, an interpolation, quotes, escapes, spaces)
+_HYDRA_SPECIAL = set("()[]{},=:'\"\\ $*?<>|&;#`!~\t")
+
+
+def hydra_quote(value: str) -> str:
+    """A value as one Hydra override value: quoted when Hydra would read syntax in it (a run
+    folder named `a(b),c` is otherwise a sweep of a function call); the shell's quoting comes on
+    top (shlex)."""
+    if not set(value) & _HYDRA_SPECIAL:
+        return value
+    # inside quotes Hydra reads a backslash as an escape only before a quote (or the closing one)
+    body = re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\'" if m[2] else ""), value)
+    return f"'{body}'"
+
+
 def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
                      run_dir: str | os.PathLike | None = None) -> str:
     """The shell command that continues a sweep (or a single run): its task overrides and its
     hydra ones (launcher, hydra.launcher.*, callbacks), then resume and skip_done; shell-quoted.
     """
     if sweep_dir is not None:
-        extra = ["trainer.resume=true", "trainer.skip_done=true", f"hydra.sweep.dir={sweep_dir}"]
+        extra = ["trainer.resume=true", "trainer.skip_done=true",
+                 f"hydra.sweep.dir={hydra_quote(str(sweep_dir))}"]
     else:
-        extra = ["trainer.resume=true", f"hydra.run.dir={run_dir}"]
+        extra = ["trainer.resume=true", f"hydra.run.dir={hydra_quote(str(run_dir))}"]
     dropped = {e.split("=")[0] for e in extra} | {"hydra.mode"}
     given = [*overrides.get("hydra", []), *overrides.get("task", [])]
     kept = [o for o in given if o.split("=")[0].lstrip("+~") not in dropped]

@@ -158,6 +158,13 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
         done = _already_done(search, run_dir, summary["run_id"])
         if done is not None:
             return Outcome(done)
+    if not cfg.trainer.resume and (old := _finished_row(run_dir)) is not None:
+        # a second sweep into a finished sweep's folder: never overwrite a row untold
+        error = ConfigError(
+            f"{run_dir} already holds a finished run (status={old['status']}); add "
+            "trainer.skip_done=true to keep it, trainer.resume=true to continue it, or choose "
+            "another folder")
+        return Outcome(old, error)  # the CLI says it (a sweep's job: a log line; a run: exit 2)
     metrics: list[dict] = []
     error: Exception | None = None
     t0 = time.perf_counter()
@@ -184,6 +191,15 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
             error = e
     summary["wall_s"] = time.perf_counter() - t0
     return _finish(run_dir, summary, metrics, error)
+
+
+def _finished_row(run_dir: Path) -> dict[str, Any] | None:
+    """The row a folder holds when its run ended (any status but running or interrupted)."""
+    try:
+        old = record.read_summary(run_dir)
+    except (OSError, ValueError):  # no row, or an unreadable one: nothing finished to keep
+        return None
+    return old if old.get("status") not in (None, "running", "interrupted") else None
 
 
 def _finish(run_dir: Path, summary: dict[str, Any], metrics: list[dict],

@@ -272,3 +272,24 @@ def test_a_model_too_large_to_build_names_the_input_size(tmp_path, monkeypatch):
                                           r"\) and 10 classes does not fit in memory"):
         api.run([*TINY, "dataset.image_size=9000", "dataset.train_size=1",
                  "dataset.test_size=1"], out_dir=tmp_path)
+
+
+@pytest.mark.parametrize("folder", ["runs/a(b),c", "runs/it's here", "runs/x=1,y=[2]",
+                                    "runs/back\\slash", "runs/end\\", "plain/dir-1.2"])
+def test_the_continue_command_names_any_folder_exactly(folder):
+    """The printed continue command, read back by the shell and then by Hydra's own override
+    parser, names the very folder (Hydra's quoting kept under the shell's)."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from memtrain.hydra_callbacks import continue_command
+
+    parser = OverridesParser.create()
+    given = OmegaConf.create({"task": ["trainer.seed=0,1"], "hydra": []})
+    for kwargs, key in (({"sweep_dir": folder}, "hydra.sweep.dir"),
+                        ({"run_dir": folder}, "hydra.run.dir")):
+        words = shlex.split(continue_command(given, **kwargs))
+        (line,) = [w for w in words if w.startswith(key + "=")]
+        assert parser.parse_override(line).value() == folder

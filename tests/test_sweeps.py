@@ -191,3 +191,18 @@ def test_a_fault_in_a_parallel_worker_spares_its_siblings(in_tmp):
     assert rows == {None: "ok", "sigterm": "interrupted", "error": "error"}
     assert "memtrain: 3 jobs: ok 1, error 1, interrupted 1" in p.stdout
     assert "continue with: memtrain -m hydra/launcher=parallel" in p.stderr
+
+
+@pytest.mark.slow
+def test_a_second_sweep_into_a_finished_folder_overwrites_nothing(in_tmp):
+    """The same sweep again into its folder, without skip_done or resume: each job refuses to
+    overwrite its finished row (which stays byte for byte) and says how to go on."""
+    sweep = in_tmp / "sw"
+    args = ["-m", *TINY, "trainer.seed=0,1", f"hydra.sweep.dir={sweep}", NO_REPORT]
+    assert run_memtrain(*args, cwd=in_tmp).returncode == 0
+    before = _summaries(sweep)
+    p = run_memtrain(*args, cwd=in_tmp)
+    assert _summaries(sweep) == before
+    said = p.stdout + p.stderr
+    assert said.count("already holds a finished run (status=ok); add trainer.skip_done="
+                      "true to keep it") == 2, said[-2000:]
