@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_range
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +235,8 @@ def synthetic(
                        ("channels", channels)):  # test_size 0 would measure no accuracy
         if value < 1:
             raise ConfigError(f"dataset.{key} must be >= 1, got {value}")
-    if noise < 0 or max_shift < 0:
-        raise ConfigError(f"dataset.noise and dataset.max_shift must be >= 0, got {noise} "
-                          f"and {max_shift}")
+    check_range("dataset.noise", noise, 0, 1e6)  # a noise std past the pixels' range x 1e6
+    check_range("dataset.max_shift", max_shift, 0, image_size)
     check_fits("dataset.image_size", image_size, num_classes * channels * image_size ** 2 * 4,
                f"{num_classes} class templates of {channels}x{image_size}x{image_size} fp32")
     g = torch.Generator().manual_seed(seed)

@@ -32,6 +32,8 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.1, moment
     check_range("optim.lr", lr, 0, FP32_MAX, lo_open=True)
     check_range("optim.weight_decay", weight_decay, 0, FP32_MAX)
     check_range("optim.momentum", momentum, 0, 1)
+    if len(betas) != 2:
+        raise ConfigError(f"optim.betas must list two numbers [beta1, beta2], got {list(betas)}")
     for i, b in enumerate(betas):
         check_range(f"optim.betas[{i}]", b, 0, 1, hi_open=True)
     groups = _param_groups(model, weight_decay)

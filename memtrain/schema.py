@@ -187,10 +187,20 @@ def _strip_none(ann: Any) -> Any:
     return ann
 
 
+def _type_name(ann: Any) -> str:
+    origin = typing.get_origin(ann) or ann
+    return {bool: "true or false", int: "an integer", float: "a number", list: "a list",
+            tuple: "a list", dict: "a mapping", str: "text"}.get(origin, getattr(
+                origin, "__name__", str(origin)))
+
+
 def problem(key: str, ann: Any, value: Any) -> str | None:
     """The one-line message when `value` cannot stand for option `key` of type `ann`, else None."""
+    optional = ann is None or ann is Any or type(None) in typing.get_args(ann)
     ann = _strip_none(ann)
-    if value is None or ann is None or ann is Any or ann is str:
+    if value is None:  # null only where the option takes it (its hint or default is None)
+        return None if optional else f"{key} cannot be null: it takes {_type_name(ann)}"
+    if ann is None or ann is Any or ann is str:
         return None
     if isinstance(value, str) and "${" in value:  # an interpolation: checked once resolved
         return None
@@ -206,6 +216,8 @@ def problem(key: str, ann: Any, value: Any) -> str | None:
     if origin is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"{key} must be a number, got {value!r}"
+        if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            return f"{key} must be a number within [-2**63, 2**63-1], got {value}"
         return None if math.isfinite(value) else f"{key} must be a finite number, got {value}"
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):

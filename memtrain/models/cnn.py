@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torchvision import models as tvm
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_range
 from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 SMALL_INPUT_MAX = 32  # images of 32 px and below get the CIFAR-style stem
@@ -51,6 +51,8 @@ def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout
     c, h, w = input_shape
     if min(h, w) < 8:
         raise ConfigError(f"model efficientnet_b0 needs images of >= 8 px, got {h}x{w}")
+    check_range("model.dropout", dropout, 0, 1, hi_open=True)
+    check_range("model.stochastic_depth_prob", stochastic_depth_prob, 0, 1, hi_open=True)
     model = tvm.efficientnet_b0(num_classes=num_classes, dropout=dropout,
                                 stochastic_depth_prob=stochastic_depth_prob)
     # torchvision draws the classifier from U(+-1/sqrt(num_classes)), a range made for 1000

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_range
 from memtrain.models.chain import Chain, Segment, chain_rule
 
 
@@ -39,6 +39,7 @@ def mlp6(num_classes: int, input_shape: tuple[int, int, int],
     if len(widths) != 5 or min(widths) < 1:
         raise ConfigError(f"model.widths must list 5 positive hidden widths (6 linear layers), "
                           f"got {widths}")
+    check_range("model.dropout", dropout, 0, 1, hi_open=True)
     return MLP(math.prod(input_shape), widths, num_classes, dropout)
 
 

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_range
 from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 
@@ -21,6 +21,8 @@ def _resmlp(name: str, depth: int, init_values: float, num_classes: int,
             drop_path_rate: float) -> nn.Module:
     from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
 
+    check_range("model.embed_dim", embed_dim, 1)
+    check_range("model.drop_path_rate", drop_path_rate, 0, 1, hi_open=True)
     c, h, w = input_shape
     if h != w:
         raise ConfigError(f"model {name} needs square images, got {h}x{w}")

@@ -1,0 +1,114 @@
+"""Every option of the conf tree, fed hostile values: refused in one line or accepted as valid.
+
+Generated from conf/ (each option of each group choice, the walker's registry), so a new option
+is covered the day it lands. Each value goes the way a command-line value goes, in-process and
+without training: Hydra's override parser, memtrain's type check against the option's default
+(`validate._type_error`, as `memtrain` runs it before Hydra), then the builder that takes the
+option when a job starts (the trainer's checks, the optimizer and schedule, the dataset, the
+model on a tiny input, the method applied to a tiny model). Each must either raise one
+ConfigError line (the CLI's exit 2) or accept the value; anything else (a traceback, a message
+of several lines, an error that names no option) fails here.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from conftest import conf_options
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from walker import METHODS, MODELS
+
+from memtrain import config, optim, runner, validate
+from memtrain.errors import ConfigError
+
+HOSTILE = ["nan", "inf", "-inf", "1e300", "-1", "0", "''", "[]", "[1,2]", "{a: 1}", "true",
+           "null", "'$(touch pwned)'", "'; rm -rf ~'", "'ünïcødé ✓'", "'../../../etc/passwd'",
+           "99999999999999999999"]
+SMALL = ["dataset.train_size=8", "dataset.test_size=4", "dataset.image_size=8", "model=mlp6",
+         "trainer=smoke"]
+# dataset choices that need files: their options are walked on the synthetic default's builder
+# (the file-backed builders' own bad input has its tests in test_bad_input.py)
+DATASETS = ["synthetic"]
+
+
+@functools.cache
+def composed(selection: tuple[str, ...]) -> DictConfig:
+    cfg, _ = config.compose(list(selection))
+    return cfg
+
+
+def _leaves(node, prefix: str) -> list[str]:
+    out = []
+    for k, v in node.items():
+        if k == "_target_":
+            continue
+        key = f"{prefix}.{k}"
+        out += _leaves(v, key) if isinstance(v, DictConfig) and "_target_" in v else [key]
+    return out
+
+
+def cases() -> list[tuple[tuple[str, ...], str]]:
+    """(selection, key) for every option: trainer and optim on the defaults, each method's and
+    each model's own options with that choice."""
+    out = []
+    base = tuple(SMALL)
+    cfg = composed(base)
+    for group in ("trainer", "optim", "dataset"):
+        out += [(base, k) for k in _leaves(cfg[group], group)]
+    for group, options in (("method", METHODS), ("model", MODELS),
+                           ("optim", conf_options("optim"))):
+        for option in options:
+            sel = (*base, f"{group}={option}")
+            out += [(sel, k) for k in _leaves(composed(sel)[group], group)]
+    return sorted(set(out))
+
+
+def build_without_training(cfg: DictConfig) -> None:
+    """What a job builds before its first step, on tiny sizes: raises what the job would."""
+    t = runner.trainer_of(cfg)
+    from memtrain import probes
+
+    probes.check(t)
+    data, model, method = runner.build(cfg, t)
+    kwargs = runner._kwargs(cfg.optim)
+    opt = optim.build_optimizer(model, **kwargs)
+    optim.build_scheduler(opt, 4, **kwargs)
+    x, _ = next(iter(data.train.batches(2, torch.device("cpu"))))
+    if t.max_steps != 0:
+        model(x)
+
+
+def outcome(selection: tuple[str, ...], key: str, text: str) -> str:
+    """'refused: <line>' or 'accepted'; raises on anything the CLI would not turn into one
+    line."""
+    line = f"{key}={text}"
+    try:
+        (o,) = validate.parse([line])
+        cfg = composed(selection)
+        default = OmegaConf.select(cfg, key, throw_on_resolution_failure=False)
+        if isinstance(default, (DictConfig, ListConfig)):
+            default = OmegaConf.to_container(default, resolve=False)
+        msg = validate._type_error(cfg, key, default, o.value())
+        if msg:
+            raise ConfigError(msg)
+        cfg = copy.deepcopy(cfg)
+        value = o.value()
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+        build_without_training(cfg)
+    except ConfigError as e:
+        assert "\n" not in str(e), (line, str(e))
+        return f"refused: {e}"
+    return "accepted"
+
+
+@pytest.mark.parametrize("selection,key", cases(), ids=lambda v: v if isinstance(v, str) else
+                         next((s.split("=")[1] for s in v if s.startswith(("method=",
+                                                                           "model=", "optim="))),
+                              "defaults"))
+def test_hostile_values_are_refused_in_one_line_or_valid(selection, key):
+    torch.manual_seed(0)
+    for text in HOSTILE:
+        outcome(selection, key, text)
