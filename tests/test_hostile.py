@@ -104,10 +104,16 @@ def outcome(selection: tuple[str, ...], key: str, text: str) -> str:
     return "accepted"
 
 
-@pytest.mark.parametrize("selection,key", cases(), ids=lambda v: v if isinstance(v, str) else
-                         next((s.split("=")[1] for s in v if s.startswith(("method=",
-                                                                           "model=", "optim="))),
-                              "defaults"))
+def _id(v) -> str:
+    """A case's id: the key, after the choice it is walked with (method=pool: method.pool...)."""
+    if isinstance(v, str):
+        return v
+    chosen = [s.split("=")[1] for s in v if s.startswith(("method=", "optim="))]
+    return chosen[-1] if chosen else next(s.split("=")[1] for s in reversed(v)
+                                          if s.startswith("model="))
+
+
+@pytest.mark.parametrize("selection,key", cases(), ids=_id)
 def test_hostile_values_are_refused_in_one_line_or_valid(selection, key):
     torch.manual_seed(0)
     for text in HOSTILE:
