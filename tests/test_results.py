@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from memtrain import api
+from memtrain import api, record
 from memtrain.bench import results, results_plan, results_tables, results_view
 
 
@@ -81,9 +81,7 @@ def _row(runs, part, step, num, **kw):
            "dataset.image_size": 32, "trainer.batch_size": 2, "trainer.precision": "fp32",
            "trainer.seed": 0, "trainer.max_steps": 4, "device": "cpu",
            "mem_peak_source": "tracker", "throughput_samples_s": 10.0, **kw}
-    d = runs / part / step / f"{num}_x"
-    d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps(row))
+    record.write_summary(runs / part / step / f"{num}_x", row)
 
 
 def test_ratios_use_the_parts_own_none_else_the_baselines(tmp_path):
