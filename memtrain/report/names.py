@@ -26,18 +26,11 @@ from typing import Any
 
 import numpy as np
 
-# parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`)
-PARAMS = {
-    "kernel_size": "k", "pool_type": "", "mode": "", "targets": "", "relu_mask": "relu",
-    "min_size": "min", "compress_input": "input",
-    "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
-    "prune_head": "head", "prune_shared": "shared",
-    "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
-    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
-    "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
-    "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
-    "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",
-}
+from memtrain import columns
+
+# parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`): the
+# labels of the `method.<option>` columns (memtrain/columns.py)
+PARAMS = columns.labels_of("method.<option>")
 # A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
 # activation_memory_budget under strategy=compile, not the planner's budget.
 CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}

@@ -21,6 +21,8 @@ matplotlib.use("Agg")  # files only: never needs a display, safe inside a Hydra 
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from memtrain import columns  # noqa: E402
+from memtrain.columns import ACT_PEAK, PEAK, PEAK_SOURCE, SAVED  # noqa: E402
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES  # noqa: E402
 from memtrain.report.names import Names  # noqa: E402
 
@@ -210,20 +212,18 @@ def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
     """
     if choice not in MEMORY_CHOICES:
         raise ValueError(f"--memory must be one of {', '.join(MEMORY_CHOICES)}, got {choice!r}")
-    sources = set(df.get("mem_peak_source", pd.Series(dtype=str)).dropna().astype(str))
+    sources = set(df.get(PEAK_SOURCE, pd.Series(dtype=str)).dropna().astype(str))
     cuda_only = sources == {"cuda"}
     if choice == "auto":
         choice = "peak" if cuda_only else "act"
     if choice == "peak":
         src = ("CUDA max allocated" if cuda_only else
                "CPU live-tensor tracker" if sources == {"tracker"} else "CUDA / CPU tracker, mixed")
-        return Memory("mem_peak_alloc_bytes", "mem_peak_rel", "peak memory", src)
+        return Memory(PEAK, "mem_peak_rel", columns.axis(PEAK), src)
     cpu = "" if cuda_only else "; CPU, no CUDA peak"
     if choice == "act":
-        return Memory("mem_peak_act_bytes", "mem_act_rel", "activation memory",
-                      f"saved + recomputed{cpu}")
-    return Memory("mem_act_saved_bytes", "mem_saved_rel", "saved activations",
-                  f"saved for backward{cpu}")
+        return Memory(ACT_PEAK, "mem_act_rel", columns.axis(ACT_PEAK), f"saved + recomputed{cpu}")
+    return Memory(SAVED, "mem_saved_rel", columns.axis(SAVED), f"saved for backward{cpu}")
 
 
 def byte_unit(values: pd.Series) -> tuple[float, str]:
