@@ -2,9 +2,10 @@
 `pool compaction only`; a stack's member options by their own short names,
 `checkpoint+quantize b=0.5 bits=4`) and panel titles (`ResNet-18 / CIFAR-10`).
 
-Defaults read well for the built-in methods, models and datasets; a user changes any of them with
-a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra callback's
-`names` option) holding any of these keys:
+The defaults (conf/report/names.yaml; a method option's short name is the label of its column,
+memtrain/columns.py) read well for the built-in methods, models and datasets; a user changes any
+of them with a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra
+callback's `names` option) holding any of these keys:
 
 ```yaml
 params: {kernel_size: k, targets: ""}   # method parameter -> short name; "" shows the value alone
@@ -14,10 +15,15 @@ labels: {"pool k=2": "Pool (k=2)"}      # a label as drawn -> another
 models: {mlp6: MLP-6}
 datasets: {fashion_mnist: Fashion-MNIST}
 ```
+
+Methods are shown in the order of conf/report/methods.yaml, each in its colour there; a method of
+conf/method (or of the rows) that is not listed gets a place and a colour all the same
+(`method_order`): no list in the code names the methods.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -26,24 +32,75 @@ from typing import Any
 
 import numpy as np
 
-from memtrain import columns
+from memtrain import columns, paths
 
-# parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`): the
-# labels of the `method.<option>` columns (memtrain/columns.py)
-PARAMS = columns.labels_of("method.<option>")
+
+def _read(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"names: cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"names: {path} is not YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"names: {path} must hold a mapping with keys {', '.join(KEYS)}")
+    return data
+
+
+def conf_file(name: str) -> dict[str, Any]:
+    """conf/report/<name>.yaml, a mapping ({} when there is none): display defaults that no run
+    composes, so they never enter a run_id."""
+    path = paths.conf_dir() / "report" / f"{name}.yaml"
+    return _read(path) if path.is_file() else {}
+
+
+# The defaults, conf/report/names.yaml: parameter (without `method.`) -> short name, from the
+# labels of the `method.<option>` columns (memtrain/columns.py; "" shows the value alone: `pool
+# conv+bn`), settings with names of their own (first match wins), model and dataset names.
+_DEFAULTS = conf_file("names")
+PARAMS = {**columns.labels_of("method.<option>"), **(_DEFAULTS.get("params") or {})}
+SETTINGS = tuple(_DEFAULTS.get("settings") or ())
+MODELS = dict(_DEFAULTS.get("models") or {})
+DATASETS = dict(_DEFAULTS.get("datasets") or {})
 # A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
 # activation_memory_budget under strategy=compile, not the planner's budget.
 CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}
-# pool with kernel_size 1 pools nothing: only the exact add-ons (ReLU bit masks, max-pool
-# offsets) act.
-SETTINGS = ({"method": "pool", "kernel_size": 1, "name": "pool compaction only"},)
-MODELS = {"resnet18": "ResNet-18", "resnet34": "ResNet-34", "resnet50": "ResNet-50",
-          "resmlp12": "ResMLP-12", "resmlp24": "ResMLP-24", "efficientnet_b0": "EfficientNet-B0",
-          "mlp6": "MLP-6"}
-DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "fashion_mnist": "Fashion-MNIST",
-            "mnist": "MNIST", "emnist": "EMNIST", "imagenet": "ImageNet",
-            "synthetic": "synthetic images"}
 KEYS = ("params", "settings", "labels", "models", "datasets")
+# method -> its colour (None: a spare one), in display order (conf/report/methods.yaml)
+METHODS: dict[str, str | None] = {str(k): None if v is None else str(v)
+                                  for k, v in conf_file("methods").items()}
+BASELINE_METHOD = "none"
+
+
+@functools.lru_cache(maxsize=1)
+def conf_methods() -> tuple[str, ...]:
+    """The options of conf/method (the folder is the registry, as Hydra lists the group)."""
+    return tuple(sorted(p.stem for p in (paths.conf_dir() / "method").glob("*.yaml")))
+
+
+def method_order(present: Iterable[str] = ()) -> list[str]:
+    """Every method of conf/method and of `present`, in display order: `none` first, then those
+    listed in conf/report/methods.yaml in its order, then the others by name, a stack (`a+b`)
+    right after the last of its members (at the end when one is unknown). Deterministic, so a
+    new method has its place without a line of code."""
+    listed = [m for m in METHODS if m != BASELINE_METHOD]
+    others = sorted({*conf_methods(), *map(str, present)} - set(METHODS) - {BASELINE_METHOD})
+    base = [BASELINE_METHOD, *listed, *(m for m in others if "+" not in m)]
+    pos = {m: i for i, m in enumerate(base)}
+    end = len(base)
+
+    def key(m: str) -> tuple:
+        if m in pos:
+            return pos[m], 0, m
+        members = m.split("+")
+        return (max(pos[x] for x in members) if all(x in pos for x in members) else end), 1, m
+
+    return sorted([*base, *(m for m in others if "+" in m)], key=key)
 
 
 def _column(key: str) -> str:
@@ -165,23 +222,6 @@ def load(spec: Names | Mapping[str, Any] | str | os.PathLike | None = None,
     out.settings = [dict(r) for r in rules] + out.settings  # the user's rules first
     out.labels.update(labels or {})
     return out
-
-
-def _read(path: str | os.PathLike) -> dict[str, Any]:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"names: cannot read {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"names: {path} is not YAML: {str(e).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"names: {path} must hold a mapping with keys {', '.join(KEYS)}")
-    return data
 
 
 def parse_label(spec: str) -> tuple[str, str]:
