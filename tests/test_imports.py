@@ -14,7 +14,7 @@ from conftest import ROOT
 # where each package's files are (kernels/ installs as memtrain.kernels)
 SOURCES = {"memtrain": ROOT / "memtrain", "memtrain.kernels": ROOT / "kernels"}
 PACKAGES = ("memtrain.methods", "memtrain.models", "memtrain.report", "memtrain.bench",
-            "memtrain.kernels")
+            "memtrain.study", "memtrain.kernels")
 
 
 def _modules() -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""`make results` (memtrain/bench/results*.py): every command of the GPU and CPU studies is a
+"""`make results` (memtrain/study/): every command of the GPU and CPU studies is a
 valid configuration, a failing part is recorded and the next one runs, the tables take each
 ratio against the right `none`, and the view survives what a killed study leaves behind."""
 
@@ -14,7 +14,10 @@ import pytest
 from PIL import Image
 
 from memtrain import api, record
-from memtrain.bench import results, results_plan, results_tables, results_view
+from memtrain.study import plan as results_plan
+from memtrain.study import results
+from memtrain.study import tables as results_tables
+from memtrain.study import view as results_view
 
 
 def _sweep_points(overrides: list[str]) -> list[list[str]]:
