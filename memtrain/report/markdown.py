@@ -23,14 +23,30 @@ from memtrain.report.tables import constant_params
 NOISY = "†"  # marks a throughput measured with noisy step times
 
 
+def number(v, decimals: int = 2, scale: float = 1.0, sign: bool = False, missing: str = "–",
+           whole_from: float | None = None) -> str:
+    """One number of a table: `decimals` after the point ('+' with `sign`), `missing` for
+    None/NaN (or a value that is no number); with `whole_from`, a value at least that large
+    whole with thousands separators ('1,830'); text stays as it is."""
+    if isinstance(v, str):
+        return v
+    v = pd.to_numeric(v, errors="coerce")
+    if v is None or pd.isna(v):
+        return missing
+    v = float(v) * scale
+    if whole_from is not None and abs(v) >= whole_from:
+        return f"{v:,.0f}"
+    return f"{v:{'+' if sign else ''}.{decimals}f}"
+
+
 def pm(mean, std, decimals: int = 2, scale: float = 1.0, sign: bool = False) -> str:
     """'1.23 ± 0.04' (std over seeds, same decimals), '1.23' for one seed, '–' when missing."""
     if mean is None or pd.isna(mean):
         return "–"
-    s = f"{mean * scale:{'+' if sign else ''}.{decimals}f}"
+    s = number(mean, decimals, scale, sign)
     # float noise of identical seeds (1e-17) is no spread worth printing
     if std is not None and not pd.isna(std) and std > 1e-9 * abs(mean):
-        s += f" ± {std * scale:.{decimals}f}"
+        s += f" ± {number(std, decimals, scale)}"
     return s
 
 

@@ -11,6 +11,7 @@ callback's `names` option) holding any of these keys:
 params: {kernel_size: k, targets: ""}   # method parameter -> short name; "" shows the value alone
 settings:                               # a setting's own name; first match wins; the parameters
   - {method: pool, kernel_size: 1, name: pool compaction only}   # it names leave the label
+  - {method: prune, name: "prune {sparsity} of blocks"}   # {parameter}: its value
 labels: {"pool k=2": "Pool (k=2)"}      # a label as drawn -> another
 models: {mlp6: MLP-6}
 datasets: {fashion_mnist: Fashion-MNIST}
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +114,18 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, (bool, np.bool_))
 
 
+def _fill(template: str, row: Mapping[str, Any]) -> tuple[str, set[str]]:
+    """A setting's name with its `{parameter}`s replaced by the row's values, and their columns."""
+    used: set[str] = set()
+
+    def value(m: re.Match) -> str:
+        used.add(col := _column(m.group(1)))
+        return "" if isna(v := row.get(col)) else fmt_value(v)
+
+    text = re.sub(r"\{(\w+)\}", value, template)
+    return (" ".join(text.split()) if used else text), used
+
+
 def fmt_value(v: Any) -> str:
     """0.5 -> '0.5', 2.0 -> '2', True -> 'true', 'max' -> 'max': compact values for labels."""
     if _is_bool(v):
@@ -143,11 +157,14 @@ class Names:
         return v if name == "" and not _is_bool(value) else f"{name or key}={v}"
 
     def named(self, row: Mapping[str, Any]) -> tuple[str, set[str]] | None:
-        """(name, the columns it stands for) of the first rule in `settings` that `row` matches."""
+        """(name, the columns it stands for) of the first rule in `settings` that `row` matches.
+        A name may hold parameters, `{kernel_size}`: the row's value (a missing one is left out,
+        with its space), a column the name then stands for too."""
         for rule in self.settings:
             cond = {_column(k): v for k, v in rule.items() if k != "name"}
             if all(fmt_value(row.get(c)) == fmt_value(v) for c, v in cond.items()):
-                return str(rule["name"]), set(cond)
+                name, used = _fill(str(rule["name"]), row)
+                return name or str(row.get("method", "")), set(cond) | used
         return None
 
     def setting(self, row: Mapping[str, Any], skip: Iterable[str] = ()) -> str:

@@ -227,10 +227,15 @@ def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
     return Memory(SAVED, "mem_saved_rel", columns.axis(SAVED), f"saved for backward{cpu}")
 
 
-def byte_unit(values: pd.Series) -> tuple[float, str]:
-    """(divisor, unit) that keeps the largest value between 1 and 1024."""
+BYTE_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def byte_unit(values: pd.Series, units: tuple[str, ...] = tuple(BYTE_UNITS),
+              at_least: float = 1.0) -> tuple[float, str]:
+    """(divisor, unit) of bytes (memtrain/columns.py): the largest of `units` in which the
+    largest value is at least `at_least` (by default: between 1 and 1024), else the smallest."""
     top = pd.to_numeric(values, errors="coerce").abs().max()
-    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if top >= div:
-            return float(div), unit
-    return 1.0, "B"
+    for unit in units[:-1]:
+        if top >= at_least * BYTE_UNITS[unit]:
+            return float(BYTE_UNITS[unit]), unit
+    return float(BYTE_UNITS[units[-1]]), units[-1]
