@@ -131,3 +131,27 @@ def test_the_checker_sees_a_cycle():
     deps = _imports(ROOT / "memtrain" / "methods" / "synthetic.py", "memtrain.methods.synthetic",
                     False)
     assert "memtrain.methods._workers" in deps  # imported inside `fit`
+
+
+def test_the_report_reaches_only_torch_free_core_modules():
+    """report/ takes from the core only the record, the column list and the conf/ path, and
+    nothing it reaches, transitively, imports torch (it runs where torch is not installed)."""
+    edges, mods = graph(), _modules()
+    reached, todo = set(), [m for m in edges if package_of(m) == "memtrain.report"]
+    while todo:
+        for d in edges[todo.pop()] - reached:
+            reached.add(d)
+            todo.append(d)
+    core = {m for m in reached if package_of(m) == "memtrain"}
+    assert core <= {"memtrain", "memtrain.record", "memtrain.columns", "memtrain.paths"}, core
+    for m in core | {m for m in mods if package_of(m) == "memtrain.report"}:
+        f = mods[m]
+        assert not {d for d in _imports(f, m, f.name == "__init__.py")
+                    if d.split(".")[0] == "torch"}, m
+
+
+def test_nothing_imports_the_studies():
+    """study/ sits on top: it imports the report and the core, nothing imports it."""
+    for m, deps in graph().items():
+        if package_of(m) != "memtrain.study":
+            assert not {d for d in deps if package_of(d) == "memtrain.study"}, m
