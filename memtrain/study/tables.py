@@ -56,11 +56,10 @@ def load_rows(runs: Path) -> pd.DataFrame:
     measure the same config), with `part` and `step` columns; `run_dir` is where it is now."""
     runs = Path(runs)
     df = report.load_runs([runs], latest=False)[0] if runs.is_dir() else pd.DataFrame()
-    if len(df):
+    if len(df):  # <part>/<step>/<job>/summary.json
         rel = df["run_dir"].map(lambda d: Path(d).relative_to(runs.resolve()).parts)
-        df = df[rel.map(len) == 3].reset_index(drop=True)  # <part>/<step>/<job>/summary.json
-        df["part"], df["step"] = rel[rel.map(len) == 3].map(lambda r: r[0]).values, \
-            rel[rel.map(len) == 3].map(lambda r: r[1]).values
+        df = df[rel.map(len) == 3].assign(part=rel.str[0], step=rel.str[1])
+        df = df.reset_index(drop=True)
     for col in ("part", "step", METHOD, STATUS, *MATCH):
         if col not in df:
             df[col] = None
