@@ -120,7 +120,7 @@ bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torc
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info .coverage .coverage.*
 
-# The whole study (memtrain/bench/results.py): every part a row of its own, raw results in
+# The whole study (memtrain/study/): every part a row of its own, raw results in
 # runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>).
 # Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/README.md).
 DEVICE   ?= cuda
@@ -137,7 +137,7 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
 .PHONY: results gpu-env
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
-	  $(RESULTS_PY) -m memtrain.bench.results $(RESULTS_ARGS)
+	  $(RESULTS_PY) -m memtrain.study $(RESULTS_ARGS)
 
 # memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
 # --no-build-isolation uses the box's setuptools and wheel instead of fetching them

@@ -21,25 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtrain import record, schema
 from memtrain.errors import ConfigError
+from memtrain.paths import conf_dir, installed_conf_dir  # noqa: F401 (config.conf_dir)
 
 # ---------------------------------------------------------------- compose
-
-
-def conf_dir() -> Path:
-    """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
-    here = Path(__file__).resolve().parent.parent / "conf"
-    if (here / "config.yaml").exists():
-        return here
-    return installed_conf_dir()
-
-
-def installed_conf_dir() -> Path:
-    """The folder of the installed `memtrain.conf` (conf/ has no __init__.py: a namespace
-    package, whose one folder is its path; importlib.resources would give a MultiplexedPath,
-    whose str() is no path)."""
-    import memtrain.conf
-
-    return Path(next(iter(memtrain.conf.__path__)))
 
 
 @contextlib.contextmanager

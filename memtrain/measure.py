@@ -27,6 +27,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# the headline columns by their names in the one list of columns
+from memtrain.columns import (
+    ACT_PEAK,
+    PEAK,
+    PEAK_SOURCE,
+    RESERVED,
+    SAVED,
+    STEP_TIME,
+    STEP_TIME_P90,
+    THROUGHPUT,
+)
+
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """(device, data pointer) of t's storage: views of one storage share it. A fake tensor (the
@@ -216,20 +228,20 @@ class StepTimer:
     def summary(self, batch_size: int) -> dict[str, float]:
         if not self.times:
             nan = float("nan")
-            return {"step_time_s_median": nan, "step_time_s_p90": nan, "throughput_samples_s": nan}
+            return {STEP_TIME: nan, STEP_TIME_P90: nan, THROUGHPUT: nan}
         t = torch.tensor(self.times, dtype=torch.float64)
         median = float(t.median())
         return {
-            "step_time_s_median": median,
-            "step_time_s_p90": float(torch.quantile(t, 0.9)),
-            "throughput_samples_s": batch_size / median,
+            STEP_TIME: median,
+            STEP_TIME_P90: float(torch.quantile(t, 0.9)),
+            THROUGHPUT: batch_size / median,
         }
 
 
 def cuda_peak(device: torch.device) -> dict[str, int]:
     return {
-        "mem_peak_alloc_bytes": torch.cuda.max_memory_allocated(device),
-        "mem_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        PEAK: torch.cuda.max_memory_allocated(device),
+        RESERVED: torch.cuda.max_memory_reserved(device),
     }
 
 
@@ -257,7 +269,7 @@ class Measurement:
         # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
         self.warmup = min(warmup_steps, max(0, total_steps - 2))
         self.timer = StepTimer(device)
-        self.peak_cuda = {"mem_peak_alloc_bytes": 0, "mem_peak_reserved_bytes": 0}
+        self.peak_cuda = {PEAK: 0, RESERVED: 0}
         self._saved: SavedBytes | None = None
 
     @contextlib.contextmanager
@@ -316,18 +328,18 @@ class Measurement:
             # Not clamped at 0: the tracker seeing more than CUDA allocated must show.
             tracked = sum(self.summary.get(f"mem_at_peak_{k}_bytes", 0) for k in
                           ("params", "grads", "optim", "act"))
-            return {**self.peak_cuda, "mem_peak_source": "cuda", "mem_at_peak_other_bytes":
-                    self.peak_cuda["mem_peak_alloc_bytes"] - tracked}
+            return {**self.peak_cuda, PEAK_SOURCE: "cuda", "mem_at_peak_other_bytes":
+                    self.peak_cuda[PEAK] - tracked}
         if "mem_tracker_peak_bytes" not in self.summary:
             return {}
-        return {"mem_peak_alloc_bytes": self.summary["mem_tracker_peak_bytes"],
-                "mem_peak_reserved_bytes": float("nan"), "mem_peak_source": "tracker"}
+        return {PEAK: self.summary["mem_tracker_peak_bytes"], RESERVED: float("nan"),
+                PEAK_SOURCE: "tracker"}
 
     def at_oom(self) -> dict[str, int | str]:
         """On CUDA, the peak reached before the failing allocation."""
         if self.device.type != "cuda":
             return {}
-        return {**cuda_peak(self.device), "mem_peak_source": "cuda"}
+        return {**cuda_peak(self.device), PEAK_SOURCE: "cuda"}
 
     def state(self) -> dict:
         """What a resumed run needs to go on measuring (resume.capture's `extra`)."""
@@ -342,9 +354,9 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, int]:
     at = tracker.at_peak
     return {
-        "mem_act_saved_bytes": saved.bytes,
+        SAVED: saved.bytes,
         "mem_act_saved_tensors": saved.count,
-        "mem_peak_act_bytes": tracker.act_peak_bytes,
+        ACT_PEAK: tracker.act_peak_bytes,
         "mem_tracker_peak_bytes": tracker.peak_bytes,
         "mem_params_bytes": tensor_bytes(model.parameters()),
         "mem_buffers_bytes": tensor_bytes(model.buffers()),

@@ -1,7 +1,8 @@
 """Run records: summary.json (one flat record) and metrics.csv (long form), written atomically.
 
 A reader never sees a half-written file: each file is written to a temporary name in the same
-folder, flushed to disk, then renamed over the final name (rename is atomic on POSIX).
+folder, flushed to disk, then renamed over the final name (rename is atomic on POSIX). Every
+column of a summary is checked against memtrain/columns.py, the one list of them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from memtrain import columns
 
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
@@ -64,7 +67,10 @@ def _jsonable(v: Any) -> Any:
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
+    """summary.json, atomically. A column memtrain/columns.py does not declare is a warning (an
+    error under MEMTRAIN_STRICT_COLUMNS=1, as in the tests: columns.check)."""
     path = Path(run_dir) / SUMMARY
+    columns.check(summary, where=str(path))
     flat = {k: _jsonable(v) for k, v in summary.items()}
     atomic_write(path, json.dumps(flat, indent=1, sort_keys=False) + "\n")
     return path

@@ -14,6 +14,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
 
+# Every summary.json the suite writes (in this process, in the `memtrain` commands and launcher
+# jobs it starts, which inherit the environment) is checked against memtrain/columns.py: a column
+# written but not declared there fails the test that wrote it (a user's run only warns).
+os.environ["MEMTRAIN_STRICT_COLUMNS"] = "1"
+
 # Under pytest-xdist (make test runs one worker per core) each worker gets one thread: more
 # would oversubscribe the cores and small convolutions get many times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+from memtrain import record
+
 MiB = 2**20
 PARAMS_MIB = {"resnet18": 42.6, "resmlp12": 57.1}  # made up, plausible sizes
 ACT_MIB = {"resnet18": 610.0, "resmlp12": 380.0}
@@ -20,10 +22,11 @@ def write_run(folder: Path, *, method: str = "none", model: str = "resnet18",
               at_peak: dict[str, float] | None = None, source: str = "tracker",
               at_act_peak: dict[str, float] | None = None,
               batch_size: int = 128, precision: str = "fp32", params: dict | None = None,
-              extra: dict | None = None) -> Path:
+              extra: dict | None = None, foreign: dict | None = None) -> Path:
     """One run folder with a summary.json (and a metrics.csv when `accs` is given; the breakdown
     at the activation peak only when `at_act_peak` is given, as in summaries written before
-    the trainer recorded it)."""
+    the trainer recorded it). `foreign`: columns no part of memtrain writes (a hand edit,
+    another tool), added to the file after the record's check."""
     folder.mkdir(parents=True, exist_ok=True)
     at_peak = at_peak or {"params": peak * 0.2, "grads": peak * 0.2, "optim": peak * 0.2,
                           "act": peak * 0.3, "other": peak * 0.1}
@@ -44,8 +47,11 @@ def write_run(folder: Path, *, method: str = "none", model: str = "resnet18",
         **{f"method.{k}": v for k, v in (params or {}).items()},
         **(extra or {}),
     }
-    row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
-    (folder / "summary.json").write_text(json.dumps(row, indent=1))
+    # through the record boundary: a made-up row declares its columns as a run's must
+    record.write_summary(folder, row)
+    if foreign:
+        f = folder / "summary.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), **foreign}, indent=1))
     if accs is not None:
         lines = ["step,epoch,split,name,value"]
         for e, a in enumerate(accs):

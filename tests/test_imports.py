@@ -15,7 +15,7 @@ from conftest import ROOT
 # where each package's files are (kernels/ installs as memtrain.kernels)
 SOURCES = {"memtrain": ROOT / "memtrain", "memtrain.kernels": ROOT / "kernels"}
 PACKAGES = ("memtrain.methods", "memtrain.models", "memtrain.report", "memtrain.bench",
-            "memtrain.kernels")
+            "memtrain.study", "memtrain.kernels")
 
 
 def _modules() -> dict[str, Path]:
@@ -187,3 +187,27 @@ def test_the_checker_sees_a_method_import():
     real = graph()
     assert "memtrain.methods.common.compact" in real["memtrain.methods.quantize"]
     assert "memtrain.methods.checkpoint.plan" in real["memtrain.methods.checkpoint.ops"]
+
+
+def test_the_report_reaches_only_torch_free_core_modules():
+    """report/ takes from the core only the record, the column list and the conf/ path, and
+    nothing it reaches, transitively, imports torch (it runs where torch is not installed)."""
+    edges, mods = graph(), _modules()
+    reached, todo = set(), [m for m in edges if package_of(m) == "memtrain.report"]
+    while todo:
+        for d in edges[todo.pop()] - reached:
+            reached.add(d)
+            todo.append(d)
+    core = {m for m in reached if package_of(m) == "memtrain"}
+    assert core <= {"memtrain", "memtrain.record", "memtrain.columns", "memtrain.paths"}, core
+    for m in core | {m for m in mods if package_of(m) == "memtrain.report"}:
+        f = mods[m]
+        assert not {d for d in _imports(f, m, f.name == "__init__.py")
+                    if d.split(".")[0] == "torch"}, m
+
+
+def test_nothing_imports_the_studies():
+    """study/ sits on top: it imports the report and the core, nothing imports it."""
+    for m, deps in graph().items():
+        if package_of(m) != "memtrain.study":
+            assert not {d for d in deps if package_of(d) == "memtrain.study"}, m

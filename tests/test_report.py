@@ -119,6 +119,43 @@ def test_labels_name_what_varies(tmp_path):
     assert tables.constant_params(settings) == {"pool": {"method.mode": "upsample"}}
 
 
+def test_every_method_has_a_place_a_colour_and_a_label(tmp_path, monkeypatch):
+    """Order and colours come from conf/report/methods.yaml and the conf/method listing, never
+    from a list in the code: a new method (its conf/method YAML alone) is placed after the
+    listed ones, a stack after its members, in a colour of its own, labelled by its name."""
+    import shutil
+
+    from conftest import conf_options
+
+    from memtrain import paths
+    from memtrain.report import names
+
+    order = names.method_order()
+    assert order[0] == "none" and set(conf_options("method")) <= set(order)
+    assert order.index("checkpoint+quantize") > order.index("quantize")
+    conf = tmp_path / "conf"
+    shutil.copytree(paths.conf_dir(), conf)
+    for new in ("zeta", "pool+zeta"):
+        (conf / "method" / f"{new}.yaml").write_text("_target_: elsewhere.Zeta\n")
+    monkeypatch.setattr(paths, "conf_dir", lambda: conf)
+    names.conf_methods.cache_clear()
+    try:
+        order = names.method_order()
+        colours = [style.method_color(m) for m in order]
+    finally:
+        monkeypatch.undo()
+        names.conf_methods.cache_clear()
+    assert order[-2:] == ["zeta", "pool+zeta"] and order[:-2] == names.method_order()
+    assert len(set(colours)) == len(colours)  # a spare colour no listed method uses
+    r = tmp_path / "r"
+    write_run(r / "n")
+    write_run(r / "z", method="zeta", peak=80 * MiB)
+    write_run(r / "q", method="quantize", params={"bits": 4}, peak=60 * MiB)
+    _, settings, _ = _runs(r)
+    assert list(style.order_settings(settings)["label"]) == ["none", "quantize", "zeta"]
+    assert style.setting_styles(settings)["zeta"]["color"] not in names.METHODS.values()
+
+
 def test_pareto_front():
     x = pd.Series([1.0, 0.5, 0.3, 0.6, 0.2])
     y = pd.Series([90, 89, 85, 88, 80])

@@ -39,9 +39,9 @@ def _raw_edit(folder, key, text):
 def test_a_bad_value_skips_its_row_only(tmp_path, capsys, key, text, what):
     r = tmp_path / "runs"
     for i, seed in enumerate((0, 1, 2)):
-        write_run(r / f"n{i}", seed=seed, test_acc=0.9, extra={"custom_score": 1.5})
+        write_run(r / f"n{i}", seed=seed, test_acc=0.9, foreign={"custom_score": 1.5})
         write_run(r / f"p{i}", method="pool", seed=seed, peak=60 * MiB, test_acc=0.8,
-                  extra={"custom_score": 2.5})
+                  foreign={"custom_score": 2.5})
     _raw_edit(r / "p1", key, text)
     assert report_main([str(r), "--no-figures"]) == 0
     err = capsys.readouterr().err

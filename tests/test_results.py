@@ -1,4 +1,4 @@
-"""`make results` (memtrain/bench/results*.py): every command of the GPU and CPU studies is a
+"""`make results` (memtrain/study/): every command of the GPU and CPU studies is a
 valid configuration, a failing part is recorded and the next one runs, the tables take each
 ratio against the right `none`, and the view survives what a killed study leaves behind."""
 
@@ -11,10 +11,14 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from PIL import Image
 
-from memtrain import api
-from memtrain.bench import results, results_plan, results_tables, results_view
+from memtrain import api, record
+from memtrain.study import plan as results_plan
+from memtrain.study import results
+from memtrain.study import tables as results_tables
+from memtrain.study import view as results_view
 
 
 def _sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -81,9 +85,7 @@ def _row(runs, part, step, num, **kw):
            "dataset.image_size": 32, "trainer.batch_size": 2, "trainer.precision": "fp32",
            "trainer.seed": 0, "trainer.max_steps": 4, "device": "cpu",
            "mem_peak_source": "tracker", "throughput_samples_s": 10.0, **kw}
-    d = runs / part / step / f"{num}_x"
-    d.mkdir(parents=True)
-    (d / "summary.json").write_text(json.dumps(row))
+    record.write_summary(runs / part / step / f"{num}_x", row)
 
 
 def test_ratios_use_the_parts_own_none_else_the_baselines(tmp_path):
@@ -110,6 +112,67 @@ def test_ratios_use_the_parts_own_none_else_the_baselines(tmp_path):
     assert "| none | ok |" in pool and "| k=2 conv | ok | 0.00 | 0.700 |" in pool
     ck = "\n".join(results_tables.checkpoint(df, runs))
     assert "error: infeasible budget |" in ck  # a failed job keeps its row and its reason
+
+
+@pytest.mark.parametrize("method,options,name", [
+    ("none", {}, "none"),
+    ("pool", {"kernel_size": 1, "targets": "conv"}, "compaction only (k=1)"),
+    ("pool", {"kernel_size": 2.0, "targets": "conv+bn"}, "k=2 conv+bn"),
+    ("prune", {"sparsity": 0.75, "block_size": 32.0}, "s=0.75 b=32"),
+    ("checkpoint", {"strategy": "budget", "granularity": "op", "budget_fraction": 0.4},
+     "budget op 0.4"),
+    ("checkpoint", {"strategy": "budget", "budget_fraction": 0.4}, "budget 0.4"),  # older rows
+    ("checkpoint", {"strategy": "compile", "granularity": "op", "budget_fraction": 0.3},
+     "compile 0.3"),
+    ("checkpoint", {"strategy": "sqrt", "granularity": "op", "budget_fraction": 0.5}, "sqrt"),
+    ("synthetic", {"partitions": 3.0, "kappa": 1.0}, "K=3"),
+    ("quantize", {"bits": 4}, "quantize"),  # no rule: the method's name, no code to edit
+])
+def test_setting_names_come_from_conf(method, options, name):
+    """The study's short setting names are the rules of conf/report/study.yaml, applied by the
+    report's labeller; a method without a rule is named by its name."""
+    import pandas as pd
+
+    row = pd.Series({"method": method, **{f"method.{k}": v for k, v in options.items()}})
+    assert results_tables.setting(row) == name
+
+
+def test_the_committed_cpu_view_comes_out_the_same(tmp_path):
+    """docs/results/2026-11-23_cpu/: its rows (summary.csv, the declared columns: what the runs
+    wrote) give again every table of its results.md that rows make, and its headlines."""
+    import csv
+
+    from memtrain import columns
+
+    view = ROOT / "docs" / "results" / "2026-11-23_cpu"
+    runs = tmp_path / "runs"
+
+    def value(k, v):
+        if k in ("run_id", "git_commit") or v in ("True", "False"):
+            return v == "True" if v in ("True", "False") else v
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+        return v
+
+    with open(view / "summary.csv", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            rel = row["run_dir"].split(f"runs/results/{view.name}/")[1]
+            record.write_summary(runs / rel, {k: value(k, v) for k, v in row.items()
+                                              if v != "" and columns.declared(k)})
+    df = results_tables.prepare(results_tables.load_rows(runs))
+    text = (view / "results.md").read_text(encoding="utf-8")
+    made = results_view.headlines(df, runs)
+    assert made and all(line in text for line in made)
+    for sec, (title, fn) in results_tables.SECTIONS.items():
+        if sec == "tests":  # from junit.xml, not rows
+            continue
+        section = text.split(f"## {title}\n")[1].split("\n## ")[0]
+        mine = [ln for ln in fn(df, runs) if ln.startswith("|")]
+        theirs = [ln for ln in section.splitlines() if ln.startswith("|")]
+        assert len(mine) > 2 and mine == theirs[:len(mine)], sec
 
 
 def test_probe_notes_and_part_status_lines(tmp_path):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memtrain.bench import results, results_plan
+from memtrain.study import plan as results_plan
+from memtrain.study import results
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-results.sh"

@@ -52,6 +52,8 @@ def analyse(runs: pd.DataFrame, baseline: str = tables.DEFAULT_BASELINE,
     """(runs with derived and baseline columns and labels, settings aggregated over seeds,
     warnings)."""
     runs, warnings = tables.add_baselines(derive.add_columns(runs), baseline, match)
+    for w in warnings:
+        log.warning(w)
     runs = tables.add_labels(runs, names=names)
     return runs, tables.aggregate_seeds(runs, names=names), warnings
 

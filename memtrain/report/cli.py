@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain.columns import unit
 from memtrain.report import tables
 
 # The terminal table: the few columns that fit a line.
@@ -29,7 +30,7 @@ COMPACT = {
 
 
 def compact(df: pd.DataFrame) -> pd.DataFrame:
-    """The few columns a terminal table shows, memory in MiB."""
+    """The few columns a terminal table shows, memory (bytes, memtrain/columns.py) in MiB."""
     if df.empty:
         return df
     out = pd.DataFrame(index=df.index)
@@ -38,7 +39,7 @@ def compact(df: pd.DataFrame) -> pd.DataFrame:
         if col not in df:
             continue
         v = df[col]
-        out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if name.endswith("MiB") else v
+        out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if unit(col) == "bytes" else v
     sort = [c for c in ("model", "dataset", "method") if c in out]
     return out.sort_values(sort).reset_index(drop=True)
 

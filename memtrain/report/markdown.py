@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain.columns import ACT_PEAK, PEAK, SAVED, TEST_ACC, THROUGHPUT, label
 from memtrain.report import derive
 from memtrain.report.draw import is_true
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -22,14 +23,30 @@ from memtrain.report.tables import constant_params
 NOISY = "†"  # marks a throughput measured with noisy step times
 
 
+def number(v, decimals: int = 2, scale: float = 1.0, sign: bool = False, missing: str = "–",
+           whole_from: float | None = None) -> str:
+    """One number of a table: `decimals` after the point ('+' with `sign`), `missing` for
+    None/NaN (or a value that is no number); with `whole_from`, a value at least that large
+    whole with thousands separators ('1,830'); text stays as it is."""
+    if isinstance(v, str):
+        return v
+    v = pd.to_numeric(v, errors="coerce")
+    if v is None or pd.isna(v):
+        return missing
+    v = float(v) * scale
+    if whole_from is not None and abs(v) >= whole_from:
+        return f"{v:,.0f}"
+    return f"{v:{'+' if sign else ''}.{decimals}f}"
+
+
 def pm(mean, std, decimals: int = 2, scale: float = 1.0, sign: bool = False) -> str:
     """'1.23 ± 0.04' (std over seeds, same decimals), '1.23' for one seed, '–' when missing."""
     if mean is None or pd.isna(mean):
         return "–"
-    s = f"{mean * scale:{'+' if sign else ''}.{decimals}f}"
+    s = number(mean, decimals, scale, sign)
     # float noise of identical seeds (1e-17) is no spread worth printing
     if std is not None and not pd.isna(std) and std > 1e-9 * abs(mean):
-        s += f" ± {std * scale:.{decimals}f}"
+        s += f" ± {number(std, decimals, scale)}"
     return s
 
 
@@ -59,29 +76,29 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     """One markdown table of the settings of a model and dataset. Saved bytes and the
     activation peak vs the baseline are always both shown: a saving in one column and a loss in
     the other must be visible."""
-    act = mem.col != "mem_peak_alloc_bytes"  # a second memory column when figures plot another
+    act = mem.col != PEAK  # a second memory column when figures plot another
     # its ratio, unless it is one of the two ratios every table shows
     act_rel = act and mem.rel not in ("mem_saved_rel", "mem_act_rel")
-    pdiv, punit, pdec = _bytes_col(g, "mem_peak_alloc_bytes")
+    pdiv, punit, pdec = _bytes_col(g, PEAK)
     adiv, aunit, adec = _bytes_col(g, mem.col)
-    tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else \
-        "throughput_samples_s"
+    tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else THROUGHPUT
     tdec = decimals_for(g[tput]) if tput in g else 0
-    head = ["setting", "seeds", f"peak {punit} ({peak_src})", f"peak / {baseline}",
+    head = ["setting", "seeds", f"{label(PEAK)} {punit} ({peak_src})",
+            f"{label(PEAK)} / {baseline}",
             *([f"{mem_short(mem)} {aunit}"] if act else []),
             *([f"{mem_short(mem)} / {baseline}"] if act_rel else []),
-            f"saved act. / {baseline}", f"act. peak / {baseline}", "samples/s",
-            f"throughput / {baseline}", "test acc %", "Δ acc (pts)", "status"]
+            f"{label(SAVED)} / {baseline}", f"{label(ACT_PEAK)} / {baseline}", label(THROUGHPUT),
+            f"throughput / {baseline}", f"{label(TEST_ACC)} %", "Δ acc (pts)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
         noisy = NOISY if is_true(r.get("timing_noisy")) else ""
         cells = [r["label"], str(r["n_runs"]),
-                 _cell(r, "mem_peak_alloc_bytes", pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
+                 _cell(r, PEAK, pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
                  *([_cell(r, mem.col, adec, 1 / adiv)] if act else []),
                  *([_ratio(r, mem.rel)] if act_rel else []),
                  _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_rel"),
                  _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
-                 _cell(r, "test_acc", 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
+                 _cell(r, TEST_ACC, 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
                  r["status"]]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
@@ -94,8 +111,8 @@ def failed(g: pd.DataFrame) -> list[str]:
 
 
 def mem_short(mem: Memory) -> str:
-    return {"mem_peak_act_bytes": "act. peak", "mem_act_saved_bytes": "saved act."}.get(
-        mem.col, "peak")
+    """The memory column's short name (memtrain/columns.py): 'peak', 'act. peak', 'saved act.'."""
+    return label(mem.col)
 
 
 def peak_source(agg: pd.DataFrame) -> str:

@@ -2,59 +2,111 @@
 `pool compaction only`; a stack's member options by their own short names,
 `checkpoint+quantize b=0.5 bits=4`) and panel titles (`ResNet-18 / CIFAR-10`).
 
-Defaults read well for the built-in methods, models and datasets; a user changes any of them with
-a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra callback's
-`names` option) holding any of these keys:
+The defaults (conf/report/names.yaml; a method option's short name is the label of its column,
+memtrain/columns.py) read well for the built-in methods, models and datasets; a user changes any
+of them with a mapping (`memtrain-report --names FILE.yaml`, `--label OLD:NEW`, or the Hydra
+callback's `names` option) holding any of these keys:
 
 ```yaml
 params: {kernel_size: k, targets: ""}   # method parameter -> short name; "" shows the value alone
 settings:                               # a setting's own name; first match wins; the parameters
   - {method: pool, kernel_size: 1, name: pool compaction only}   # it names leave the label
+  - {method: prune, name: "prune {sparsity} of blocks"}   # {parameter}: its value
 labels: {"pool k=2": "Pool (k=2)"}      # a label as drawn -> another
 models: {mlp6: MLP-6}
 datasets: {fashion_mnist: Fashion-MNIST}
 ```
+
+Methods are shown in the order of conf/report/methods.yaml, each in its colour there; a method of
+conf/method (or of the rows) that is not listed gets a place and a colour all the same
+(`method_order`): no list in the code names the methods.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-# The Hydra groups whose options are flattened into `<group>.<key>` columns by the CLI (here, the
-# report's lowest module, so that tables and screen both read it without importing each other).
-CONFIG_PREFIXES = ("method.", "model.", "dataset.", "optim.", "trainer.")
+from memtrain import columns, paths
 
-# parameter (without `method.`) -> short name; "" shows the value alone (`pool conv+bn`)
-PARAMS = {
-    "kernel_size": "k", "pool_type": "", "mode": "", "targets": "", "relu_mask": "relu",
-    "min_size": "min", "compress_input": "input",
-    "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
-    "prune_head": "head", "prune_shared": "shared",
-    "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
-    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
-    "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
-    "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
-    "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",
-}
+# The Hydra groups whose options are flattened into `<group>.<key>` columns (here, the report's
+# lowest module, so that tables and screen both read it without importing each other).
+CONFIG_PREFIXES = tuple(f"{g}." for g in columns.CONFIG_GROUPS)
+
+
+def _read(path: str | os.PathLike) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"names: cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"names: {path} is not YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"names: {path} must hold a mapping with keys {', '.join(KEYS)}")
+    return data
+
+
+def conf_file(name: str) -> dict[str, Any]:
+    """conf/report/<name>.yaml, a mapping ({} when there is none): display defaults that no run
+    composes, so they never enter a run_id."""
+    path = paths.conf_dir() / "report" / f"{name}.yaml"
+    return _read(path) if path.is_file() else {}
+
+
+# The defaults, conf/report/names.yaml: parameter (without `method.`) -> short name, from the
+# labels of the `method.<option>` columns (memtrain/columns.py; "" shows the value alone: `pool
+# conv+bn`), settings with names of their own (first match wins), model and dataset names.
+_DEFAULTS = conf_file("names")
+PARAMS = {**columns.labels_of("method.<option>"), **(_DEFAULTS.get("params") or {})}
+SETTINGS = tuple(_DEFAULTS.get("settings") or ())
+MODELS = dict(_DEFAULTS.get("models") or {})
+DATASETS = dict(_DEFAULTS.get("datasets") or {})
 # A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
 # activation_memory_budget under strategy=compile, not the planner's budget.
 CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}
-# pool with kernel_size 1 pools nothing: only the exact add-ons (ReLU bit masks, max-pool
-# offsets) act.
-SETTINGS = ({"method": "pool", "kernel_size": 1, "name": "pool compaction only"},)
-MODELS = {"resnet18": "ResNet-18", "resnet34": "ResNet-34", "resnet50": "ResNet-50",
-          "resmlp12": "ResMLP-12", "resmlp24": "ResMLP-24", "efficientnet_b0": "EfficientNet-B0",
-          "mlp6": "MLP-6"}
-DATASETS = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "fashion_mnist": "Fashion-MNIST",
-            "mnist": "MNIST", "emnist": "EMNIST", "imagenet": "ImageNet",
-            "synthetic": "synthetic images"}
 KEYS = ("params", "settings", "labels", "models", "datasets")
+# method -> its colour (None: a spare one), in display order (conf/report/methods.yaml)
+METHODS: dict[str, str | None] = {str(k): None if v is None else str(v)
+                                  for k, v in conf_file("methods").items()}
+BASELINE_METHOD = "none"
+
+
+@functools.lru_cache(maxsize=1)
+def conf_methods() -> tuple[str, ...]:
+    """The options of conf/method (the folder is the registry, as Hydra lists the group)."""
+    return tuple(sorted(p.stem for p in (paths.conf_dir() / "method").glob("*.yaml")))
+
+
+def method_order(present: Iterable[str] = ()) -> list[str]:
+    """Every method of conf/method and of `present`, in display order: `none` first, then those
+    listed in conf/report/methods.yaml in its order, then the others by name, a stack (`a+b`)
+    right after the last of its members (at the end when one is unknown). Deterministic, so a
+    new method has its place without a line of code."""
+    listed = [m for m in METHODS if m != BASELINE_METHOD]
+    others = sorted({*conf_methods(), *map(str, present)} - set(METHODS) - {BASELINE_METHOD})
+    base = [BASELINE_METHOD, *listed, *(m for m in others if "+" not in m)]
+    pos = {m: i for i, m in enumerate(base)}
+    end = len(base)
+
+    def key(m: str) -> tuple:
+        if m in pos:
+            return pos[m], 0, m
+        members = m.split("+")
+        return (max(pos[x] for x in members) if all(x in pos for x in members) else end), 1, m
+
+    return sorted([*base, *(m for m in others if "+" in m)], key=key)
 
 
 def _column(key: str) -> str:
@@ -64,6 +116,18 @@ def _column(key: str) -> str:
 
 def _is_bool(v: Any) -> bool:
     return isinstance(v, (bool, np.bool_))
+
+
+def _fill(template: str, row: Mapping[str, Any]) -> tuple[str, set[str]]:
+    """A setting's name with its `{parameter}`s replaced by the row's values, and their columns."""
+    used: set[str] = set()
+
+    def value(m: re.Match) -> str:
+        used.add(col := _column(m.group(1)))
+        return "" if isna(v := row.get(col)) else fmt_value(v)
+
+    text = re.sub(r"\{(\w+)\}", value, template)
+    return (" ".join(text.split()) if used else text), used
 
 
 def fmt_value(v: Any) -> str:
@@ -97,11 +161,14 @@ class Names:
         return v if name == "" and not _is_bool(value) else f"{name or key}={v}"
 
     def named(self, row: Mapping[str, Any]) -> tuple[str, set[str]] | None:
-        """(name, the columns it stands for) of the first rule in `settings` that `row` matches."""
+        """(name, the columns it stands for) of the first rule in `settings` that `row` matches.
+        A name may hold parameters, `{kernel_size}`: the row's value (a missing one is left out,
+        with its space), a column the name then stands for too."""
         for rule in self.settings:
             cond = {_column(k): v for k, v in rule.items() if k != "name"}
             if all(fmt_value(row.get(c)) == fmt_value(v) for c, v in cond.items()):
-                return str(rule["name"]), set(cond)
+                name, used = _fill(str(rule["name"]), row)
+                return name or str(row.get("method", "")), set(cond) | used
         return None
 
     def setting(self, row: Mapping[str, Any], skip: Iterable[str] = ()) -> str:
@@ -176,23 +243,6 @@ def load(spec: Names | Mapping[str, Any] | str | os.PathLike | None = None,
     out.settings = [dict(r) for r in rules] + out.settings  # the user's rules first
     out.labels.update(labels or {})
     return out
-
-
-def _read(path: str | os.PathLike) -> dict[str, Any]:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ValueError(f"names: cannot read {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"names: {path} is not YAML: {str(e).splitlines()[0]}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"names: {path} must hold a mapping with keys {', '.join(KEYS)}")
-    return data
 
 
 def parse_label(spec: str) -> tuple[str, str]:

@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
 
+from memtrain import columns
 from memtrain.report import draw, style
 from memtrain.report.draw import Plot
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -14,8 +15,8 @@ from memtrain.report.style import Memory, byte_unit, order_settings, panels, set
 
 # ---------------------------------------------------------------- 2. memory breakdown
 
-BREAKDOWN = (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer state"),
-             ("act", "activations"), ("other", "other"))
+# (part, its name: the label of its mem_at_act_peak_<part>_bytes column, memtrain/columns.py)
+BREAKDOWN = tuple((k, columns.label(f"mem_at_act_peak_{k}_bytes")) for k in columns.BREAKDOWN)
 BREAKDOWN_COLORS = ("#4c72b0", "#8da0cb", "#a6d854", "#fc8d62", "#d9d9d9")
 # The moment of the step a breakdown is taken at, best first: the activation peak is where
 # methods differ (the total peak of a small model is its optimizer step, the same for all).

@@ -21,8 +21,10 @@ matplotlib.use("Agg")  # files only: never needs a display, safe inside a Hydra 
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from memtrain import columns  # noqa: E402
+from memtrain.columns import ACT_PEAK, PEAK, PEAK_SOURCE, SAVED  # noqa: E402
+from memtrain.report.names import BASELINE_METHOD, METHODS, Names, method_order  # noqa: E402
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES  # noqa: E402
-from memtrain.report.names import Names  # noqa: E402
 
 _BASE_RC = {
     "axes.grid": True, "grid.alpha": 0.4, "axes.spines.top": False, "axes.spines.right": False,
@@ -80,10 +82,8 @@ def line_width(scale: float = 1.0) -> float:
     return current().rc["lines.linewidth"] * scale
 
 
-# The seed papers' methods first, in the study's order, so a method keeps its colour everywhere.
-METHOD_ORDER = ("none", "pool", "prune", "checkpoint", "synthetic")
-METHOD_COLORS = {"none": "#222222", "pool": "#1f77b4", "prune": "#ff7f0e",
-                 "checkpoint": "#2ca02c", "synthetic": "#9467bd"}
+# Methods' order and colours: conf/report/methods.yaml (names.METHODS, names.method_order), so a
+# method keeps its colour everywhere; one not listed there takes a spare colour, by its place.
 SPARE_COLORS = ("#d62728", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 MARKERS = "osD^v<>pP*h"
 # Light tints: the cell text (black) stays legible on every one of them.
@@ -103,22 +103,26 @@ def styled(fn):
     return wrapper
 
 
-def method_color(method: str, known: list[str] | None = None) -> str:
-    """The method's fixed colour; unknown methods take spare colours by name order."""
-    if method in METHOD_COLORS:
-        return METHOD_COLORS[method]
-    others = sorted(m for m in (known or [method]) if m not in METHOD_COLORS)
-    i = others.index(method) if method in others else 0
-    return SPARE_COLORS[i % len(SPARE_COLORS)]
+def method_color(method: str) -> str:
+    """The method's colour of conf/report/methods.yaml; a method without one takes a spare
+    colour (one no listed method uses) by its place among those (names.method_order): the same
+    in every figure, whichever methods a report holds."""
+    if METHODS.get(method):
+        return METHODS[method]
+    spare = [c for c in SPARE_COLORS if c not in set(METHODS.values())] or list(SPARE_COLORS)
+    others = [m for m in method_order([method]) if not METHODS.get(m)]
+    return spare[others.index(method) % len(spare)]
 
 
-def method_rank(method: str) -> int:
-    return METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+def method_rank(methods: pd.Series) -> pd.Series:
+    """Each row's method's place in the display order (names.method_order)."""
+    order = {m: i for i, m in enumerate(method_order(methods.dropna().astype(str)))}
+    return methods.astype(str).map(order).fillna(len(order)).astype(int)
 
 
 def order_settings(agg: pd.DataFrame) -> pd.DataFrame:
-    """Baseline first, then methods in the study order, then by label."""
-    key = agg["method"].map(method_rank).astype(str).str.zfill(3) + agg["label"]
+    """Baseline first, then methods in the display order, then by label."""
+    key = method_rank(agg["method"]).astype(str).str.zfill(3) + agg["label"]
     return agg.assign(_k=key).sort_values("_k").drop(columns="_k")
 
 
@@ -126,13 +130,12 @@ def setting_styles(agg: pd.DataFrame) -> dict[str, dict]:
     """label -> matplotlib style: colour by method, a marker of its own per setting (in study
     order), so settings that coincide (a method that changes nothing) or a grey print still
     tell apart; the baseline's marker is larger."""
-    known = sorted(set(agg["method"].astype(str)))
     styles: dict[str, dict] = {}
     for _, r in order_settings(agg).iterrows():
         if r["label"] not in styles:
             # the baseline a size up: a setting that coincides with it shows inside its halo
-            size = marker_size(1.4 if method_rank(str(r["method"])) == 0 else 1.0)
-            styles[r["label"]] = {"color": method_color(str(r["method"]), known),
+            size = marker_size(1.4 if str(r["method"]) == BASELINE_METHOD else 1.0)
+            styles[r["label"]] = {"color": method_color(str(r["method"])),
                                   "marker": MARKERS[len(styles) % len(MARKERS)],
                                   "markersize": size}
     return styles
@@ -210,26 +213,29 @@ def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
     """
     if choice not in MEMORY_CHOICES:
         raise ValueError(f"--memory must be one of {', '.join(MEMORY_CHOICES)}, got {choice!r}")
-    sources = set(df.get("mem_peak_source", pd.Series(dtype=str)).dropna().astype(str))
+    sources = set(df.get(PEAK_SOURCE, pd.Series(dtype=str)).dropna().astype(str))
     cuda_only = sources == {"cuda"}
     if choice == "auto":
         choice = "peak" if cuda_only else "act"
     if choice == "peak":
         src = ("CUDA max allocated" if cuda_only else
                "CPU live-tensor tracker" if sources == {"tracker"} else "CUDA / CPU tracker, mixed")
-        return Memory("mem_peak_alloc_bytes", "mem_peak_rel", "peak memory", src)
+        return Memory(PEAK, "mem_peak_rel", columns.axis(PEAK), src)
     cpu = "" if cuda_only else "; CPU, no CUDA peak"
     if choice == "act":
-        return Memory("mem_peak_act_bytes", "mem_act_rel", "activation memory",
-                      f"saved + recomputed{cpu}")
-    return Memory("mem_act_saved_bytes", "mem_saved_rel", "saved activations",
-                  f"saved for backward{cpu}")
+        return Memory(ACT_PEAK, "mem_act_rel", columns.axis(ACT_PEAK), f"saved + recomputed{cpu}")
+    return Memory(SAVED, "mem_saved_rel", columns.axis(SAVED), f"saved for backward{cpu}")
 
 
-def byte_unit(values: pd.Series) -> tuple[float, str]:
-    """(divisor, unit) that keeps the largest value between 1 and 1024."""
+BYTE_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def byte_unit(values: pd.Series, units: tuple[str, ...] = tuple(BYTE_UNITS),
+              at_least: float = 1.0) -> tuple[float, str]:
+    """(divisor, unit) of bytes (memtrain/columns.py): the largest of `units` in which the
+    largest value is at least `at_least` (by default: between 1 and 1024), else the smallest."""
     top = pd.to_numeric(values, errors="coerce").abs().max()
-    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if top >= div:
-            return float(div), unit
-    return 1.0, "B"
+    for unit in units[:-1]:
+        if top >= at_least * BYTE_UNITS[unit]:
+            return float(BYTE_UNITS[unit]), unit
+    return float(BYTE_UNITS[units[-1]]), units[-1]

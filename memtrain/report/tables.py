@@ -69,9 +69,12 @@ def find_unfinished(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return sorted(set(out))
 
 
-def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
+def load_runs(paths: Iterable[str | os.PathLike], latest: bool = True
+              ) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
     """(runs, skipped): one row per readable summary.json, and (folder, reason) for the rest:
-    a corrupt summary.json or a job folder without one."""
+    a corrupt summary.json or a job folder without one. `latest`: one row per run_id, its
+    latest (screen.latest_per_run); False keeps every row (a study's parts may each measure the
+    same config, and each part's table shows its own)."""
     paths = list(paths)
     rows, files, skipped = [], [], []
     for d in find_run_dirs(paths):
@@ -88,7 +91,9 @@ def load_runs(paths: Iterable[str | os.PathLike]) -> tuple[pd.DataFrame, list[tu
         rows.append(row)
         files.append(d / SUMMARY)
     rows, bad = screen.check_rows(rows, files)
-    df, superseded = screen.latest_per_run(screen.as_numbers(pd.DataFrame(rows)))
+    df, superseded = screen.as_numbers(pd.DataFrame(rows)), []
+    if latest:
+        df, superseded = screen.latest_per_run(df)
     for d, why in bad + superseded:
         skipped.append((d, why))
         log.warning("skipped %s: %s", d, why)
@@ -212,17 +217,35 @@ def _is(df: pd.DataFrame, where: dict[str, str]) -> pd.Series:
     return mask
 
 
-def _key(row: pd.Series, match: Sequence[str]) -> tuple:
-    return tuple(fmt_value(row.get(k)) for k in match)
+MISSING = "-"  # a missing value (None or NaN) in a match key: equal to any other missing one
+
+
+def match_key(row: pd.Series, match: Sequence[str]) -> tuple:
+    """The values a run and its baseline share, compared as labels show them (2.0 == 2)."""
+    return tuple(MISSING if isna(v := row.get(k)) else fmt_value(v) for k in match)
+
+
+_key = match_key
+
+
+def ratio(value, base) -> float:
+    """value / base; NaN when either is missing or the base is 0 (no ratio to draw)."""
+    a, b = float(_num(value)), float(_num(base))
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
 
 
 def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
-                  match: Sequence[str] = DEFAULT_MATCH) -> tuple[pd.DataFrame, list[str]]:
-    """Add `is_baseline`, `baseline_run_dir` and the relative columns (RATIOS, DELTAS).
+                  match: Sequence[str] = DEFAULT_MATCH, *, ratios: dict[str, str] = RATIOS,
+                  deltas: dict[str, str] = DELTAS, prefer: Sequence[str] = (),
+                  first: bool = False) -> tuple[pd.DataFrame, list[str]]:
+    """Add `is_baseline`, `baseline_run_dir` and the relative columns (`ratios`: column ->
+    its ratio's name, `deltas`: column -> its difference's).
 
     A run's baseline is the finished (status ok) `baseline` run with equal `match` columns; a
-    baseline run is its own. Several candidates are averaged (with a warning: add a key to
-    `match`); none gives NaN and a warning. Returns (df, warnings).
+    baseline run is its own. Among several candidates those equal to the run on `prefer` come
+    first (a study: the none of the run's own part); then they are averaged (with a warning: add
+    a key to `match`), or with `first` the first (in row order) is taken; none gives NaN and a
+    warning. Returns (df, warnings), the warnings not logged (the caller says them).
     """
     df = df.copy()
     warnings: list[str] = []
@@ -236,13 +259,16 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     base = df[ok]
     groups = {k: g for k, g in base.groupby(base.apply(_key, axis=1, match=match))} \
         if len(base) else {}
-    for col in (*RATIOS.values(), *DELTAS.values()):
+    for col in (*ratios.values(), *deltas.values()):
         df[col] = math.nan
     df["baseline_run_dir"] = None
     for i, row in df.iterrows():
-        if not ok[i] and all(isna(row.get(c)) for c in RATIOS):
+        if not ok[i] and all(isna(row.get(c)) for c in ratios):
             continue  # nothing measured (e.g. refused before training): nothing to relate
         cand = base.loc[[i]] if ok[i] else groups.get(_key(row, match))
+        if cand is not None and prefer and not ok[i]:
+            own = cand[cand.apply(_key, axis=1, match=prefer) == _key(row, prefer)]
+            cand = own if len(own) else cand
         if cand is not None and not ok[i]:
             cand, why = _same_device(row, cand)
             if why:
@@ -255,18 +281,18 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
                                 f"({', '.join(f'{k}={fmt_value(row.get(k))}' for k in match)}): "
                                 f"relative columns are NaN")
             continue
-        if len(cand) > 1:
+        if first:
+            cand = cand.iloc[:1]
+        elif len(cand) > 1:
             warnings.append(f"{len(cand)} {baseline} runs match {method_label(row)} "
                             f"({_key(row, match)}); using their mean. Add a key to --match.")
         df.at[i, "baseline_run_dir"] = ";".join(cand["run_dir"].astype(str))
-        for col, rel in RATIOS.items():
+        for col, rel in ratios.items():
             if col in df:
-                df.at[i, rel] = _num(row.get(col)) / _num(cand[col]).mean()
-        for col, delta in DELTAS.items():
+                df.at[i, rel] = ratio(row.get(col), _num(cand[col]).mean())
+        for col, delta in deltas.items():
             if col in df:
                 df.at[i, delta] = _num(row.get(col)) - _num(cand[col]).mean()
-    for w in warnings:
-        log.warning(w)
     return df, warnings
 
 

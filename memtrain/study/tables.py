@@ -1,5 +1,10 @@
 """The study's markdown tables, one section per part, from the runs' summary.json files.
 
+Built on memtrain/report/: its row loader (`tables.load_runs`, every row kept), its ratios
+(`tables.add_baselines`, `tables.ratio`), its byte units (`style.byte_unit`), its number format
+(`markdown.number`) and its setting labels (`names.Names`, the rules of conf/report/study.yaml);
+the column names and labels are memtrain/columns.py's.
+
 Ratios are against the `none` run measured alike (same model, size, batch, precision, steps and
 probes; one of the same part first): never across devices or peak sources. Every table reads the
 raw columns (`mem_peak_alloc_bytes`, `mem_peak_act_bytes`, ...), so it does not depend on the
@@ -8,7 +13,6 @@ report's derived ones. A row that did not end ok keeps its status and its error.
 
 from __future__ import annotations
 
-import json
 import math
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -16,28 +20,47 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain.columns import ACT_PEAK as ACT
+from memtrain.columns import (
+    ERROR,
+    ESTIMATE,
+    ESTIMATE_ACT,
+    MAX_BATCH,
+    METHOD,
+    PEAK,
+    SAVED,
+    STATUS,
+    STEP_TIME,
+    TEST_ACC,
+    THROUGHPUT,
+)
+from memtrain.report import derive, markdown, names, style
+from memtrain.report import tables as report
+
 MATCH = ("model", "dataset", "dataset.image_size", "dataset.channels", "trainer.batch_size",
          "trainer.precision", "trainer.seed", "trainer.max_steps", "trainer.warmup_steps",
          "trainer.epochs", "trainer.estimate", "trainer.find_max_batch", "trainer.gpu_memory_gb",
          "optim", "device", "mem_peak_source")
-PEAK, ACT, SAVED = "mem_peak_alloc_bytes", "mem_peak_act_bytes", "mem_act_saved_bytes"
+# each ratio (x_*) and difference (d_acc) against the run's none: report.add_baselines
+RATIOS = {PEAK: "x_peak", ACT: "x_act", SAVED: "x_saved", THROUGHPUT: "x_thr",
+          STEP_TIME: "x_step", MAX_BATCH: "x_batch"}
+DELTAS = {TEST_ACC: "d_acc"}
 OVERHEAD_HEAD = ("| date | device | model | px | batch | plain loop ms/step | memtrain ms/step | "
                  "ratio | torch |")
+# a setting's short name (conf/report/study.yaml), the method's name where no rule names it
+NAMES = names.load(names.conf_file("study"))
 
 
 def load_rows(runs: Path) -> pd.DataFrame:
-    """One row per run below runs/<part>/<step>/, with `part` and `step` columns."""
-    recs = []
-    for path in sorted(runs.glob("*/*/*/summary.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        # _dir: where the run is now (run_dir is where it ran: another machine, maybe)
-        recs.append({**rec, "part": path.parts[-4], "step": path.parts[-3],
-                     "_dir": str(path.parent)})
-    df = pd.DataFrame(recs)
-    for col in ("part", "step", "method", "status", *MATCH):
+    """One row per run below runs/<part>/<step>/ (report.load_runs, every row kept: parts may
+    measure the same config), with `part` and `step` columns; `run_dir` is where it is now."""
+    runs = Path(runs)
+    df = report.load_runs([runs], latest=False)[0] if runs.is_dir() else pd.DataFrame()
+    if len(df):  # <part>/<step>/<job>/summary.json
+        rel = df["run_dir"].map(lambda d: Path(d).relative_to(runs.resolve()).parts)
+        df = df[rel.map(len) == 3].assign(part=rel.str[0], step=rel.str[1])
+        df = df.reset_index(drop=True)
+    for col in ("part", "step", METHOD, STATUS, *MATCH):
         if col not in df:
             df[col] = None
     return df
@@ -53,57 +76,27 @@ def read_md_table(path: Path) -> pd.DataFrame:
     return pd.DataFrame(rows[1:], columns=rows[0]) if rows else pd.DataFrame()
 
 
-def _key(row: pd.Series) -> tuple:
-    return tuple(str(row.get(k)) if not _missing(row.get(k)) else "-" for k in MATCH)
-
-
-def _missing(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
-
-
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """`x_peak`, `x_act`, `x_saved`, `x_thr`, `x_step`, `d_acc`: each run against its none."""
-    df = df.copy()
-    ok_none = df[(df["method"] == "none") & (df["status"] == "ok")]
-    for col in ("x_peak", "x_act", "x_saved", "x_thr", "x_step", "d_acc", "x_batch"):
-        df[col] = math.nan
-    pairs = {"x_peak": PEAK, "x_act": ACT, "x_saved": SAVED, "x_thr": "throughput_samples_s",
-             "x_step": "step_time_s_median", "x_batch": "max_batch_size"}
-    for i, row in df.iterrows():
-        cand = ok_none[ok_none.apply(_key, axis=1) == _key(row)] if len(ok_none) else ok_none
-        same = cand[cand["part"] == row["part"]]
-        if len(same):
-            cand = same
-        if not len(cand):
-            continue
-        base = cand.iloc[0]
-        for out, col in pairs.items():
-            a, b = _num(row.get(col)), _num(base.get(col))
-            df.at[i, out] = a / b if b else math.nan
-        df.at[i, "d_acc"] = _num(row.get("test_acc")) - _num(base.get("test_acc"))
-    return df
+    """`x_peak`, `x_act`, `x_saved`, `x_thr`, `x_step`, `x_batch`, `d_acc`: each run against the
+    first ok none with equal MATCH columns, one of its own part first."""
+    return report.add_baselines(df, report.DEFAULT_BASELINE, MATCH, ratios=RATIOS,
+                                deltas=DELTAS, prefer=("part",), first=True)[0]
 
 
 def _num(v) -> float:
-    try:
-        return math.nan if _missing(v) else float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def unit_of(values) -> tuple[str, float]:
-    """GiB for large figures, MiB otherwise."""
-    top = max([_num(v) for v in values if not math.isnan(_num(v))], default=0)
-    return ("GiB", 2.0**30) if top >= 2**31 else ("MiB", 2.0**20)
+    return pd.to_numeric(v, errors="coerce")
 
 
 def fmt(v, digits: int = 3) -> str:
-    v = _num(v) if not isinstance(v, str) else v
-    if isinstance(v, str):
-        return v
-    if math.isnan(v):
-        return "-"
-    return f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:,.0f}"
+    """A number of the tables (markdown.number): `digits` decimals, '-' when missing, whole from
+    1000 on ('1,830'), text as it is."""
+    return markdown.number(v, digits, missing="-", whole_from=1000)
+
+
+def unit_of(values) -> tuple[str, float]:
+    """GiB for figures of 2 GiB and more, MiB otherwise (style.byte_unit)."""
+    div, unit = style.byte_unit(pd.Series(values, dtype=object), ("GiB", "MiB"), at_least=2)
+    return unit, div
 
 
 def table(df: pd.DataFrame, cols: dict[str, Callable[[pd.Series], str]]) -> list[str]:
@@ -115,29 +108,15 @@ def table(df: pd.DataFrame, cols: dict[str, Callable[[pd.Series], str]]) -> list
 
 
 def setting(row: pd.Series) -> str:
-    """A short name for a run's method setting."""
-    m = row["method"]
-    get = lambda k: row.get(f"method.{k}")
-    if m == "pool":
-        k = int(_num(get("kernel_size")))
-        return "compaction only (k=1)" if k == 1 else f"k={k} {get('targets')}"
-    if m == "prune":
-        return f"s={get('sparsity')} b={int(_num(get('block_size')))}"
-    if m == "checkpoint":
-        s, g = str(get("strategy")), get("granularity")
-        if s == "budget" and isinstance(g, str):  # op and block plans side by side
-            s = f"budget {g}"
-        return f"{s} {get('budget_fraction')}" if s.startswith(("budget", "compile")) \
-            else str(s)
-    if m == "synthetic":
-        return f"K={int(_num(get('partitions')))}"
-    return str(m)
+    """A short name for a run's method setting: its rule's in conf/report/study.yaml, else the
+    method's name (report/names.py's labeller, no parameter beside the rule's)."""
+    return NAMES.setting(row, skip=[k for k in row.index if str(k).startswith("method.")])
 
 
 def status(row: pd.Series) -> str:
-    s = str(row.get("status"))
-    err = row.get("error")
-    return s if s == "ok" or _missing(err) else f"{s}: {str(err).splitlines()[0][:90]}"
+    s = str(row.get(STATUS))
+    err = row.get(ERROR)
+    return s if s == "ok" or names.isna(err) else f"{s}: {derive.first_line(err)[:90]}"
 
 
 def _mem(col: str, div: float) -> Callable[[pd.Series], str]:
@@ -242,7 +221,7 @@ def _largest(row: pd.Series, col: str, base: pd.DataFrame) -> str:
     k = int(_num(row.get("method.partitions"))) if row["method"] == "synthetic" else 0
     top = max([_num(row.get(f"part{j}.{col}")) for j in range(k)] or [_num(row.get(col))])
     ref = base[base["_key"] == row["_key"]]
-    return fmt(top / _num(ref.iloc[0][col])) if len(ref) else "-"
+    return fmt(report.ratio(top, ref.iloc[0][col])) if len(ref) else "-"
 
 
 def synthetic(df: pd.DataFrame, runs: Path) -> list[str]:
@@ -269,7 +248,7 @@ def tradeoff(df: pd.DataFrame, runs: Path) -> list[str]:
 def probe_note(row: pd.Series) -> str:
     """Why a probe cannot match the run it predicts (facts of the code, not of this run)."""
     notes = []
-    if not _missing(row.get("mem_estimate_error")):
+    if not names.isna(row.get("mem_estimate_error")):
         notes.append(f"estimate failed: {str(row['mem_estimate_error'])[:80]}")
     if row["method"] == "checkpoint" and row.get("method.strategy") in ("budget", "uniform",
                                                                          "sqrt"):
@@ -286,17 +265,16 @@ def estimate(df: pd.DataFrame, runs: Path) -> list[str]:
     unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
 
     def ratio(r):
-        return _num(r.get("mem_estimate_bytes")) / _num(r.get(PEAK))
+        return report.ratio(r.get(ESTIMATE), r.get(PEAK))
 
     return table(d, {
         "model": lambda r: r["model"], "setting": setting, "status": status,
-        f"estimate {unit}": _mem("mem_estimate_bytes", div),
+        f"estimate {unit}": _mem(ESTIMATE, div),
         f"measured peak {unit}": _mem(PEAK, div),
         "estimate / measured": lambda r: fmt(ratio(r)),
         "within 10%": lambda r: "-" if math.isnan(ratio(r)) else
         ("yes" if abs(ratio(r) - 1) <= 0.1 else "no"),
-        "act. estimate / measured": lambda r: fmt(_num(r.get("mem_estimate_act_bytes"))
-                                                  / _num(r.get(ACT))),
+        "act. estimate / measured": lambda r: fmt(report.ratio(r.get(ESTIMATE_ACT), r.get(ACT))),
         f"measured other {unit}": _mem("mem_at_peak_other_bytes", div),
         "peak source": lambda r: r.get("mem_peak_source"), "why it differs": probe_note})
 
@@ -356,6 +334,6 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
                          x_saved=math.nan, x_thr=math.nan, x_step=math.nan, d_acc=math.nan,
                          x_batch=math.nan)
     df = add_ratios(df)
-    df["_key"] = df.apply(_key, axis=1)
+    df["_key"] = df.apply(report.match_key, axis=1, match=MATCH)
     df["_cell"] = df["_key"]
     return df

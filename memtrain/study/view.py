@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.bench import results_tables as tables
 from memtrain.record import atomic_write
+from memtrain.report.tables import ratio as report_ratio
+from memtrain.study import tables
 
 # the columns a run shares with its `none` (the report's --match): the parts measure none
 # at several sizes, step counts and probe settings, and each ratio must use its own
@@ -152,7 +153,7 @@ def headlines(df: pd.DataFrame, runs: Path) -> list[str]:
                    f"(MONeT: x0.40 at +9.3% compute)")
     est = ok[(ok["part"] == "probes") & ok["step"].str.startswith("estimate")]
     for _, r in est[est["method"] == "none"].iterrows():
-        ratio = tables._num(r.get("mem_estimate_bytes")) / tables._num(r.get(tables.PEAK))
+        ratio = report_ratio(r.get(tables.ESTIMATE), r.get(tables.PEAK))
         out.append(f"estimate / measured peak, none, {r['model']}: {f(ratio)}")
     kernels = tables.read_md_table(runs / "prune" / "kernels.md")
     for col in ("kernel_x_dense", "torch_bsr_x_dense"):
@@ -192,7 +193,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
         if len(rows):  # the part's runs and the none runs its ratios were taken against
             nones = df[(df["method"] == "none") & df["_cell"].isin(rows["_cell"])
                        & (df["part"] != part)]
-            dirs = [runs / part, *map(Path, nones["_dir"])]
+            dirs = [runs / part, *map(Path, nones["run_dir"])]
             reports[f"{part} ({fig})"], pngs = report(dirs, out / "highlights", env, fig)
             made += pngs
     text = f"{prov['device']} · measured {prov['date']} · torch {prov['torch']} · memtrain " \
@@ -204,7 +205,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
              f"Device: {prov['device']}; torch {prov['torch']}, "
              f"CUDA {prov['cuda']}, Triton {prov['triton']}; git {prov['git']}; "
              f"measured {prov['date']}. Made by `make results` "
-             f"(`python -m memtrain.bench.results`); raw runs in `{runs}`.", "",
+             f"(`python -m memtrain.study`); raw runs in `{runs}`.", "",
              "| part | status |", "| --- | --- |"]
     parts = [*tables.SECTIONS]
     for sec in parts:
@@ -229,7 +230,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
         lines += ["", "## Problems", "", *[f"- {p}" for p in problems]]
     sizes = {p: st[p]["size"] for p in sorted(st) if "size" in st[p]}
     if sizes:
-        lines += ["", "## Sizes", "", "Each part as it ran (memtrain/bench/results_plan.py; "
+        lines += ["", "## Sizes", "", "Each part as it ran (memtrain/study/plan.py; "
                   "`--set PART.KEY=VALUE` changes one):", "", "```json",
                   json.dumps(sizes, indent=1), "```"]
     atomic_write(out / "results.md", "\n".join(lines) + "\n")

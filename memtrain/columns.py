@@ -1,0 +1,407 @@
+"""Every column a run's row (summary.json) can hold, declared once: its unit, its kind, what it
+means, which part of memtrain writes it, and how the report labels it.
+
+    python -m memtrain.columns --markdown        # the table (README.md's "Outputs")
+    python -m memtrain.columns --write README.md # put it between README's column markers
+
+A name may be a family: `<option>` stands for any (dotted) option name (`method.<option>`: the
+flattened options of conf/method, a stack member's as `method.<member>.<option>`), `<j>` for a
+number, `<column>` for any declared column (`part<j>.<column>`: a phase's own copy), and
+`{a,b}` for one of the listed words. `label` is the short name of tables and legends (`labels`:
+one per option or word of a family), `axis` the longer one of a figure's axis.
+
+`record.write_summary` checks every row it writes against this list: an undeclared column is a
+warning in a user's run and an error where MEMTRAIN_STRICT_COLUMNS=1 (the test suite sets it), so
+a column a writer adds without declaring it here fails the tests. Imports nothing but the
+standard library: the core, the report and the studies all read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STRICT_ENV = "MEMTRAIN_STRICT_COLUMNS"  # "1": an undeclared column is an error (tests)
+BEGIN, END = "<!-- columns:begin (python -m memtrain.columns --write README.md) -->", \
+    "<!-- columns:end -->"
+
+UNITS = {
+    "bytes": "bytes", "s": "seconds", "samples/s": "training samples per second",
+    "fraction": "a number in [0, 1] (accuracy: 0.9 = 90%)", "ratio": "a ratio, 1 = equal",
+    "count": "a whole number", "bool": "true or false", "text": "text", "path": "a folder or file",
+    "time": "a UTC ISO 8601 time", "loss": "a loss value", "option": "as written in conf/",
+}
+# in the order the README lists them
+KINDS = {
+    "identity": "what ran: the run's id and the option chosen of each config group",
+    "config": "every option of the composed config, flattened (`group.key`)",
+    "status": "how the run ended, where it stopped, how it continued",
+    "provenance": "who measured, where, with which software",
+    "run": "the run itself: its data, model size, steps and times",
+    "memory": "measured memory of the accounting step or of the timed steps",
+    "speed": "timed steps after warm-up",
+    "accuracy": "evaluation on the test split, training loss",
+    "probe": "before training: `trainer.estimate`, `trainer.find_max_batch`, "
+             "`trainer.gpu_memory_gb`",
+    "method": "written by one method (its `prepare` or `fit`)",
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column, or a family of columns (see the module docstring)."""
+
+    name: str
+    unit: str
+    kind: str
+    writer: str  # which part of memtrain writes it
+    meaning: str  # one line
+    label: str = ""  # short name in tables and legends ("" = the name)
+    axis: str = ""  # a figure axis's name ("" = the label)
+    labels: Mapping[str, str] = field(default_factory=dict)  # a family's, per option or word
+
+    @property
+    def family(self) -> bool:
+        return "<" in self.name or "{" in self.name
+
+
+_IDENTITY_GROUPS = ("method", "model", "dataset", "optim", "trainer", "experiment")
+CONFIG_GROUPS = ("method", "trainer", "dataset", "model", "optim")  # flattened into columns
+BREAKDOWN = ("params", "grads", "optim", "act", "other")  # the moments' parts (measure.py)
+ESTIMATE_AT_PEAK = ("params", "buffers", "grads", "optim", "act", "other")  # the tracker's own
+
+# the columns the report and the studies read by name
+RUN_ID, STATUS, ERROR, METHOD, RUN_DIR = "run_id", "status", "error", "method", "run_dir"
+PEAK, RESERVED, PEAK_SOURCE = "mem_peak_alloc_bytes", "mem_peak_reserved_bytes", "mem_peak_source"
+ACT_PEAK, SAVED = "mem_peak_act_bytes", "mem_act_saved_bytes"
+THROUGHPUT, STEP_TIME, STEP_TIME_P90 = ("throughput_samples_s", "step_time_s_median",
+                                        "step_time_s_p90")
+TEST_ACC, MAX_BATCH = "test_acc", "max_batch_size"
+ESTIMATE, ESTIMATE_ACT = "mem_estimate_bytes", "mem_estimate_act_bytes"
+
+# method.<option> -> its short name in labels ("" shows the value alone: `pool conv+bn`)
+OPTION_LABELS = {
+    "kernel_size": "k", "pool_type": "", "mode": "", "targets": "", "relu_mask": "relu",
+    "min_size": "min", "compress_input": "input",
+    "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
+    "prune_head": "head", "prune_shared": "shared",
+    "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
+    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
+    "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
+    "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
+    "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",
+}
+
+
+def _of(kind: str, writer: str, *rows: tuple) -> tuple[Column, ...]:
+    """The columns of one kind one part writes: (name, unit, meaning[, label, axis, labels])."""
+    return tuple(Column(r[0], r[1], kind, writer, r[2], *r[3:]) for r in rows)
+
+
+_BREAKDOWN = "{" + ",".join(BREAKDOWN) + "}"
+COLUMNS: tuple[Column, ...] = (
+    # ---- identity and config (config.identity: the runner and the launchers' lost-job rows)
+    *_of("identity", "config.identity",
+         (RUN_ID, "text", "hash of the resolved config, options that only drive a run left out "
+                          "(record.py)"),
+         *((g, "text", f"the option of conf/{g}/ this run chose (\"\" when none)")
+           for g in _IDENTITY_GROUPS)),
+    *_of("config", "config.identity",
+         ("method.<option>", "option", "an option of the chosen conf/method/*.yaml; a stack "
+                                       "member's as `method.<member>.<option>`", "", "",
+          OPTION_LABELS),
+         *((f"{g}.<option>", "option", f"an option of the chosen conf/{g}/*.yaml (lists as JSON "
+                                       f"text)") for g in CONFIG_GROUPS if g != "method")),
+    # ---- status
+    *_of("status", "runner",
+         (STATUS, "text", "ok, oom, diverged, error or interrupted (running while the job runs)"),
+         (ERROR, "text", "why the run did not end ok: the exception or the failure's message"),
+         ("failed_step", "count", "the step at which training failed or stopped"),
+         ("signal", "text", "the signal that stopped an interrupted run"),
+         ("memory_snapshot", "path", "the CUDA memory snapshot (`trainer.memory_snapshot=true`)")),
+    *_of("status", "train",
+         ("resumed_at_step", "count", "the step a resumed run continued from (`trainer.resume`)")),
+    *_of("status", "resume",
+         ("resumed_from", "path", "the checkpoint a resumed run continued from"),
+         ("resume_warning", "text", "an unreadable checkpoint that was ignored, and why")),
+    *_of("status", "checkpoint.prepare",
+         ("dry_run", "bool", "`method.dry_run=true`: planned only, not trained")),
+    # ---- provenance (measure.provenance)
+    *_of("provenance", "measure",
+         ("device", "text", "the torch device the run used (cpu, cuda:0)"),
+         ("device_name", "text", "the GPU's name, or the CPU's"),
+         ("device_capability", "text", "the GPU's compute capability"),
+         ("device_total_memory_bytes", "bytes", "the GPU's memory (0 on the CPU)"),
+         ("cpu_threads", "count", "torch's CPU threads"),
+         *((f"{k}_version", "text", f"{k} version")
+           for k in ("torch", "cuda", "cudnn", "triton", "python")),
+         ("git_commit", "text", "memtrain's commit (`-dirty`: with uncommitted changes)"),
+         ("hostname", "text", "the machine"),
+         ("slurm_job_id", "text", "the SLURM job, if any")),
+    # ---- the run
+    *_of("run", "runner",
+         ("num_classes", "count", "classes of the dataset"),
+         ("input_shape", "text", "one sample's shape, e.g. 3x32x32"),
+         ("params", "count", "parameters of the model"),
+         ("wall_s", "s", "time of the whole job"),
+         (RUN_DIR, "path", "where the run's folder was written"),
+         ("finished_at", "time", "when the row was written")),
+    *_of("run", "train; checkpoint.prepare (0 on a dry run)",
+         ("steps", "count", "training steps done (every phase's, for synthetic)")),
+    *_of("run", "train",
+         ("warmup_steps_used", "count",
+          "warm-up steps (excluded from time and peak; fewer in a short run)"),
+         ("epochs_done", "count", "epochs trained"),
+         ("train_time_s", "s", "time in the training loop")),
+    # ---- memory (measure.py)
+    *_of("memory", "measure",
+         (PEAK, "bytes", "peak memory over the measured steps: CUDA's `max_memory_allocated`, or "
+                         "on the CPU the live-tensor tracker's peak (`mem_peak_source`)", "peak",
+          "peak memory"),
+         (RESERVED, "bytes", "CUDA's `max_memory_reserved` (none on the CPU)", "reserved"),
+         (PEAK_SOURCE, "text", "where the peak comes from: cuda or tracker", "peak source"),
+         (SAVED, "bytes", "bytes saved for backward in one step, once per storage; tensors alive "
+                          "before the step (parameters, buffers, the batch, the targets) "
+                          "excluded", "saved act.", "saved activations"),
+         ("mem_act_saved_tensors", "count", "tensors saved for backward"),
+         ("mem_act_saved_host_bytes", "bytes",
+          "saved bytes in host memory on a GPU run (offload); present when not 0"),
+         (ACT_PEAK, "bytes", "the highest activation memory in a step, recomputed activations "
+                             "included", "act. peak", "activation memory"),
+         ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "
+                                             "step"),
+         ("mem_params_bytes", "bytes", "parameters"),
+         ("mem_buffers_bytes", "bytes", "buffers"),
+         ("mem_grads_bytes", "bytes", "gradients"),
+         ("mem_optim_bytes", "bytes", "optimizer state"),
+         (f"mem_at_peak_{_BREAKDOWN}_bytes", "bytes",
+          "the breakdown at the moment of the peak; adds up to the peak", "", "",
+          {"params": "params", "grads": "grads", "optim": "optimizer", "act": "activations",
+           "other": "other"}),
+         (f"mem_at_act_peak_{_BREAKDOWN}_bytes", "bytes",
+          "the breakdown at the moment of the activation peak (other: buffers, the batch, "
+          "backward temporaries): where methods differ", "", "",
+          {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
+           "act": "activations", "other": "other"})),
+    *_of("memory", "train",
+         ("mem_peak_rss_bytes", "bytes", "peak resident memory of the process")),
+    # ---- speed
+    *_of("speed", "measure",
+         (STEP_TIME, "s", "median time of a timed step"),
+         (STEP_TIME_P90, "s", "90th percentile of a timed step's time"),
+         (THROUGHPUT, "samples/s", "batch size / median step time", "samples/s")),
+    # ---- accuracy
+    *_of("accuracy", "train; runner (empty when never evaluated)",
+         (TEST_ACC, "fraction", "top-1 accuracy on the test split", "test acc"),
+         ("test_acc5", "fraction", "top-5 accuracy on the test split")),
+    *_of("accuracy", "train",
+         ("test_loss", "loss", "loss on the test split"),
+         ("train_loss", "loss", "the last training loss")),
+    # ---- probes
+    *_of("probe", "estimate",
+         (ESTIMATE, "bytes", "predicted peak of one step (fake tensors; predicts "
+                             "`mem_tracker_peak_bytes`)", "estimate"),
+         (ESTIMATE_ACT, "bytes", "predicted activation peak (predicts `mem_peak_act_bytes`)"),
+         ("mem_estimate_saved_bytes", "bytes",
+          "predicted saved bytes (predicts `mem_act_saved_bytes`)"),
+         ("mem_estimate_at_peak_{" + ",".join(ESTIMATE_AT_PEAK) + "}_bytes", "bytes",
+          "the predicted breakdown at the peak"),
+         (f"mem_estimate_at_act_peak_{_BREAKDOWN}_bytes", "bytes",
+          "the predicted breakdown at the activation peak"),
+         ("mem_estimate_device", "text", "the device the estimate modelled"),
+         ("mem_estimate_phase", "text",
+          "a multi-phase method's phase with the largest predicted peak"),
+         ("mem_estimate_act_phase", "text",
+          "the phase with the largest predicted activation peak")),
+    *_of("probe", "probes",
+         ("mem_estimate_error", "text", "why the estimate failed (training went on)"),
+         (MAX_BATCH, "count", "`trainer.find_max_batch`: the largest batch that fits (under "
+                              "`trainer.gpu_memory_gb`)", "largest batch")),
+    *_of("probe", "capacity",
+         ("gpu_memory_cap_bytes", "bytes", "`trainer.gpu_memory_gb` in bytes"),
+         ("gpu_memory_cap_applied", "bool", "whether the cap was applied (CUDA only)")),
+    # ---- method checkpoint (CheckpointMethod.prepare: its plan)
+    *_of("method", "checkpoint.prepare",
+         ("plan_peak_bytes", "bytes", "the planner's modelled activation peak"),
+         ("plan_baseline_peak_bytes", "bytes", "the modelled activation peak without "
+                                               "recomputation"),
+         ("plan_budget_bytes", "bytes", "the budget planned for"),
+         ("plan_measured_peak_bytes", "bytes",
+          "a stack's plan, measured in one tracked step before training"),
+         ("plan_overhead", "ratio", "modelled recompute time / forward-backward time"),
+         ("plan_recompute_s", "s", "modelled recompute time"),
+         ("plan_solve_s", "s", "the solver's time"),
+         ("plan_segments", "count", "segments of the model's chain"),
+         ("plan_groups", "text", "recomputed groups of segments, `a-e;...`"),
+         ("plan_granularity", "text", "op or block: what was planned"),
+         ("plan_kept_ops", "count", "op plans: ops kept inside recomputed groups"),
+         ("plan_recomputed_ops", "count", "op plans: ops recomputed"),
+         ("plan_compact_segments", "count", "op plans: kept segments stored compacted"),
+         ("plan_compact_bytes", "bytes", "op plans: bytes the compaction saves")),
+    # ---- method synthetic (Synthetic.fit: one training phase per partition)
+    *_of("method", "synthetic.fit",
+         ("part<j>.<column>", "as <column>", "partition j's phase's own value of a column"),
+         ("recovery.<column>", "as <column>",
+          "the end-to-end recovery phase's own value of a column"),
+         ("part<j>.units", "text", "partition j's units, `first-last`"),
+         ("part<j>.mem_labels_bytes", "bytes", "the label matrices partition j holds"),
+         ("synthetic_cuts", "text", "the cuts, unit indices `a;b`"),
+         ("synthetic_largest_phase", "text", "the phase whose peak the row's memory columns "
+                                             "report"),
+         ("synthetic_largest_act_phase", "text",
+          "the phase whose activation peak the row's activation columns report")),
+)
+
+# <column> is a declared column, never another phase's copy (part0.part1.steps)
+_PLACEHOLDERS = {"<option>": r"(?P<option>[^.\s][^\s]*)", "<j>": r"\d+",
+                 "<column>": r"(?!part\d+\.|recovery\.)(?P<column>[^\s]+)"}
+
+
+def _regex(name: str) -> re.Pattern:
+    out, i = "", 0
+    for m in re.finditer(r"<\w+>|\{[^}]*\}", name):
+        out += re.escape(name[i:m.start()])
+        tok = m.group(0)
+        out += _PLACEHOLDERS[tok] if tok.startswith("<") else \
+            "(?P<word>" + "|".join(map(re.escape, tok[1:-1].split(","))) + ")"
+        i = m.end()
+    return re.compile(out + re.escape(name[i:]) + r"\Z")
+
+
+_EXACT = {c.name: c for c in COLUMNS if not c.family}
+_FAMILIES = [(c, _regex(c.name)) for c in COLUMNS if c.family]
+
+
+@functools.lru_cache(maxsize=4096)
+def _match(name: str) -> tuple[Column, str] | None:
+    """(the declaration, the option or word a family's member stands for) or None."""
+    if name in _EXACT:
+        return _EXACT[name], ""
+    for col, rx in _FAMILIES:
+        m = rx.match(name)
+        if m is None:
+            continue
+        part = m.groupdict()
+        if "column" in part:  # a phase's copy of a declared column
+            inner = _match(part["column"])
+            if inner is None:
+                continue
+            return inner
+        return col, part.get("option") or part.get("word") or ""
+    return None
+
+
+def lookup(name: str) -> Column | None:
+    """The declaration of a column (a phase's copy resolves to the column it copies)."""
+    found = _match(name)
+    return found[0] if found else None
+
+
+def declared(name: str) -> bool:
+    return isinstance(name, str) and _match(name) is not None
+
+
+def undeclared(row: Mapping | Iterable[str]) -> list[str]:
+    """The columns of a row (or names) that no declaration covers."""
+    return [k for k in row if not declared(k)]
+
+
+def label(name: str) -> str:
+    """A column's short name: its own, its family's for its option or word, else the name
+    (`method.<option>` without its label: the option itself)."""
+    found = _match(name)
+    if found is None:
+        return name
+    col, part = found
+    if col.name.endswith("<option>"):  # an option by its own (last) name, or its short one
+        leaf = part.rpartition(".")[2]
+        return col.labels.get(leaf, leaf)
+    return col.labels.get(part) or col.label or name
+
+
+def axis(name: str) -> str:
+    """A figure axis's name of a column: its `axis`, else its label."""
+    col = lookup(name)
+    return (col.axis if col is not None and col.axis else "") or label(name)
+
+
+def unit(name: str) -> str | None:
+    col = lookup(name)
+    return None if col is None else col.unit
+
+
+def labels_of(family: str) -> dict[str, str]:
+    """A family's labels by option or word, e.g. labels_of('method.<option>')."""
+    return dict(next(c.labels for c in COLUMNS if c.name == family))
+
+
+def strict() -> bool:
+    return os.environ.get(STRICT_ENV, "") == "1"
+
+
+class UndeclaredColumn(ValueError):
+    """A row holds a column memtrain/columns.py does not declare (MEMTRAIN_STRICT_COLUMNS=1)."""
+
+
+def check(row: Mapping, where: str = "") -> list[str]:
+    """Undeclared columns of a row about to be written: a warning (the row is written all the
+    same: a user's run must not die of it), an error under MEMTRAIN_STRICT_COLUMNS=1."""
+    bad = undeclared(row)
+    if bad:
+        msg = (f"undeclared column{'s' * (len(bad) > 1)} {', '.join(map(repr, bad))}"
+               f"{f' in {where}' if where else ''}: declare {'them' if len(bad) > 1 else 'it'} "
+               f"in memtrain/columns.py")
+        if strict():
+            raise UndeclaredColumn(msg)
+        log.warning(msg)
+    return bad
+
+
+# ---------------------------------------------------------------- the README's table
+
+
+def markdown() -> str:
+    """The table of every column, grouped by kind, as README.md shows it."""
+    lines = ["| column | unit | written by | meaning |", "| --- | --- | --- | --- |"]
+    for kind, what in KINDS.items():
+        lines.append(f"| **{kind}** | | | {what} |")
+        for c in COLUMNS:
+            if c.kind == kind:
+                lines.append(f"| `{c.name}` | {c.unit} | {c.writer} | {c.meaning} |")
+    return "\n".join(lines)
+
+
+def with_table(text: str) -> str:
+    """`text` (README.md) with the table between its markers replaced by the current one."""
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not sep or not sep2:
+        raise ValueError(f"no {BEGIN} ... {END} markers")
+    return f"{head}{BEGIN}\n{markdown()}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m memtrain.columns", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--markdown", action="store_true", help="print the table")
+    ap.add_argument("--write", type=Path, metavar="README.md",
+                    help="replace the table between the file's markers")
+    a = ap.parse_args(argv)
+    if a.write:
+        a.write.write_text(with_table(a.write.read_text(encoding="utf-8")), encoding="utf-8")
+    if a.markdown or not a.write:
+        print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Where memtrain's own files are: conf/ of a source checkout, else the installed memtrain.conf.
+
+Imports the standard library only: config.py (Hydra's search path) and the report (its display
+names and method order in conf/report/) both read conf/ through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def conf_dir() -> Path:
+    """conf/ beside the package in a source checkout, else the installed memtrain.conf."""
+    here = Path(__file__).resolve().parent.parent / "conf"
+    if (here / "config.yaml").exists():
+        return here
+    return installed_conf_dir()
+
+
+def installed_conf_dir() -> Path:
+    """The folder of the installed `memtrain.conf` (conf/ has no __init__.py: a namespace
+    package, whose one folder is its path; importlib.resources would give a MultiplexedPath,
+    whose str() is no path)."""
+    import memtrain.conf
+
+    return Path(next(iter(memtrain.conf.__path__)))
