@@ -339,6 +339,23 @@ def unit(name: str) -> str | None:
     return None if col is None else col.unit
 
 
+# Units whose values cannot leave a range, whatever the column: an accuracy of 7.5, a negative
+# byte count or a negative throughput is no measurement (a row edited by hand, another tool's).
+RANGES = {"fraction": (0.0, 1.0), "bytes": (0.0, None), "s": (0.0, None),
+          "samples/s": (0.0, None), "count": (0.0, None)}
+# ... except differences, which may be negative by design: what the allocator holds beyond the
+# tracked parts ("other" of a CUDA breakdown is not clamped: the tracker seeing more must show)
+SIGNED = re.compile(r"_other_bytes$|_error|_delta|_diff")
+
+
+def valid_range(name: str) -> tuple[float, float | None] | None:
+    """(lo, hi) a value of the column must lie in (hi None: no upper end), or None."""
+    u = unit(name)
+    if u not in RANGES or SIGNED.search(name):
+        return None
+    return RANGES[u]
+
+
 def labels_of(family: str) -> dict[str, str]:
     """A family's labels by option or word, e.g. labels_of('method.<option>')."""
     return dict(next(c.labels for c in COLUMNS if c.name == family))

@@ -274,11 +274,11 @@ def test_corrupt_and_missing_summaries_are_skipped(small, capsys):
 def test_cli_errors_and_mixed_types(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     (tmp_path / "empty").mkdir()
-    assert report_main([str(tmp_path / "empty")]) == 1
+    assert report_main([str(tmp_path / "empty")]) == 2  # no input, as a missing folder
     r = tmp_path / "r"
     write_run(r / "a", method="checkpoint", params={"segments": 2})
     write_run(r / "b", method="checkpoint", params={"segments": "auto"})
-    assert report_main([str(r), "--baseline", "bogus"]) == 1
+    assert report_main([str(r), "--baseline", "bogus"]) == 2  # bad input: one line, exit 2
     assert "--baseline must look like" in capsys.readouterr().err
     assert report_main([str(r), "--no-figures"]) == 0  # no none run at all: NaN, not a crash
     assert set(pd.read_parquet(r / "summary.parquet")["method.segments"]) == {"2", "auto"}

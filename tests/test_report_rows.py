@@ -35,6 +35,10 @@ def _raw_edit(folder, key, text):
     ("mem_act_saved_bytes", "1" + "0" * 30, "an integer beyond 64 bits"),
     ("throughput_samples_s", "Infinity", "an infinity"),
     ("method.kernel_size", '{"a": 1}', "a dict"),
+    # impossible by the column's unit (memtrain/columns.py)
+    ("test_acc", "7.5", "outside [0, 1] (fraction)"),
+    ("throughput_samples_s", "-5", "outside [0, inf] (samples/s)"),
+    ("mem_act_saved_bytes", "-1", "outside [0, inf] (bytes)"),
 ])
 def test_a_bad_value_skips_its_row_only(tmp_path, capsys, key, text, what):
     r = tmp_path / "runs"
@@ -45,7 +49,8 @@ def test_a_bad_value_skips_its_row_only(tmp_path, capsys, key, text, what):
     _raw_edit(r / "p1", key, text)
     assert report_main([str(r), "--no-figures"]) == 0
     err = capsys.readouterr().err
-    assert f"{r / 'p1' / 'summary.json'}: column {key!r}" in err and what in err
+    assert err.count(f"{r / 'p1' / 'summary.json'}: column {key!r}") == 1, err  # once
+    assert what in err
     runs = pd.read_csv(r / "summary.csv")
     assert len(runs) == 5 and not runs["run_dir"].str.endswith("/p1").any()
     settings = pd.read_csv(r / "settings.csv").set_index("method")
@@ -121,3 +126,12 @@ def test_every_run_failed_still_reports(tmp_path):
     assert (r / "figures" / "failures.png").is_file()
     md = (r / "report.md").read_text()
     assert "oom" in md and "throughput: not drawn (no throughput_samples_s column" in md
+
+
+def test_a_folder_without_runs_is_bad_input(tmp_path, capsys):
+    """An empty folder exits 2 like the other no-input cases (a missing folder, a bad option)."""
+    (tmp_path / "empty").mkdir()
+    assert report_main([str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"memtrain-report: error: no run folders (with summary.json) below {tmp_path / 'empty'}"
+    assert report_main([str(tmp_path / "empty"), "--baseline", "bogus"]) == 2

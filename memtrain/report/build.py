@@ -15,7 +15,7 @@ import pandas as pd
 
 from memtrain.report import derive, markdown, tables
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
-from memtrain.report.names import Names
+from memtrain.report.names import InputError, Names
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     figures: dict[str, list[Path]] = field(default_factory=dict)
     not_drawn: dict[str, str] = field(default_factory=dict)
+
 
 
 def to_parquet(df: pd.DataFrame, path: Path) -> None:
@@ -83,14 +84,14 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     dirs = [Path(d) for d in dirs]
     tables.parse_baseline(baseline)
     if memory not in style_mod.MEMORY_CHOICES:
-        raise ValueError(f"--memory must be one of {', '.join(style_mod.MEMORY_CHOICES)}, "
+        raise InputError(f"--memory must be one of {', '.join(style_mod.MEMORY_CHOICES)}, "
                          f"got {memory!r}")
     if style not in style_mod.LOOKS:
-        raise ValueError(f"--style must be one of {', '.join(style_mod.LOOKS)}, got {style!r}")
+        raise InputError(f"--style must be one of {', '.join(style_mod.LOOKS)}, got {style!r}")
     disp = names_mod.load(names, labels)
     raw, skipped = tables.load_runs(dirs)
     if raw.empty:
-        raise ValueError(f"no run folders (with summary.json) below {', '.join(map(str, dirs))}")
+        raise InputError(f"no run folders (with summary.json) below {', '.join(map(str, dirs))}")
     out = Path(out or dirs[0])
     out.mkdir(parents=True, exist_ok=True)
     runs, settings, warnings = analyse(raw, baseline, match, disp)

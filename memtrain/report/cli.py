@@ -4,6 +4,7 @@ settings.csv, report.md and figures/ (PNG and PDF), plus a table on the terminal
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -73,9 +74,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from memtrain.report import names
-    from memtrain.report.build import make_report
+    from memtrain.report.build import InputError, make_report
 
     args = parser().parse_args(argv)
+    # what the report skips or warns about, it prints below, once: no second copy through
+    # Python's last-resort log handler
+    logging.getLogger("memtrain.report").addHandler(logging.NullHandler())
     try:  # a bad names file or --label is bad input: one line, exit 2, before any work
         disp = names.load(args.names, dict(names.parse_label(x) for x in args.label))
     except ValueError as e:
@@ -95,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # --out under a file, or on a read-only disk
         print(f"memtrain-report: error: cannot write the report: {e}", file=sys.stderr)
+        return 2
+    except InputError as e:
+        print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)

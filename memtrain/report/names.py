@@ -41,6 +41,10 @@ from memtrain import columns, paths
 CONFIG_PREFIXES = tuple(f"{g}." for g in columns.CONFIG_GROUPS)
 
 
+
+class InputError(ValueError):
+    """Bad input to the report (an option, folders with no runs): the CLI's exit status 2."""
+
 def _read(path: str | os.PathLike) -> dict[str, Any]:
     import yaml
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from memtrain import columns
 from memtrain.report.names import CONFIG_PREFIXES
 
 # Columns that always hold numbers (snake_case with units, the contract in DESIGN.md), even when
@@ -64,6 +65,11 @@ def check_rows(rows: list[dict], files: list[Path]) -> tuple[list[dict], list[tu
             reason = bad_value(v)
             if reason is None and k in numeric and isinstance(v, str):
                 reason = "text where a number goes"
+            if reason is None and _number(v) and (rng := columns.valid_range(k)) is not None:
+                lo, hi = rng
+                if v < lo or (hi is not None and v > hi):
+                    reason = f"outside [{lo:g}, {'inf' if hi is None else f'{hi:g}'}] " \
+                        f"({columns.unit(k)})"
             if reason is not None:
                 why = f"{f}: column {k!r} holds {_short(v)}, {reason}"
                 break

@@ -16,7 +16,7 @@ import pandas as pd
 
 from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
 from memtrain.report import derive, screen
-from memtrain.report.names import CONFIG_PREFIXES, Names, fmt_value, isna
+from memtrain.report.names import CONFIG_PREFIXES, InputError, Names, fmt_value, isna
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def parse_baseline(spec: str) -> dict[str, str]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, value = part.partition("=")
         if not sep or not key:
-            raise ValueError(f"--baseline must look like method=none, got {spec!r}")
+            raise InputError(f"--baseline must look like method=none, got {spec!r}")
         out[key] = value
     return out
 
