@@ -356,3 +356,39 @@ def test_budget_figure_draws_one_series_per_strategy(study):
     styles = {ln.get_label(): ln.get_linestyle() for ln in ax.get_lines()}
     assert styles.get("_budget") == "-" and styles.get("_budget block") == "--"
     plots.plt.close(bud.fig)
+
+
+def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
+    """`trainer.estimate=true trainer.max_steps=0` rows hold predictions only: the report gives
+    them their own table (predicted peak, activation peak and saved bytes against none's
+    prediction, whether it fits the GPU memory asked for) and figure, exit 0."""
+    import json
+
+    r = tmp_path / "r"
+    measured = ("mem_peak_alloc_bytes", "mem_peak_act_bytes", "mem_act_saved_bytes",
+                "throughput_samples_s", "step_time_s_median", "test_acc", "test_acc5",
+                "train_loss", "mem_peak_source")
+    for name, method, peak, act, saved in (("n", "none", 400, 200, 150),
+                                           ("q", "quantize", 220, 60, 22.5),
+                                           ("c", "checkpoint", 280, 100, 75)):
+        f = write_run(r / name, method=method,
+                      params={"budget_fraction": 0.5} if method == "checkpoint" else None,
+                      extra={"mem_estimate_bytes": peak * MiB, "mem_estimate_act_bytes": act * MiB,
+                             "mem_estimate_saved_bytes": saved * MiB,
+                             "trainer.gpu_memory_gb": 0.25, "trainer.estimate": True,
+                             "trainer.max_steps": 0}) / "summary.json"
+        row = json.loads(f.read_text())
+        for k in measured:
+            row.pop(k, None)
+        row["test_acc"] = None
+        f.write_text(json.dumps(row))
+    assert report_main([str(r)]) == 0
+    md = (r / "report.md").read_text()
+    assert "| setting | predicted peak MiB | / none | predicted act. peak / none | " \
+        "predicted saved act. / none | fits 0.25 GiB |" in md
+    assert "| quantize | 220 | 0.55 | 0.30 | 0.15 | yes |" in md
+    assert "| none | 400 | 1.00 | 1.00 | 1.00 | no |" in md
+    drawn = pd.read_csv(r / "figures" / "estimates.csv").set_index("label")
+    assert drawn.loc["checkpoint", "predicted_peak_bytes"] == 280 * MiB
+    assert drawn.loc["quantize", "predicted_rel"] == pytest.approx(0.55)
+    assert set(drawn["gpu_memory_bytes"]) == {0.25 * 2**30}

@@ -27,6 +27,9 @@ COMPACT = {
     "mem_act_rel": "act_peak_rel",
     "throughput_e2e_samples_s": "samples_s",  # end to end (derive.py)
     "test_acc": "test_acc",
+    # the GPU-free estimate's predictions (trainer.estimate=true)
+    "mem_estimate_bytes": "pred_peak_MiB",
+    "mem_estimate_rel": "pred_peak_rel",
 }
 
 
@@ -37,7 +40,7 @@ def compact(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=df.index)
     out["method"] = df["label"] if "label" in df else df["method"]
     for col, name in COMPACT.items():
-        if col not in df:
+        if col not in df or (col != "test_acc" and df[col].isna().all()):  # none measured
             continue
         v = df[col]
         out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if unit(col) == "bytes" else v

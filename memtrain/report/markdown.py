@@ -104,6 +104,45 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     return "\n".join(lines)
 
 
+ESTIMATES = ("mem_estimate_bytes", "mem_estimate_act_bytes", "mem_estimate_saved_bytes")
+
+
+def gpu_memory(g: pd.DataFrame) -> float:
+    """The GPU memory a prediction is set against: the cap asked for (trainer.gpu_memory_gb), else
+    the measuring device's (0 on the CPU: none), in bytes; NaN when neither is known."""
+    for col, scale in (("gpu_memory_cap_bytes", 1), ("trainer.gpu_memory_gb", 2**30),
+                       ("device_total_memory_bytes", 1)):
+        v = pd.to_numeric(g.get(col, pd.Series(dtype=float)), errors="coerce") * scale
+        v = v[v > 0]
+        if len(v):
+            return float(v.max())
+    return float("nan")
+
+
+def estimates_table(g: pd.DataFrame, baseline: str) -> str | None:
+    """The GPU-free estimate's predictions (trainer.estimate=true), when any setting has one:
+    predicted peak, activation peak and saved bytes, each against the baseline's prediction,
+    and whether the peak fits the GPU memory it is set against."""
+    if not any(c in g and g[c].notna().any() for c in ESTIMATES):
+        return None
+    div, unit, dec = _bytes_col(g, ESTIMATES[0])
+    cap = gpu_memory(g)
+    head = ["setting", f"predicted {label(PEAK)} {unit}", f"/ {baseline}",
+            f"predicted {label(ACT_PEAK)} / {baseline}", f"predicted {label(SAVED)} / {baseline}"]
+    if cap == cap:
+        head.append(f"fits {cap / 2**30:.4g} GiB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, r in order_settings(g).iterrows():
+        if pd.isna(r.get(ESTIMATES[0])):
+            continue
+        cells = [r["label"], _cell(r, ESTIMATES[0], dec, 1 / div), _ratio(r, "mem_estimate_rel"),
+                 _ratio(r, "mem_estimate_act_rel"), _ratio(r, "mem_estimate_saved_rel")]
+        if cap == cap:
+            cells.append("yes" if r[ESTIMATES[0]] <= cap else "no")
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def failed(g: pd.DataFrame) -> list[str]:
     """'- pool k=2 (error 1/2): ValueError: ...' for each setting with a failed run."""
     return [f"- {r['label']} ({r['status']}): {r.get('error_short') or 'no error message'}"
@@ -158,7 +197,13 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         parts.append(f"- Shared by every setting of a method (left out of the labels): {shared}.")
     parts.append("")
     for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True):
-        parts += [f"## {names.panel(model, dataset)}", "", table(g, mem, short, peak_src), ""]
+        parts += [f"## {names.panel(model, dataset)}", ""]
+        est = estimates_table(g, short)
+        if est is None or g.get(PEAK, pd.Series(dtype=float)).notna().any():
+            parts += [table(g, mem, short, peak_src), ""]  # what was measured
+        if est:
+            parts += ["Predicted by the GPU-free estimate (`trainer.estimate=true`: one step on "
+                      "fake tensors, no data, nothing trained):", "", est, ""]
         if fail := failed(g):
             parts += ["Failed runs (the reason is the first line of the run's `error`):", "",
                       *fail, ""]

@@ -15,6 +15,7 @@ import textwrap
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from memtrain.report import derive, style
 from memtrain.report.draw import (
@@ -271,6 +272,49 @@ def failures(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
 # ---------------------------------------------------------------- all of them
 
 
+# ---------------------------------------------------------------- the GPU-free estimate
+
+
+def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
+    """The GPU-free estimate's predicted peak per setting (`trainer.estimate=true`), one
+    horizontal bar each, against the GPU memory it is set against (the cap asked for, or the
+    measuring GPU's), drawn as a line: what fits before a GPU is rented."""
+    from memtrain.report.markdown import ESTIMATES, gpu_memory
+
+    col = ESTIMATES[0]
+    if col not in agg or agg[col].notna().sum() == 0:
+        return None
+    div, unit = byte_unit(agg[col])
+    styles, ps = setting_styles(agg), panels(agg, names)
+    fig, axes = style.subplots(len(ps))
+    drawn = []
+    for ax, (title, g) in zip(axes, ps):
+        g = order_settings(g)
+        g = g[g[col].notna()]
+        ys = list(range(len(g)))[::-1]
+        for y, (_, r) in zip(ys, g.iterrows()):
+            ax.barh([y], [r[col] / div], color=styles[r["label"]]["color"], height=0.7)
+            drawn.append({"panel": title, "label": r["label"], "method": r["method"],
+                          "predicted_peak_bytes": r[col],
+                          "predicted_rel": r.get("mem_estimate_rel")})
+        ax.set_yticks(ys, list(g["label"]))
+        cap = gpu_memory(g)
+        if cap == cap:
+            ax.axvline(cap / div, color="#c00000", linestyle="--",
+                       linewidth=style.line_width(0.8))
+            ax.annotate(f"GPU memory {cap / div:.3g} {unit}", (cap / div, ys[0] + 0.45 if ys
+                                                                 else 0),
+                        fontsize="small", color="#c00000", ha="right", va="bottom")
+            for d in drawn:
+                if d["panel"] == title:
+                    d["gpu_memory_bytes"] = cap
+        ax.set(title=title, xlabel=f"predicted peak of one training step ({unit})")
+        ax.set_xlim(left=0)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+    fig.tight_layout(pad=0.3, h_pad=1.2)
+    return Plot("estimates", fig, pd.DataFrame(drawn))
+
+
 def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str = "none",
               names: Names = DEFAULT_NAMES) -> tuple[list[Plot], dict[str, str]]:
     """Every applicable figure, and for the others the reason they were not drawn."""
@@ -282,6 +326,7 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
         "budget": (lambda: budget(agg, mem, baseline, names),
                    "no method=checkpoint runs with method.budget_fraction"),
         "failures": (lambda: failures(agg, names), "every run ended ok"),
+        "estimates": (lambda: estimates(agg, names), None),  # only when estimated: no note
     }
     made, why = [], {}
     for name, (make, reason) in makers.items():
@@ -291,7 +336,8 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
             why[name] = f"no {e.args[0]} column in any run"
             continue
         if p is None:
-            why[name] = reason
+            if reason is not None:
+                why[name] = reason
         else:
             made.append(p)
     return made, why

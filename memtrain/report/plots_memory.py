@@ -124,8 +124,8 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
     baseline's activation peak; `rows` are the budget settings, failed ones listed."""
     ok = draw.ok_rows(rows)
     color = style.method_color("checkpoint")
-    lim = [0, max(1.05, *(ok[c].max() * 1.05 for c in ("mem_act_rel", "plan_peak_rel")
-                          if c in ok and ok[c].notna().any()))]
+    lim = [0, max([1.05, *(ok[c].max() * 1.05 for c in ("mem_act_rel", "plan_peak_rel")
+                           if c in ok and ok[c].notna().any())])]
     ax.plot(lim, lim, color="#888888", linestyle="--", linewidth=style.line_width(0.7), zorder=1)
     drawn = []
     for _, r in ok.sort_values(FRACTION).iterrows():

@@ -37,6 +37,10 @@ RATIOS = {
     # end to end (report/derive.py): every phase of a multi-phase method, not its largest one
     "throughput_e2e_samples_s": "throughput_rel",
     "step_time_e2e_s": "step_time_rel",
+    # the GPU-free estimate (trainer.estimate=true): predicted against the baseline's prediction
+    "mem_estimate_bytes": "mem_estimate_rel",
+    "mem_estimate_act_bytes": "mem_estimate_act_rel",
+    "mem_estimate_saved_bytes": "mem_estimate_saved_rel",
 }
 DELTAS = {"test_acc": "test_acc_delta"}
 
