@@ -98,6 +98,9 @@ def main() -> None:
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(sys.argv[1:])
+    if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
+        sys.argv[1:1] = ["--cfg", "job"]
+        args.cfg = "job"
     if args.multirun:  # SIGTERM stops every job, leaving rows
         faults.SweepStop.install_main()
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides

@@ -95,3 +95,13 @@ def test_long_multirun_flag(in_tmp):
     assert p.returncode == 0, p.stderr
     rows = [json.loads(f.read_text()) for f in sorted((in_tmp / "sw").glob("*/summary.json"))]
     assert [(r["status"], r["trainer.seed"]) for r in rows] == [("ok", 0), ("ok", 1)]
+
+
+@pytest.mark.slow
+def test_p_alone_prints_the_package_and_trains_nothing(in_tmp):
+    """Hydra reads -p only with --cfg: `memtrain -p method` alone trained resnet18 for 10
+    epochs. It prints the composed package, as `--cfg job -p method` does."""
+    p = run_memtrain("-p", "method", "method=pool", cwd=in_tmp, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("# @package method\n_target_: memtrain.methods.pool.PoolMethod")
+    assert not (in_tmp / "runs").exists()
