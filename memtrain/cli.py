@@ -98,6 +98,11 @@ def main() -> None:
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(sys.argv[1:])
+    if args.help:  # memtrain's own: what it is, its groups, examples (Hydra's: --hydra-help)
+        from memtrain import groups
+
+        print(groups.help_text())
+        return
     if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
         sys.argv[1:1] = ["--cfg", "job"]
         args.cfg = "job"
