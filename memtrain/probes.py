@@ -9,6 +9,7 @@ CUDA) and whether it fits.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,13 +51,19 @@ def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
                                       b, t.precision, est_dev)
 
     if t.estimate:
+        # a large model, or a method that plans (checkpoint profiles, quantize packs every saved
+        # tensor), takes a minute or more here: say what is going on before it starts
+        log.info("estimate: batch %d on fake tensors (%s): building the model, applying the "
+                 "method, running one training step ...", t.batch_size, est_dev)
+        started = time.perf_counter()
         try:
             out.update(predict(t.batch_size))
             phase = out.get("mem_estimate_phase")
             log.info("estimate: batch %d: peak %.4f GiB, activations %.4f GiB%s (%s, fake "
-                     "tensors)", t.batch_size, out["mem_estimate_bytes"] / capacity.GiB,
+                     "tensors; %.1f s)", t.batch_size, out["mem_estimate_bytes"] / capacity.GiB,
                      out["mem_estimate_act_bytes"] / capacity.GiB,
-                     f", largest phase {phase}" if phase else "", est_dev)
+                     f", largest phase {phase}" if phase else "", est_dev,
+                     time.perf_counter() - started)
         except Exception as e:  # an op without a fake implementation: say so, train anyway
             out["mem_estimate_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("trainer.estimate failed: %s", out["mem_estimate_error"])

@@ -139,3 +139,18 @@ def test_triton_launchers_on_fake_tensors_only_allocate_their_outputs():
         assert col_ptr.shape == (6,)
         grad_w = kernels.bsr_grad_weight(torch.randn(40, 24), values, rows, col_ptr, 70)
         assert grad_w.shape == (24, 70)
+
+
+def test_the_estimate_says_what_it_does_before_and_how_long_after(tmp_path, caplog):
+    """A probe that can take a minute (resnet50's quantize estimate: 88 s) is not silent: a line
+    before it starts, and its time with the result."""
+    from memtrain import api
+
+    with caplog.at_level("INFO", logger="memtrain"):
+        api.run(["model=mlp6", "trainer=smoke", "dataset.image_size=8", "trainer.estimate=true",
+                 "trainer.max_steps=0"], out_dir=tmp_path)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("estimate:")]
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("building the model, applying the method, running one training "
+                             "step ...")
+    assert " s)" in lines[1] and "peak" in lines[1]
