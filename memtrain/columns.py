@@ -206,6 +206,13 @@ COLUMNS: tuple[Column, ...] = (
     *_of("accuracy", "train",
          ("test_loss", "loss", "loss on the test split"),
          ("train_loss", "loss", "the last training loss")),
+    *_of("accuracy", "runner",
+         ("chance_acc", "fraction", "the accuracy of guessing: 1 / the dataset's classes",
+          "chance"),
+         ("test_samples", "count", "test samples the accuracy was measured on"),
+         ("learned", "bool", "test accuracy above chance by 2 binomial sigma and the last "
+                             "training loss below ln(classes); false: the run did not learn"),
+         ("not_learned_why", "text", "why `learned` is false")),
     # ---- probes
     *_of("probe", "estimate",
          (ESTIMATE, "bytes", "predicted peak of one step (fake tensors; predicts "

@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import sys
 import time
 import traceback
@@ -193,6 +194,30 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     return _finish(run_dir, summary, metrics, error)
 
 
+def learning(test_acc, train_loss, num_classes: int, n_test: int) -> dict[str, Any]:
+    """Did the run learn? Its test accuracy above chance (1 / classes) by more than two binomial
+    standard deviations of the samples evaluated, and its last training loss below ln(classes),
+    the loss of predicting every class alike (the unigram loss of balanced classes). A diverged
+    or stuck run is `ok` as a run but says here that it did not learn, and why."""
+    chance = 1.0 / num_classes
+    margin = 2 * math.sqrt(chance * (1 - chance) / max(1, n_test))
+    out: dict[str, Any] = {"chance_acc": chance, "test_samples": n_test}
+    why = []
+    if test_acc is None or not math.isfinite(test_acc):
+        return out  # never evaluated: nothing to say
+    if test_acc <= chance + margin:
+        why.append(f"test_acc {test_acc:.4f} is not above chance {chance:.4f} by 2 sigma "
+                   f"({margin:.4f} over {n_test} samples)")
+    uniform = math.log(num_classes)
+    if train_loss is None or not math.isfinite(train_loss) or train_loss >= uniform:
+        why.append(f"train loss {train_loss:.4g} is not below ln({num_classes}) = {uniform:.3f}, "
+                   "the loss of predicting every class alike")
+    out["learned"] = not why
+    if why:
+        out["not_learned_why"] = "; ".join(why)
+    return out
+
+
 def _finished_row(run_dir: Path) -> dict[str, Any] | None:
     """The row a folder holds when its run ended (any status but running or interrupted)."""
     try:
@@ -275,6 +300,11 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
             result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
                           checkpointer=ckpt, loggers=live)
     summary.update(result.summary)
+    if not planned.get("dry_run"):
+        n_test = len(data.test) if t.eval_max_batches is None else min(
+            len(data.test), t.eval_max_batches * (t.eval_batch_size or t.batch_size))
+        summary.update(learning(summary.get("test_acc"), summary.get("train_loss"),
+                                data.num_classes, n_test))
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)
     summary.update(ckpt.columns())

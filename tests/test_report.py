@@ -392,3 +392,38 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
     assert drawn.loc["checkpoint", "predicted_peak_bytes"] == 280 * MiB
     assert drawn.loc["quantize", "predicted_rel"] == pytest.approx(0.55)
     assert set(drawn["gpu_memory_bytes"]) == {0.25 * 2**30}
+
+
+def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged(tmp_path):
+    """Error bars stop at 0% and 100%; the chance level (1 / classes) is a line; a setting with
+    a run that did not learn (runner.learning) is hollow in the figure and said in the table."""
+    r = tmp_path / "r"
+    for seed, acc in enumerate((0.02, 0.40)):  # mean 0.21, std 0.27: the bar would reach -6%
+        write_run(r / f"p{seed}", method="pool", seed=seed, test_acc=acc, peak=60 * MiB,
+                  extra={"chance_acc": 0.1, "learned": acc > 0.2, "test_samples": 2000})
+        write_run(r / f"n{seed}", seed=seed, test_acc=0.9, extra={"chance_acc": 0.1,
+                                                                   "learned": True})
+    assert report_main([str(r)]) == 0
+    drawn = pd.read_csv(r / "figures" / "tradeoff.csv").set_index("label")
+    pool = drawn.loc["pool"]
+    assert pool["y"] == pytest.approx(21.0) and pool["yerr"] > 21.0
+    assert pool["yerr_low"] == pytest.approx(21.0) and pool["yerr_high"] == pool["yerr"]
+    assert bool(pool["did_not_learn"]) and not bool(drawn.loc["none", "did_not_learn"])
+    assert list(drawn["chance"]) == pytest.approx([10.0, 10.0])
+    assert "| ok, did not learn 1/2 |" in (r / "report.md").read_text()
+
+
+def test_a_run_that_did_not_learn_says_why():
+    from memtrain.runner import learning
+
+    ok = learning(0.9, 0.3, 10, 2000)
+    assert ok["learned"] is True and ok["chance_acc"] == 0.1 and "not_learned_why" not in ok
+    # 2 sigma over 2000 samples at p = 0.1: 0.0134
+    near = learning(0.11, 2.0, 10, 2000)
+    assert near["learned"] is False and "not above chance 0.1000 by 2 sigma (0.0134 over 2000" \
+        in near["not_learned_why"]
+    assert learning(0.12, 2.0, 10, 2000)["learned"] is True
+    diverged = learning(0.5, 18.3, 10, 2000)  # trainer=smoke's loss of 18-28
+    assert diverged["learned"] is False and "train loss 18.3 is not below ln(10) = 2.303" in \
+        diverged["not_learned_why"]
+    assert "learned" not in learning(float("nan"), 0.1, 10, 100)  # never evaluated

@@ -102,25 +102,31 @@ def hollow(st: dict) -> dict:
 
 
 def points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str, xscale: float = 1.0,
-           yscale: float = 1.0, flag: str | None = None) -> list[dict]:
+           yscale: float = 1.0, flag: str | None = None,
+           yrange: tuple[float, float] | None = None) -> list[dict]:
     """Mean points with std error bars (both axes), one Line2D per setting, labelled. Settings
-    whose `flag` column is true are drawn hollow."""
+    whose `flag` column is true are drawn hollow. `yrange`: the metric's range (an accuracy's
+    0-100%), where the error bars stop (`yerr_low`, `yerr_high` in the data)."""
     drawn = []
     for _, r in order_settings(g).iterrows():
         xv, yv = r[x] / xscale, r[y] / yscale
         xe, ye = (r.get(f"{x}_std") or 0.0) / xscale, (r.get(f"{y}_std") or 0.0) / yscale
         if pd.isna(xv) or pd.isna(yv):
             continue
+        xe, ye = (0.0 if pd.isna(xe) else xe), (0.0 if pd.isna(ye) else ye)
+        low, high = ye, ye
+        if yrange is not None:
+            low, high = max(0.0, min(ye, yv - yrange[0])), max(0.0, min(ye, yrange[1] - yv))
         flagged = bool(flag) and is_true(r.get(flag))
         st = hollow(styles[r["label"]]) if flagged else styles[r["label"]]
-        ax.errorbar([xv], [yv], xerr=[0 if pd.isna(xe) else xe], yerr=[0 if pd.isna(ye) else ye],
+        ax.errorbar([xv], [yv], xerr=[xe], yerr=[[low], [high]],
                     fmt="none", ecolor=st["color"], elinewidth=style.line_width(0.6),
                     capsize=style.marker_size(0.4), alpha=0.8)
         ax.plot([xv], [yv], linestyle="none", label=r["label"],
                 markeredgecolor=st["color"] if flagged else "white", markeredgewidth=0.6,
                 zorder=3, **st)
         row = {"panel": panel, "label": r["label"], "method": r["method"], "x": xv, "y": yv,
-               "xerr": xe, "yerr": ye}
+               "xerr": xe, "yerr": ye, "yerr_low": low, "yerr_high": high}
         if flag:
             row[flag] = flagged
         drawn.append(row)

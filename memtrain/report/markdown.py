@@ -99,7 +99,8 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
                  _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_rel"),
                  _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
                  _cell(r, TEST_ACC, 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
-                 r["status"]]
+                 r["status"] + (f", did not learn {int(r['n_not_learned'])}/{int(r['n_ok'])}"
+                                if r.get("n_not_learned", 0) else "")]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 

@@ -74,7 +74,14 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     drawn = []
     for ax, (title, g) in zip(axes, ps):
         ok = ok_rows(g)
-        pts = points(ax, ok, xcol, "test_acc", styles, title, xscale=xscale, yscale=0.01)
+        pts = points(ax, ok, xcol, "test_acc", styles, title, xscale=xscale, yscale=0.01,
+                     flag="did_not_learn", yrange=(0.0, 100.0))
+        chance = pd.to_numeric(g.get("chance_acc", pd.Series(dtype=float)), errors="coerce")
+        if chance.notna().any():  # guessing's accuracy: a point at or below it learned nothing
+            ax.axhline(chance.mean() * 100, color="#c00000", linestyle=":",
+                       linewidth=style.line_width(0.7), zorder=0)
+            for p in pts:
+                p["chance"] = chance.mean() * 100
         idx = pareto_front(pd.Series([p["x"] for p in pts]), pd.Series([p["y"] for p in pts]))
         if len(idx) > 1:  # a front of one point is no line
             ax.plot([pts[i]["x"] for i in idx], [pts[i]["y"] for i in idx], color="#999999",
@@ -95,7 +102,14 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
              ["Pareto front"] * len(front) + same, panel=title)
         ax.set(title=title, xlabel=xlab, ylabel="test accuracy (%)")
     data = pd.DataFrame(drawn)
-    finish(fig, styles, drawn_labels(data))
+    extra = []
+    if "chance" in data:
+        extra.append((Line2D([], [], color="#c00000", linestyle=":"), "chance (1 / classes)"))
+    if "did_not_learn" in data and data["did_not_learn"].any():
+        extra.append((Line2D([], [], linestyle="none", marker="o",
+                             markersize=style.marker_size(), **hollow({"color": "#666666"})),
+                      "hollow: a run did not learn"))
+    finish(fig, styles, drawn_labels(data), tuple(extra))
     return Plot("tradeoff", fig, data)
 
 

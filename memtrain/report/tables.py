@@ -364,7 +364,11 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                    run_dirs=";".join(g["run_dir"].astype(str)) if "run_dir" in g else "",
                    timing_noisy=bool(ok.get("timing_noisy", pd.Series(dtype=bool)).any())
                    or derive.spread_noisy(ok.get("step_time_e2e_s", pd.Series(dtype=float))),
-                   error_short=_common(g.drop(ok.index).get("error_short")))
+                   error_short=_common(g.drop(ok.index).get("error_short")),
+                   # ok runs whose row says they did not learn (runner.learning)
+                   n_not_learned=int((ok.get("learned", pd.Series(dtype=object))
+                                      .map(lambda v: v is False or v == "False")).sum()))
+        row["did_not_learn"] = row["n_not_learned"] > 0
         for c in numeric:
             vals = ok[c].astype(float)
             row[c] = vals.mean()
