@@ -18,7 +18,7 @@ from memtrain.report.build import analyse, make_report
 from memtrain.report.cli import main as report_main
 from memtrain.report.names import DEFAULT as NAMES
 
-FIGURES = ("tradeoff", "breakdown", "throughput", "curves", "budget", "failures")
+FIGURES = ("cost", "tradeoff", "breakdown", "throughput", "curves", "budget", "failures")
 RESNET, RESMLP = NAMES.panel("resnet18", "cifar10"), NAMES.panel("resmlp12", "cifar10")
 
 
@@ -213,7 +213,7 @@ def test_figures_plot_the_table(study):
     assert widths == pytest.approx(peaks)  # the stacked parts add up to each peak
 
     bud = plots.budget(settings, mem)
-    ax = _panel(bud.fig, RESNET + ": cost")
+    ax = _panel(bud.fig, RESNET + ": memory against overhead")
     (curve,) = [ln for ln in ax.get_lines() if ln.get_label() == "_budget"]
     ck = by.loc[RESNET].loc[lambda d: d["method"] == "checkpoint"].sort_values(
         "method.budget_fraction")
@@ -336,7 +336,7 @@ def test_budget_figure_draws_one_series_per_strategy(study):
     strategy = pd.Series("budget", index=settings.index).where(ck)
     agg = pd.concat([settings.assign(**{"method.strategy": strategy}), comp], ignore_index=True)
     bud = plots.budget(agg, style.memory_metric(agg))
-    ax = _panel(bud.fig, RESNET + ": cost")
+    ax = _panel(bud.fig, RESNET + ": memory against overhead")
     lines = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label() in ("_budget",
                                                                                "_compile")}
     assert set(lines) == {"_budget", "_compile"}  # never one curve through both
@@ -352,7 +352,7 @@ def test_budget_figure_draws_one_series_per_strategy(study):
                                          "method.granularity": pd.Series("op", index=settings.index)
                                          .where(ck)}), blk], ignore_index=True)
     bud = plots.budget(agg2, style.memory_metric(agg2))
-    ax = _panel(bud.fig, RESNET + ": cost")
+    ax = _panel(bud.fig, RESNET + ": memory against overhead")
     styles = {ln.get_label(): ln.get_linestyle() for ln in ax.get_lines()}
     assert styles.get("_budget") == "-" and styles.get("_budget block") == "--"
     plots.plt.close(bud.fig)
@@ -427,3 +427,28 @@ def test_a_run_that_did_not_learn_says_why():
     assert diverged["learned"] is False and "train loss 18.3 is not below ln(10) = 2.303" in \
         diverged["not_learned_why"]
     assert "learned" not in learning(float("nan"), 0.1, 10, 100)  # never evaluated
+
+
+def test_the_cost_figure_comes_first_and_answers_the_question(tmp_path):
+    """Memory relative to none on x; accuracy change (points) and step-time overhead (%) on two
+    aligned rows; seeds as error bars, an overhead's stopped at -100% (no step takes less than
+    no time); the first figure of report.md."""
+    r = tmp_path / "r"
+    for seed, (tput, acc) in enumerate(((1000.0, 0.9), (1000.0, 0.9))):
+        write_run(r / f"n{seed}", seed=seed, throughput=tput, test_acc=acc)
+    for seed, (tput, acc) in enumerate(((4000.0, 0.86), (500.0, 0.82))):  # -75% and +100%
+        write_run(r / f"p{seed}", method="pool", seed=seed, throughput=tput, test_acc=acc,
+                  peak=60 * MiB, act=25 * MiB)
+    assert report_main([str(r)]) == 0
+    md = (r / "report.md").read_text()
+    assert md.index("![cost]") < md.index("![tradeoff]")
+    drawn = pd.read_csv(r / "figures" / "cost.csv")
+    acc = drawn[drawn["row"] == "accuracy"].set_index("label")
+    over = drawn[drawn["row"] == "overhead"].set_index("label")
+    assert acc.loc["pool", "x"] == pytest.approx(0.5) and over.loc["pool", "x"] == \
+        pytest.approx(0.5)
+    assert acc.loc["pool", "y"] == pytest.approx(-6.0)  # (0.86 + 0.82) / 2 - 0.9, in points
+    assert over.loc["pool", "y"] == pytest.approx(12.5)  # step times 0.25x and 2x: mean 1.125
+    assert over.loc["pool", "yerr"] > 100  # the seeds' std, wider than the room below
+    assert over.loc["pool", "y"] - over.loc["pool", "yerr_low"] == pytest.approx(-100.0)
+    assert acc.loc["none", "y"] == 0 and over.loc["none", "y"] == 0

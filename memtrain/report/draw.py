@@ -101,9 +101,18 @@ def hollow(st: dict) -> dict:
     return {**st, "markerfacecolor": "white"}
 
 
+def _clipped(v: float, err: float, rng: tuple[float, float] | None) -> tuple[float, float]:
+    """(below, above) of an error bar of half-width `err` at `v`, stopped at the range's ends (a
+    std wider than the mean would draw an accuracy below 0% or an overhead below -100%)."""
+    if rng is None:
+        return err, err
+    return max(0.0, min(err, v - rng[0])), max(0.0, min(err, rng[1] - v))
+
+
 def points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str, xscale: float = 1.0,
            yscale: float = 1.0, flag: str | None = None,
-           yrange: tuple[float, float] | None = None) -> list[dict]:
+           yrange: tuple[float, float] | None = None,
+           xrange: tuple[float, float] | None = None) -> list[dict]:
     """Mean points with std error bars (both axes), one Line2D per setting, labelled. Settings
     whose `flag` column is true are drawn hollow. `yrange`: the metric's range (an accuracy's
     0-100%), where the error bars stop (`yerr_low`, `yerr_high` in the data)."""
@@ -114,12 +123,11 @@ def points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str, xscale
         if pd.isna(xv) or pd.isna(yv):
             continue
         xe, ye = (0.0 if pd.isna(xe) else xe), (0.0 if pd.isna(ye) else ye)
-        low, high = ye, ye
-        if yrange is not None:
-            low, high = max(0.0, min(ye, yv - yrange[0])), max(0.0, min(ye, yrange[1] - yv))
+        low, high = _clipped(yv, ye, yrange)
+        xlow, xhigh = _clipped(xv, xe, xrange)
         flagged = bool(flag) and is_true(r.get(flag))
         st = hollow(styles[r["label"]]) if flagged else styles[r["label"]]
-        ax.errorbar([xv], [yv], xerr=[xe], yerr=[[low], [high]],
+        ax.errorbar([xv], [yv], xerr=[[xlow], [xhigh]], yerr=[[low], [high]],
                     fmt="none", ecolor=st["color"], elinewidth=style.line_width(0.6),
                     capsize=style.marker_size(0.4), alpha=0.8)
         ax.plot([xv], [yv], linestyle="none", label=r["label"],

@@ -10,6 +10,7 @@ budget) are in plots_memory.py.
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import matplotlib.pyplot as plt
@@ -286,6 +287,58 @@ def failures(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
 # ---------------------------------------------------------------- all of them
 
 
+# ---------------------------------------------------------------- 1. the cost figure
+
+
+@style.styled
+def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
+         names: Names = DEFAULT_NAMES) -> Plot | None:
+    """What each setting costs for the memory it saves, the question in one figure: memory
+    relative to the baseline on x; the test accuracy change (points) above and the step-time
+    overhead (%) below, on aligned axes; one marker per setting, seeds as error bars (stopped at
+    what the metric allows). A setting with a run that did not learn is hollow above, one whose
+    timing was noisy hollow below."""
+    if mem.rel not in agg or agg[mem.rel].notna().sum() == 0:
+        return None
+    acc = agg.get("test_acc_delta", pd.Series(dtype=float))
+    step = agg.get("step_time_rel", pd.Series(dtype=float))
+    if acc.notna().sum() == 0 and step.notna().sum() == 0:
+        return None
+    agg = agg.assign(acc_pts=acc * 100, acc_pts_std=agg.get("test_acc_delta_std", math.nan) * 100,
+                     overhead_pct=(step - 1) * 100,
+                     overhead_pct_std=agg.get("step_time_rel_std", math.nan) * 100)
+    styles, ps = setting_styles(agg), panels(agg, names)
+    look = style.current()
+    fig, axes = plt.subplots(2, len(ps), sharex="col", squeeze=False,
+                             figsize=(look.panel_w * len(ps), look.panel_h * 1.7))
+    drawn = []
+    for j, (title, g) in enumerate(ps):
+        top, bottom = axes[0][j], axes[1][j]
+        ok = ok_rows(g)
+        drawn += [{**p, "row": "accuracy"} for p in points(
+            top, ok, mem.rel, "acc_pts", styles, title, flag="did_not_learn",
+            yrange=(-100.0, 100.0))]
+        drawn += [{**p, "row": "overhead"} for p in points(
+            bottom, ok, mem.rel, "overhead_pct", styles, title, flag="timing_noisy",
+            yrange=(-100.0, math.inf))]
+        for ax in (top, bottom):
+            ax.axhline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), zorder=0)
+            ax.axvline(1.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":",
+                       zorder=0)
+        note(top, failed_lines(g), panel=title)
+        top.set(title=title, ylabel=f"accuracy change\nvs {baseline} (points)")
+        bottom.set(title=f"{title}: overhead", xlabel=mem.axis(baseline),
+                   ylabel=f"step-time overhead\nvs {baseline} (%)")
+    data = pd.DataFrame(drawn)
+    extra = ()
+    if "did_not_learn" in data and data["did_not_learn"].fillna(False).astype(bool).any():
+        extra = ((Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
+                         **hollow({"color": "#666666"})), "hollow: a run did not learn (above) "
+                  "or timed noisily (below)"),)
+    finish(fig, styles, drawn_labels(data), extra)
+    return Plot("cost", fig, data)
+
+
 # ---------------------------------------------------------------- the GPU-free estimate
 
 
@@ -332,7 +385,9 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
 def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str = "none",
               names: Names = DEFAULT_NAMES) -> tuple[list[Plot], dict[str, str]]:
     """Every applicable figure, and for the others the reason they were not drawn."""
-    makers = {
+    makers = {  # in the order report.md shows them: the cost figure first
+        "cost": (lambda: cost(agg, mem, baseline, names), "no accuracy or timing against "
+                                                         "the baseline"),
         "tradeoff": (lambda: tradeoff(agg, mem, baseline, names), "no test accuracy"),
         "breakdown": (lambda: breakdown(agg, names), "no memory breakdown columns"),
         "throughput": (lambda: throughput(agg, mem, names), "no throughput or memory"),

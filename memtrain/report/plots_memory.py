@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
@@ -160,7 +162,8 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
     """Memory against step-time overhead: every setting a point, one line per strategy whose
     fraction means something, joined in fraction order, the planner's prediction hollow."""
     ok = draw.ok_rows(g)
-    drawn = draw.points(ax, ok, "overhead_pct", mem.rel, styles, title)
+    drawn = draw.points(ax, ok, "overhead_pct", mem.rel, styles, title,
+                        xrange=(-100.0, math.inf))  # a step cannot take less than no time
     color = style.method_color("checkpoint")
     for strategy, tag in SERIES.items():  # the two fractions mean different things
         b = ok[is_b.loc[ok.index] & (strategies.loc[ok.index] == strategy)].sort_values(FRACTION)
@@ -189,7 +192,8 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
     draw.note(ax, draw.failed_lines(g), (Line2D([], [], linestyle="none"),) * len(noisy), noisy,
               panel=title)
     ax.axvline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":", zorder=0)
-    ax.set(title=f"{title}: cost", xlabel=f"step-time overhead vs {baseline} (%)",
+    ax.set(title=f"{title}: memory against overhead",
+           xlabel=f"step-time overhead vs {baseline} (%)",
            ylabel=mem.axis(baseline))
     return drawn
 
