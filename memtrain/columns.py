@@ -175,6 +175,10 @@ COLUMNS: tuple[Column, ...] = (
          ("mem_act_saved_tensors", "count", "tensors saved for backward"),
          ("mem_act_saved_host_bytes", "bytes",
           "saved bytes in host memory on a GPU run (offload); present when not 0"),
+         ("mem_resident_other_bytes", "bytes",
+          "parameters and buffers on the run's device beside the trained module's (synthetic: "
+          "the partitions not in training, all of them on a CPU), in the peak; present when not "
+          "0"),
          (ACT_PEAK, "bytes", "the highest activation memory in a step, recomputed activations "
                              "included", "act. peak", "activation memory"),
          ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "

@@ -45,6 +45,7 @@ class ProbeStep:
     y: torch.Tensor
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
     name: str = ""
+    resident: tuple[nn.Module, ...] = ()  # on the device beside `module` (counted in the peak)
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -97,7 +98,7 @@ def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.opti
     optimizer = make_optimizer(step.module)
     training_step(step.module, optimizer, step.x, step.y, precision, loss_fn=step.loss_fn)
     saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y))
-    with measure.PeakTracker(step.module, optimizer, step.x, step.y) as tracker:
+    with measure.PeakTracker(step.module, optimizer, step.x, step.y, *step.resident) as tracker:
         training_step(step.module, optimizer, step.x, step.y, precision, saved, step.loss_fn)
     out = {"mem_estimate_bytes": tracker.peak_bytes,
            "mem_estimate_act_bytes": tracker.act_peak_bytes,

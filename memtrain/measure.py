@@ -192,6 +192,15 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def resident_bytes(modules: Iterable[nn.Module], trained: nn.Module,
+                   device: torch.device) -> int:
+    """Bytes of the parameters and buffers of `modules` on `device`'s kind that are not
+    `trained`'s: what a step finds resident beside the module it trains."""
+    own = {storage_key(t) for t in (*trained.parameters(), *trained.buffers())}
+    return tensor_bytes(t for m in modules for t in (*m.parameters(), *m.buffers())
+                        if t.device.type == device.type and storage_key(t) not in own)
+
+
 def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
     return tensor_bytes(v for state in opt.state.values() for v in state.values()
                         if isinstance(v, torch.Tensor))
@@ -264,8 +273,11 @@ class Measurement:
     """
 
     def __init__(self, device: torch.device, total_steps: int, warmup_steps: int,
-                 account_memory: bool, summary: dict):
+                 account_memory: bool, summary: dict, resident: Iterable[nn.Module] = ()):
         self.device, self.account, self.summary = device, account_memory, summary
+        # modules whose tensors stay where they are beside the trained one (synthetic: the
+        # partitions not in training): the tracker counts those on the run's device
+        self.resident = tuple(resident)
         # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
         self.warmup = min(warmup_steps, max(0, total_steps - 2))
         self.timer = StepTimer(device)
@@ -280,7 +292,8 @@ class Measurement:
         timed = step >= self.warmup and not accounting
         self._saved = SavedBytes(alive_before_step(model, x, y), self.device) \
             if accounting else None
-        tracker = PeakTracker(model, optimizer, x, y, device=self.device) if accounting else None
+        tracker = PeakTracker(model, optimizer, x, y, *self.resident,
+                              device=self.device) if accounting else None
         if timed:
             self.timer.start()
         with maybe(tracker, accounting):
@@ -289,6 +302,9 @@ class Measurement:
             self.timer.stop()
         if accounting:
             self.summary.update(_accounting(self._saved, tracker, model, optimizer))
+            other = resident_bytes(self.resident, model, self.device)
+            if other:
+                self.summary["mem_resident_other_bytes"] = other
             self._saved = None
         if step == self.warmup:  # the CUDA peak window opens after the accounting step
             reset_cuda_peak(self.device)

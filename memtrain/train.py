@@ -118,12 +118,14 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
           device: torch.device, checkpointer: resume.Checkpointer | None = None,
           loggers: Sequence[Logger] = (), loss_fn: Callable | None = None,
           evaluate_fn: Callable[..., dict[str, float]] | None = None,
-          metric_prefix: str = "") -> TrainResult:
+          metric_prefix: str = "", resident: Sequence[nn.Module] = ()) -> TrainResult:
     """Train `model` on `data.train` as `trainer` says, evaluating on `data.test`.
 
     `loss_fn(output, y)` defaults to cross-entropy; methods that train on other targets (the
     synthetic-label partitions) pass their own and an `evaluate_fn` of `evaluate`'s signature;
-    `metric_prefix` namespaces the metric names of such sub-runs. `checkpointer` saves resumable
+    `metric_prefix` namespaces the metric names of such sub-runs; `resident`: modules whose
+    tensors stay where they are beside `model` (synthetic: the whole partitioned model), counted
+    in the accounting step's peak where they are on `device`. `checkpointer` saves resumable
     state at step boundaries (on a stop signal, every N steps) and, when resuming, hands back
     the state to continue from. Raises RunFailed (oom, diverged, interrupted) with the records
     so far.
@@ -141,7 +143,8 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     fault = Fault(t.fault, t.fault_step) if t.fault else None
 
     rec, t_start = Records(metric_prefix, loggers), time.perf_counter()
-    meas = measure.Measurement(device, total_steps, t.warmup_steps, t.account_memory, rec.summary)
+    meas = measure.Measurement(device, total_steps, t.warmup_steps, t.account_memory, rec.summary,
+                               resident)
     step, start_epoch, loss_val = _resume(checkpointer, metric_prefix, model, optimizer,
                                           scheduler, scaler, shuffle_gen, rec, meas)
     replay = step - start_epoch * steps_per_epoch  # resumed: skip the epoch's batches done

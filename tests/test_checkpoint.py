@@ -252,10 +252,54 @@ def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
 
     row = api.run([*CKPT_RUN, "trainer.save_weights=true"], out_dir=tmp_path / "r")
     assert row["status"] == "ok" and row["plan_groups"]  # something is recomputed
-    _, plain, _ = api.build(["model=mlp6", "dataset.image_size=8"])
+    _, plain, _ = api.build(["model=mlp6", "dataset.image_size=8", "method=none"])
     state = torch.load(tmp_path / "r" / "weights.pt", weights_only=True)
     plain.load_state_dict(state, strict=True)  # raises on any renamed or missing key
     assert set(state) == set(plain.state_dict())
+
+
+def test_compiled_model_keeps_the_plain_state_dict_keys():
+    # No compilation here (torch.compile is lazy): the wrapper's keys and a round trip through it.
+    from memtrain import api
+    from memtrain.methods.checkpoint.method import CompiledBudget
+
+    _, plain, _ = api.build(["model=resnet18", "dataset.image_size=8", "method=none"])
+    wrapped = CompiledBudget(copy.deepcopy(plain), 0.5)
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    other = {k: torch.randn_like(v) if v.is_floating_point() else v
+             for k, v in plain.state_dict().items()}
+    wrapped.load_state_dict(other, strict=True)
+    for k, v in wrapped.state_dict().items():
+        assert torch.equal(v, other[k]), k
+    outer = torch.nn.Sequential(wrapped)  # nested (a stack's member): keys under its prefix
+    assert list(outer.state_dict()) == [f"0.{k}" for k in plain.state_dict()]
+    outer.load_state_dict(outer.state_dict(), strict=True)
+
+
+@pytest.mark.slow
+def test_compile_weights_load_strictly_and_resume(tmp_path):
+    # Inductor on the CPU (a C compiler): weights of strategy=compile load into method=none's
+    # model, and a run stopped after step 2 resumes to the uninterrupted run's weights.
+    from memtrain import api
+
+    args = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1",
+            "method=checkpoint", "method.strategy=compile", "trainer.max_steps=4",
+            "trainer.save_weights=true"]
+    full = api.run(args, out_dir=tmp_path / "full")
+    assert full["status"] == "ok", full.get("error")
+    _, plain, _ = api.build(["model=mlp6", "dataset.image_size=8", "method=none"])
+    state = torch.load(tmp_path / "full" / "weights.pt", weights_only=True)
+    plain.load_state_dict(state, strict=True)  # raises on any renamed or missing key
+    assert list(state) == list(plain.state_dict())
+    stop = [*args, "trainer.fault=sigterm", "trainer.fault_step=2"]  # same run_id on resume
+    part = api.run(stop, out_dir=tmp_path / "p")
+    assert part["status"] == "interrupted"
+    again = api.run([*stop, "trainer.resume=true"], out_dir=tmp_path / "p")
+    assert again["status"] == "ok" and again["resumed_at_step"] > 0, again.get("error")
+    resumed = torch.load(tmp_path / "p" / "weights.pt", weights_only=True)
+    assert list(resumed) == list(state)
+    for k in state:
+        torch.testing.assert_close(resumed[k], state[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_every_plan_keeps_the_plain_state_dict_keys():

@@ -232,6 +232,50 @@ def test_each_partition_is_smaller_than_the_whole_model(in_tmp, one_thread, mode
     assert syn["mem_act_saved_bytes"] == syn[f"{act}.mem_act_saved_bytes"]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("right_input", ["synthetic", "left"])
+def test_peak_counts_every_partition_resident_on_the_device(in_tmp, one_thread, monkeypatch,
+                                                            device, right_input):
+    # Automatic cuts profile the whole model on the device; whatever of it stays there during a
+    # phase is in that phase's peak. Independent count: at each accounting step, the bytes of
+    # every parameter of the partitioned model that sits on the run's device (a CPU: all of them;
+    # a GPU: the phase's partition, and with right_input=left the frozen prefix).
+    models, resident = [], []
+    plan = Synthetic.plan
+
+    def spy_plan(self, model, *a, **k):
+        models.append(model)
+        return plan(self, model, *a, **k)
+
+    enter = measure.PeakTracker.__enter__
+
+    def spy_enter(self):
+        on = {measure.storage_key(p): p.untyped_storage().nbytes()
+              for p in models[0].parameters() if p.device.type == device}
+        resident.append(sum(on.values()))
+        return enter(self)
+
+    monkeypatch.setattr(Synthetic, "plan", spy_plan)
+    monkeypatch.setattr(measure.PeakTracker, "__enter__", spy_enter)
+    row = api.run([*TINY[:-1], f"trainer.device={device}", "method=synthetic",
+                   "method.partitions=3", f"method.right_input={right_input}",
+                   "trainer.threads=1", "trainer.max_steps=2"], out_dir=in_tmp / "r")
+    assert row["status"] == "ok", row.get("error")
+    assert row["synthetic_cuts"]  # automatic
+    assert len(resident) == 3  # one accounting step per phase
+    total = sum(p.numel() * 4 for p in models[0].parameters())
+    for j, count in enumerate(resident):
+        own = row[f"part{j}.mem_params_bytes"]
+        assert row[f"part{j}.mem_at_peak_params_bytes"] == count, (j, count)
+        assert row.get(f"part{j}.mem_resident_other_bytes", 0) == count - own  # mlp6: no buffers
+        if device == "cpu":  # host memory is the device's: nothing leaves it
+            assert count == total
+        elif right_input == "synthetic":  # one partition on the GPU at a time
+            assert count == own < total
+    largest = row["synthetic_largest_phase"]
+    assert row["mem_at_peak_params_bytes"] == row[f"{largest}.mem_at_peak_params_bytes"]
+
+
 @pytest.mark.slow
 def test_resnet18_two_partitions_split_activation_memory(in_tmp, one_thread):
     # The issue's case: cuts balanced by parameters put 97% of resnet18's activations in part0.

@@ -55,12 +55,19 @@ def _save_matmul_conv(ctx, op, *args, **kwargs):
 
 
 class CompiledBudget(nn.Module):
-    """torch.compile of `model`, compiled under `activation_memory_budget` = `budget`."""
+    """torch.compile of `model`, compiled under `activation_memory_budget` = `budget`.
+
+    Its state_dict has the plain model's keys (`conv1.weight`, not `model.conv1.weight`), as
+    every other strategy's: saved weights load strictly into the model without the method, and
+    resume files load back through the same hooks.
+    """
 
     def __init__(self, model: nn.Module, budget: float):
         super().__init__()
         self.model = model
         self.budget = budget
+        self.register_state_dict_post_hook(_drop_model_prefix)
+        self.register_load_state_dict_pre_hook(_add_model_prefix)
         # Dynamo reuses a graph compiled for another model of the same structure (parameters are
         # graph inputs) and the budget is no part of its guards: start from empty caches.
         torch.compiler.reset()
@@ -72,6 +79,34 @@ class CompiledBudget(nn.Module):
 
         with fconfig.patch(activation_memory_budget=self.budget):
             return self._compiled(x)
+
+
+def _move_keys(d: dict, src: str, dst: str) -> None:
+    """In place: every key `src + rest` becomes `dst + rest`; metadata keys (module paths, no
+    trailing dot) also the exact `src[:-1]` -> `dst[:-1]`."""
+    for key in [k for k in d if k.startswith(src) or k == src[:-1]]:
+        d[dst[:-1] if key == src[:-1] else dst + key[len(src):]] = d.pop(key)
+
+
+def _drop_model_prefix(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook of CompiledBudget: `<prefix>model.<key>` -> `<prefix><key>`, in place
+    (a nested wrapper's keys stay under its parent's prefix); the metadata (module versions)
+    likewise, so the file is the plain model's state_dict."""
+    _move_keys(state, prefix + "model.", prefix)
+    if getattr(state, "_metadata", None) is not None:
+        _move_keys(state._metadata, prefix + "model.", prefix)
+
+
+def _add_model_prefix(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of CompiledBudget: the plain keys back under `model.` (keys
+    already there, from a file saved before this hook, load as they are)."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix):]] = state.pop(key)
+    meta = getattr(state, "_metadata", None)
+    if meta is not None and inner[:-1] not in meta:
+        for key in [k for k in meta if (k.startswith(prefix) or k == prefix[:-1])]:
+            meta[inner[:-1] if key == prefix[:-1] else inner + key[len(prefix):]] = meta[key]
 
 
 class CheckpointMethod:

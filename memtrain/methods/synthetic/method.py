@@ -14,7 +14,12 @@ cuts balance the partitions' activation memory on the run's first batch (`cuts.p
 partitioned model keeps the plain model's parameter names under any cuts.
 
 Each phase is one call of `train.train` (its loss_fn / evaluate_fn / metric_prefix hooks); only
-one partition's parameters, gradients, optimizer state and activations are alive in a phase.
+one partition's parameters, gradients, optimizer state and activations are alive on the device
+in a phase: the other partitions wait in host memory (the frozen earlier ones, with
+`right_input=left`, are on the device: they make the phase's input). The peak a row reports
+counts every parameter and buffer on the run's device during the phase (`train`'s `resident`):
+on a GPU the phase's partition (and the frozen prefix), on a CPU, whose host memory is the
+device's, every partition.
 """
 
 from __future__ import annotations
@@ -154,6 +159,7 @@ class Synthetic:
             n = min(trainer.batch_size, PROFILE_BATCH, len(data.train))
             x, _ = next(iter(data.train.batches(n, device)))
             cuts = self.choose_cuts(model, x, autocast_factory(device.type, trainer.precision)())
+            model.cpu()  # back to host memory: each phase moves only what it uses to the device
         model.cut(list(cuts))
         if ck is not None:
             ck.carry["synthetic_cuts"] = list(cuts)
@@ -210,7 +216,10 @@ class Synthetic:
             raise ConfigError(f"method.recovery_epochs={self.recovery_epochs} leaves no epochs "
                               f"for the partitions out of trainer.epochs={trainer.epochs}; lower "
                               f"it or set method.epochs_per_partition")
-        phase_kw = {"trainer": replace(trainer, epochs=epochs), "device": device, **loop}
+        # the whole model is resident in the phase's process: the tracker counts what of it is
+        # on the device (all of it on a CPU, whose host memory is the device's)
+        phase_kw = {"trainer": replace(trainer, epochs=epochs), "device": device,
+                    "resident": (model,), **loop}
         return [self._phase(j, model, optimizer, scheduler, phase_kw, shapes, run_total,
                             len(data.train)) for j in range(len(model))]
 
@@ -220,7 +229,9 @@ class Synthetic:
         partition alone on its input (the batch, the previous cut's label plus noise, or the
         frozen earlier partitions' output, made before the step as the phase's data is) against
         its target (this cut's labels by MSE, the classes for the last), then the end-to-end
-        recovery step when there is one. The label matrices' values do not matter here (seed 0)."""
+        recovery step when there is one. Resident beside the partition, as in `fit`: the frozen
+        prefix (`right_input=left`), and on a CPU every partition. The label matrices' values
+        do not matter here (seed 0)."""
         if not model.cuts:  # explicit cuts were applied in wrap(); automatic ones as fit() does
             model.cut(self.choose_cuts(model, x, autocast()))
         shapes = cut_shapes(model, tuple(x.shape[1:]))
@@ -228,15 +239,18 @@ class Synthetic:
                   for j, s in enumerate(shapes)]
         steps = []
         for j, part in enumerate(model):
-            xj = x
+            xj, resident = x, ()
+            if x.device.type == "cpu":  # host memory is the device's: every partition stays
+                resident = (model,)
             if j and self.right_input == "left":
-                xj = frozen_input(nn.Sequential(*list(model)[:j]), x, y)
+                prefix = nn.Sequential(*list(model)[:j])
+                xj, resident = frozen_input(prefix, x, y), resident or (prefix,)
             elif j:
                 xj = synthetic_input(labels[j - 1].t().contiguous(), shapes[j - 1],
                                      self.noise * self.kappa, x, y)
             loss = (partial(mse_to_label, targets=labels[j].t().contiguous())
                     if j < len(model) - 1 else F.cross_entropy)
-            steps.append(ProbeStep(part, xj, y, loss, f"part{j}"))
+            steps.append(ProbeStep(part, xj, y, loss, f"part{j}", resident))
         if self.recovery_epochs:
             steps.append(ProbeStep(model, x, y, F.cross_entropy, "recovery"))
         return steps
