@@ -131,11 +131,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     so far.
     """
     t, loss_fn, evaluate_fn = trainer, loss_fn or F.cross_entropy, evaluate_fn or evaluate
-    steps_per_epoch, total_steps = t.schedule(len(data.train))
-    if steps_per_epoch == 0:
-        raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the training split "
-                          f"({len(data.train)} samples); lower it or use a larger dataset")
-    epochs = math.ceil(total_steps / steps_per_epoch)
+    steps_per_epoch, total_steps, epochs = _schedule(t, len(data.train))
     autocast = autocast_factory(device.type, t.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     fwd, shuffle_gen = _ready(model, t, device)
@@ -224,6 +220,15 @@ def _end_columns(meas: measure.Measurement, batch_size: int, loss_val: float, st
             "warmup_steps_used": meas.warmup, "epochs_done": epochs,
             "train_time_s": time.perf_counter() - t_start,
             "mem_peak_rss_bytes": measure.peak_rss_bytes(), **meas.memory()}
+
+
+def _schedule(t: Trainer, n_train: int) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, epochs) of a run over `n_train` samples."""
+    steps_per_epoch, total_steps = t.schedule(n_train)
+    if steps_per_epoch == 0:
+        raise ConfigError(f"trainer.batch_size={t.batch_size} is larger than the training split "
+                          f"({n_train} samples); lower it or use a larger dataset")
+    return steps_per_epoch, total_steps, math.ceil(total_steps / steps_per_epoch)
 
 
 def _ready(model: nn.Module, t: Trainer, device: torch.device) -> tuple[Callable, torch.Generator]:

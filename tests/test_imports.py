@@ -211,3 +211,11 @@ def test_nothing_imports_the_studies():
     for m, deps in graph().items():
         if package_of(m) != "memtrain.study":
             assert not {d for d in deps if package_of(d) == "memtrain.study"}, m
+
+
+def test_the_training_loop_reads_in_one_screen():
+    """train.train stays under 100 lines (docstring included): what is not the loop's order of
+    events goes into the helpers beside it (docs/ARCHITECTURE.md, the training loop)."""
+    tree = ast.parse((ROOT / "memtrain" / "train.py").read_text(encoding="utf-8"))
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
+    assert fn.end_lineno - fn.lineno + 1 < 100, fn.end_lineno - fn.lineno + 1
