@@ -224,9 +224,13 @@ def test_any_keep_set_is_exact(which):
         assert torch.equal(b, b_ref), name
 
 
-def test_op_plans_recompute_batchnorm_from_kept_statistics():
+def test_op_plans_recompute_batchnorm_from_kept_statistics(monkeypatch):
     """On resnet18 at a tight budget the op plan keeps every recomputed BatchNorm's statistics
-    (tiny) and recomputes its normalisation (one elementwise pass) rather than the whole op."""
+    (tiny) and recomputes its normalisation (one elementwise pass) rather than the whole op.
+    Priced on the roofline (FLOPs and bytes), not on this machine's clock: a plan on measured op
+    times follows the load of the moment (under a loaded CPU it once recomputed a whole
+    BatchNorm), and the claim is the planner's, not the clock's."""
+    monkeypatch.setattr(opplan, "plan_on_times", lambda prof: None)
     _, model, _ = api.build(["model=resnet18", "dataset.image_size=32"])
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     method = CheckpointMethod(strategy="budget", budget_fraction=0.4, profile_repeats=1,
