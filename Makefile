@@ -67,6 +67,7 @@ check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/res
 	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures >/dev/null || exit 1; \
 	  rm -f docs/results/studies/$$n/summary.parquet; \
 	  sed -i 's#$(CURDIR)/##g' docs/results/studies/$$n/*; done; \
+	$(BIN)/python -m memtrain.study.docs || exit 1; \
 	echo "check-studies: reports in docs/results/studies/ (pytest exit $$rc)"; exit $$rc
 
 # Line coverage of memtrain/ and kernels/ over the whole suite (pyproject's [tool.coverage]:
@@ -134,10 +135,14 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
   $(if $(RESULTS_NAME),--name $(RESULTS_NAME)) $(if $(DEADLINE),--deadline-s $(DEADLINE)) \
   $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
 
-.PHONY: results gpu-env
+.PHONY: results results-docs gpu-env
+results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RESULTS.md and docs/results/*.md again from the committed CSVs
+	$(RESULTS_PY) -m memtrain.study.docs
+
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
 	  $(RESULTS_PY) -m memtrain.study $(RESULTS_ARGS)
+	$(RESULTS_PY) -m memtrain.study.docs
 
 # memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
 # --no-build-isolation uses the box's setuptools and wheel instead of fetching them

@@ -107,6 +107,13 @@ def load_runs(paths: Iterable[str | os.PathLike], latest: bool = True
     return df, skipped
 
 
+def load_summary_csv(path: str | os.PathLike) -> pd.DataFrame:
+    """The rows of a committed summary.csv (memtrain-report's, one row per run) as load_runs
+    returns them: numeric columns numeric (screen.as_numbers), `run_dir` as written (relative
+    where the report was made with relative folders)."""
+    return screen.as_numbers(pd.read_csv(path, low_memory=False))
+
+
 def load_metrics(run_dirs: Iterable[str | os.PathLike]) -> pd.DataFrame:
     """Long metrics of the given run folders, with their run_dir; missing files are skipped."""
     frames = []
