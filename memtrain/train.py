@@ -126,8 +126,8 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     `metric_prefix` namespaces the metric names of such sub-runs; `eval_name` is what the log
     line calls the evaluation's accuracy (a sub-run graded on its own targets is not test_acc).
     `checkpointer` saves resumable state at step boundaries (on a stop signal, every N steps)
-    and, when resuming, hands back the state to continue from. Raises RunFailed (oom, diverged, interrupted) with the records
-    so far.
+    and, when resuming, hands back the state to continue from. Raises RunFailed (oom,
+    diverged, interrupted) with the records so far.
     """
     t, loss_fn, evaluate_fn = trainer, loss_fn or F.cross_entropy, evaluate_fn or evaluate
     steps_per_epoch, total_steps = t.schedule(len(data.train))
