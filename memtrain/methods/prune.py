@@ -417,11 +417,12 @@ class PruneMethod:
         layers = sum(sum(m.plan) for m in self.planned if isinstance(m, _PrunedLayer))
         relus = sum(sum(m.plan) for m in self.planned if isinstance(m, PruneReLU))
         if not layers and not self.spec.prune_shared:
+            head = "" if self.prune_head else "method.prune_head=true, "
             raise ConfigError(
                 f"method=prune prunes nothing in {type(model).__name__}: none of its "
                 f"{len(self.pruned)} prunable layers' inputs could be freed (another op keeps "
                 f"it for backward, it is the batch, or its {self.spec.block_size}x"
                 f"{self.spec.block_size} blocks would take no less; method.relu_mask="
-                f"{self.relu_mask}), so the run would be method=none; try method.prune_head=true, "
-                f"a smaller method.block_size (16, 32, 64) or a larger batch")
+                f"{self.relu_mask}), so the run would be method=none; try {head}a smaller "
+                f"method.block_size (16, 32, 64) or a larger batch")
         return {"prune_layer_calls": layers, "prune_relu_masked": relus}
