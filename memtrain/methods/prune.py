@@ -7,13 +7,12 @@ b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole mat
 as values [nnz, b, b] plus int32 block indices (memtrain/methods/bsr.py, kernels/prune.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
-Three cases keep the dense input (and so an exact gradient), because blocks would only add memory:
-a matrix whose kept blocks (padding included) take at least as much as the matrix itself (tiny
-matrices, e.g. squeeze-excitation convs on 1x1 maps), an input whose producer keeps that same
-tensor for its own backward anyway (a ReLU's output: ResNet's 1x1 convs, mlp6's hidden layers),
-and the network's input: data from outside the autograd graph (the batch or a view of it, told
-at run time by needing no gradient), which the loop keeps for the whole step
-(`method.compress_input=true` prunes it anyway, for accuracy studies).
+A layer call keeps its dense input (and so an exact gradient) where blocks would only add memory,
+as planned on the run's first batch (PruneMethod.plan): an input another op keeps for backward
+(resnet18's block inputs, which its 3x3 convs keep), the network's input (the batch, alive for the
+whole step; `method.compress_input=true` prunes it anyway), and a matrix whose kept blocks take at
+least as much as the matrix itself. A ReLU whose output only pruned layers keep saves a 1-bit mask
+instead (`method.relu_mask`), which frees mlp6's hidden layers' inputs.
 """
 
 from __future__ import annotations
