@@ -37,6 +37,7 @@ class PruneSpec:
     backend: str = "auto"
     prune_shared: bool = False  # also prune inputs their producer keeps anyway (adds memory)
     compress_input: bool = False  # also prune the batch itself (alive anyway: adds memory)
+    keep_dense: bool = False  # save the input as it is (prune's plan probe counts who saves it)
 
 
 class BlockSparse(NamedTuple):

@@ -258,6 +258,11 @@ COLUMNS: tuple[Column, ...] = (
          ("plan_recomputed_ops", "count", "op plans: ops recomputed"),
          ("plan_compact_segments", "count", "op plans: kept segments stored compacted"),
          ("plan_compact_bytes", "bytes", "op plans: bytes the compaction saves")),
+    # ---- method prune (PruneMethod.prepare: its plan)
+    *_of("method", "prune.prepare",
+         ("prune_layer_calls", "count", "layer calls whose saved input the plan prunes"),
+         ("prune_relu_masked", "count",
+          "ReLU calls that keep a 1-bit mask instead of the output pruned after them")),
     # ---- method synthetic (Synthetic.fit: one training phase per partition)
     *_of("method", "synthetic.fit",
          ("part<j>.<column>", "as <column>", "partition j's phase's own value of a column"),

@@ -64,6 +64,8 @@ def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
                      out["mem_estimate_act_bytes"] / capacity.GiB,
                      f", largest phase {phase}" if phase else "", est_dev,
                      time.perf_counter() - started)
+        except ConfigError:  # bad input (prune on a model it cannot prune): the run's refusal
+            raise
         except Exception as e:  # an op without a fake implementation: say so, train anyway
             out["mem_estimate_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("trainer.estimate failed: %s", out["mem_estimate_error"])

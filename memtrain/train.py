@@ -118,17 +118,18 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
           device: torch.device, checkpointer: resume.Checkpointer | None = None,
           loggers: Sequence[Logger] = (), loss_fn: Callable | None = None,
           evaluate_fn: Callable[..., dict[str, float]] | None = None,
-          metric_prefix: str = "", resident: Sequence[nn.Module] = ()) -> TrainResult:
+          metric_prefix: str = "", eval_name: str = "test_acc",
+          resident: Sequence[nn.Module] = ()) -> TrainResult:
     """Train `model` on `data.train` as `trainer` says, evaluating on `data.test`.
 
     `loss_fn(output, y)` defaults to cross-entropy; methods that train on other targets (the
     synthetic-label partitions) pass their own and an `evaluate_fn` of `evaluate`'s signature;
-    `metric_prefix` namespaces the metric names of such sub-runs; `resident`: modules whose
-    tensors stay where they are beside `model` (synthetic: the whole partitioned model), counted
-    in the accounting step's peak where they are on `device`. `checkpointer` saves resumable
-    state at step boundaries (on a stop signal, every N steps) and, when resuming, hands back
-    the state to continue from. Raises RunFailed (oom, diverged, interrupted) with the records
-    so far.
+    `metric_prefix` namespaces the metric names of such sub-runs; `eval_name` is what the log
+    line calls the evaluation's accuracy (a sub-run graded on its own targets is not test_acc);
+    `resident`: modules whose tensors stay where they are beside `model` (synthetic: the whole
+    partitioned model), counted in the accounting step's peak where they are on `device`.
+    `checkpointer` saves resumable state at step boundaries and hands it back on resume.
+    Raises RunFailed (oom, diverged, interrupted) with the records so far.
     """
     t, loss_fn, evaluate_fn = trainer, loss_fn or F.cross_entropy, evaluate_fn or evaluate
     steps_per_epoch, total_steps, epochs = _schedule(t, len(data.train))
@@ -152,8 +153,8 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                           t.eval_max_batches, t.channels_last)
         rec.add(at, epoch, "test", res)
         rec.summary.update({f"test_{k}": v for k, v in res.items()})
-        log.info("%sepoch %d step %d train_loss %.4f test_acc %.4f", metric_prefix, epoch, at,
-                 loss_val, res.get("acc", float("nan")))
+        log.info("%sepoch %d step %d train_loss %.4f %s %.4f", metric_prefix, epoch, at,
+                 loss_val, eval_name, res.get("acc", float("nan")))
         evaluated_at = at
 
     for lg in loggers:

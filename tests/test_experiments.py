@@ -54,3 +54,38 @@ def test_compare_all_is_every_method_on_four_models():
     assert params["model"].split(",") == ["resnet50", "resmlp24", "efficientnet_b0", "mlp6"]
     cfg, _ = api.compose(["experiment=compare_all", "method=pool"])
     assert cfg.method.kernel_size == api.compose(["method=pool"])[0].method.kernel_size
+
+
+def quick_points() -> list[list[str]]:
+    """Every job of the quick study (`make run`): each variant line, its comma sweeps expanded."""
+    sweeper = yaml.safe_load((CONF / "experiment" / "quick.yaml").read_text())["hydra"]["sweeper"]
+    points = []
+    for line in sweeper["variants"]:
+        pairs = [t.split("=", 1) for t in shlex.split(line)]
+        sweep = [(k, v.split(",")) for k, v in pairs]
+        method = next(vs for k, vs in sweep if k == "method")
+        rest = [f"{k}={vs[0]}" for k, vs in sweep if k != "method"]
+        points += [[f"method={m}", *rest] for m in method]
+    return points
+
+
+@pytest.mark.slow
+def test_quick_study_methods_each_change_memory_and_train_above_chance(tmp_path):
+    """The guard of `make run`, at the size the study runs (16 px, batch 64, 40 steps): every
+    method's row lies below the none row of its own model (resnet18; mlp6 for prune) in saved
+    bytes and activation peak (it does something), and every row's test accuracy is above chance
+    (0.10 on the 10 synthetic classes)."""
+    rows = {" ".join(p): api.run(["experiment=quick", *p, "trainer.progress=false"],
+                                 out_dir=tmp_path / str(i))
+            for i, p in enumerate(quick_points())}
+    assert {r["method"] for r in rows.values()} == {"none", "pool", "prune", "checkpoint",
+                                                    "synthetic"}
+    base = {r["model"]: r for r in rows.values() if r["method"] == "none"}
+    assert set(base) == {r["model"] for r in rows.values()}, "a model without its none row"
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row.get("error"))
+        assert row["test_acc"] > 0.10, (name, row["test_acc"])
+        if row["method"] != "none":
+            for col in ("mem_act_saved_bytes", "mem_peak_act_bytes"):
+                none = base[row["model"]][col]
+                assert row[col] < none, (name, col, row[col], none)

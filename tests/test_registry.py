@@ -8,6 +8,8 @@
    saved bytes than none must not have a higher activation peak (the two columns may not tell
    opposite stories), in the measured columns on the reference models and in the estimate's
    columns on every other model.
+3. A walked case a method cannot run (walker.REFUSED: prune on a ResNet of basic blocks without
+   prune_head) is refused up front in one line (ConfigError), the line the walker names.
 """
 
 import pytest
@@ -49,8 +51,14 @@ def _no_loss_in_activation_peak(case: Case, row: dict, level: str) -> None:
         assert act <= 1, f"{case.id} ({level}): saved bytes x{saved:.3f} but act peak x{act:.3f}"
 
 
+def _known(cases: list[Case]) -> list:
+    """The cases, a known defect (walker.KNOWN) as a strict xfail: it fails once fixed."""
+    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=walker.KNOWN[c]))
+            if c in walker.KNOWN else c for c in cases]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", walker.measured_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", _known(walker.measured_cases()), ids=lambda c: c.id)
 def test_estimate_predicts_the_measured_step_and_savings_are_honest(case):
     row = _row(case, "measured")
     if case.method == "synthetic":  # the row is the largest phase's, and so is the estimate
@@ -69,3 +77,12 @@ def test_estimate_predicts_the_measured_step_and_savings_are_honest(case):
 def test_every_method_prepares_on_every_model_and_its_estimate_is_honest(case):
     row = _row(case, "estimated")
     _no_loss_in_activation_peak(case, row, "estimated")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", walker.refused_cases(), ids=lambda c: c.id)
+def test_a_walked_case_a_method_cannot_run_is_refused_in_one_line(case):
+    with pytest.raises(ConfigError) as refused:
+        walker.run_refused(case)
+    line = str(refused.value)
+    assert "\n" not in line and walker.REFUSED[case] in line, line

@@ -19,6 +19,7 @@ method's case.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,36 +34,6 @@ MEASURED = ("mlp6", "resnet18")  # the reference models of measured rows
 # A stack's members are walked on every model; the stack itself on the reference models (its
 # quantize-inside-checkpoint accounting is the slowest case on the CPU: resnet50 377 s alone).
 STACK_MODELS = MEASURED
-
-# Beyond each method's defaults: the options that change what its run measures.
-VARIANTS: dict[str, list[list[str]]] = {
-    "checkpoint": [["method.strategy=uniform"], ["method.strategy=sqrt"],
-                   ["method.strategy=selective"]],
-    "synthetic": [["method.right_input=left"],
-                  ["method.recovery_epochs=1", "trainer.epochs=2", "dataset.train_size=64"]],
-    "prune": [["method.sparsity=0.9", "method.block_size=16", "method.prune_shared=true"]],
-    "pool": [["method.targets=conv+bn"]],
-}
-# A method's defaults where they cannot hold on the small sizes walked: checkpoint's default
-# budget (half of none's activation peak) is infeasible on mlp6, whose smallest feasible plan
-# keeps ~0.62 of it (the run refuses it); a stack's plan at the exact uniform schedule.
-DEFAULTS: dict[str, list[str]] = {
-    "checkpoint": ["method.budget_fraction=0.7"],
-    "checkpoint+quantize": ["method.checkpoint.strategy=uniform",
-                            "method.checkpoint.profile_repeats=1"],
-}
-# The estimate-level walk of the other models: one configuration per method. A budget plan needs
-# a feasible budget, which depends on the model: the exact uniform schedule runs everywhere
-# (budget plans have their own tests in test_checkpoint.py and test_checkpoint_ops.py).
-ESTIMATED: dict[str, list[str]] = {"checkpoint": ["method.strategy=uniform"]}
-
-MEASURED_SIZE = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=32",
-                 "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=3",
-                 "trainer.batch_size=16", "trainer.eval_max_batches=1", "trainer.seed=0",
-                 "trainer.estimate=true"]
-ESTIMATED_SIZE = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=16",
-                  "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=0",
-                  "trainer.batch_size=8", "trainer.seed=0", "trainer.estimate=true"]
 
 
 @dataclass(frozen=True)
@@ -79,31 +50,104 @@ class Case:
         return [f"model={self.model}", f"method={self.method}", *size, *self.extra]
 
 
+# Beyond each method's defaults: the options that change what its run measures.
+VARIANTS: dict[str, list[list[str]]] = {
+    "checkpoint": [["method.strategy=uniform"], ["method.strategy=sqrt"],
+                   ["method.strategy=selective"]],
+    "synthetic": [["method.right_input=left"],
+                  ["method.recovery_epochs=1", "trainer.epochs=2", "dataset.train_size=64"]],
+    "prune": [["method.sparsity=0.9", "method.block_size=16", "method.prune_shared=true"],
+              ["method.block_size=16", "method.prune_head=true"]],
+    "pool": [["method.targets=conv+bn"]],
+}
+# A method's defaults where they cannot hold on the small sizes walked: checkpoint's default
+# budget (half of none's activation peak) is infeasible on mlp6, whose smallest feasible plan
+# keeps ~0.62 of it (the run refuses it); a stack's plan at the exact uniform schedule; prune's
+# default 32x32 blocks do not fit the walked batch of 16 rows on mlp6 (the run refuses it).
+DEFAULTS: dict[str, list[str]] = {
+    "checkpoint": ["method.budget_fraction=0.7"],
+    "prune": ["method.block_size=16"],
+    "checkpoint+quantize": ["method.checkpoint.strategy=uniform",
+                            "method.checkpoint.profile_repeats=1"],
+}
+# The estimate-level walk of the other models: one configuration per method. A budget plan needs
+# a feasible budget, which depends on the model: the exact uniform schedule runs everywhere
+# (budget plans have their own tests in test_checkpoint.py and test_checkpoint_ops.py).
+ESTIMATED: dict[str, list[str]] = {"checkpoint": ["method.strategy=uniform"], "prune": []}
+# The walked cases a method refuses up front, each with a piece of its one-line ConfigError: the
+# refusal is the claim (test_registry.py), and the case is in no other test's walk. Prune on a
+# ResNet of basic blocks without prune_head: each 1x1 conv (the downsample) reads the block input
+# its sibling 3x3 conv keeps, so no input could be freed; with prune_head the classifier's is.
+REFUSED: dict[Case, str] = {
+    Case("prune", "resnet18", ("method.block_size=16",)): "method=prune prunes nothing in ResNet",
+    Case("prune", "resnet34"): "method=prune prunes nothing in ResNet: none of its 3 prunable",
+}
+
+MEASURED_SIZE = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=32",
+                 "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=3",
+                 "trainer.batch_size=16", "trainer.eval_max_batches=1", "trainer.seed=0",
+                 "trainer.estimate=true"]
+ESTIMATED_SIZE = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=16",
+                  "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=0",
+                  "trainer.batch_size=8", "trainer.seed=0", "trainer.estimate=true"]
+
+# Known defects the walk finds, each a strict xfail in test_registry.py (it fails once fixed, so
+# the entry goes): case -> what was measured.
+KNOWN: dict[Case, str] = {
+    Case("prune", "resnet18", ("method.block_size=16", "method.prune_head=true")):
+        "prune_head on resnet18 at batch 16 prunes only the classifier's input: saved bytes "
+        "x0.999 of none's, activation peak x1.001 (measured, CPU; not traced: likely the "
+        "dense input still alive in ResNet.forward while its blocks are made)",
+}
+
+
 def _applies(method: str, model: str) -> bool:
     return "+" not in method or model in STACK_MODELS
 
 
-def measured_cases() -> list[Case]:
-    """Every method with its defaults and each variant, on the reference models."""
+def _walk_measured() -> list[Case]:
     return [Case(method, model, tuple(extra)) for model in MEASURED for method in METHODS
             for extra in [DEFAULTS.get(method, []), *VARIANTS.get(method, [])]]
 
 
-def estimated_cases(models: tuple[str, ...] | list[str] = MODELS) -> list[Case]:
-    """Every method (one configuration each) on every model."""
+def _walk_estimated(models) -> list[Case]:
     return [Case(method, model, tuple(ESTIMATED.get(method, DEFAULTS.get(method, []))))
             for model in models for method in METHODS if _applies(method, model)]
 
 
+def measured_cases() -> list[Case]:
+    """Every method with its defaults and each variant, on the reference models."""
+    return [c for c in _walk_measured() if c not in REFUSED]
+
+
+def estimated_cases(models: tuple[str, ...] | list[str] = MODELS) -> list[Case]:
+    """Every method (one configuration each) on every model."""
+    return [c for c in _walk_estimated(models) if c not in REFUSED]
+
+
+def refused_cases() -> list[Case]:
+    """The walked cases a method refuses (REFUSED), each one the walk makes (a stale entry
+    fails here rather than testing a case nobody walks)."""
+    walked = {*_walk_measured(), *_walk_estimated(MODELS)}
+    assert set(REFUSED) <= walked, set(REFUSED) - walked
+    return list(REFUSED)
+
+
+def run_refused(case: Case) -> dict:
+    """Run a refused case at the level the walk would (measured on the reference models)."""
+    return measured(case) if case.model in MEASURED else estimated(case)
+
+
 _ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's session
 _ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
+_FOLDERS = itertools.count()  # one fresh folder a run (a refused run leaves its folder behind)
 
 
 def _run(overrides: list[str]) -> dict:
     """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
     key = tuple(overrides)
     if key not in _ROWS:
-        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(len(_ROWS)))
+        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(next(_FOLDERS)))
     return _ROWS[key]
 
 

@@ -7,17 +7,19 @@ b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole mat
 as values [nnz, b, b] plus int32 block indices (memtrain/methods/bsr.py, kernels/prune.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
-Three cases keep the dense input (and so an exact gradient), because blocks would only add memory:
-a matrix whose kept blocks (padding included) take at least as much as the matrix itself (tiny
-matrices, e.g. squeeze-excitation convs on 1x1 maps), an input whose producer keeps that same
-tensor for its own backward anyway (a ReLU's output: ResNet's 1x1 convs, mlp6's hidden layers),
-and the network's input: data from outside the autograd graph (the batch or a view of it, told
-at run time by needing no gradient), which the loop keeps for the whole step
-(`method.compress_input=true` prunes it anyway, for accuracy studies).
+A layer call keeps its dense input (and so an exact gradient) where blocks would only add memory,
+as planned on the run's first batch (PruneMethod.plan): an input another op keeps for backward
+(resnet18's block inputs, which its 3x3 convs keep), the network's input (the batch, alive for the
+whole step; `method.compress_input=true` prunes it anyway), and a matrix whose kept blocks take at
+least as much as the matrix itself. A ReLU whose output only pruned layers keep saves a 1-bit mask
+instead (`method.relu_mask`), which frees mlp6's hidden layers' inputs.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -26,10 +28,12 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
+from memtrain.methods.common.compact import MaskedReLUFn
 from memtrain.methods.common.swap import swap_modules
 
 LAYERS = ("linear", "conv1x1", "both")
 BLOCK_SIZES = (16, 32, 64)
+RELU_MASKS = ("bits", "bool", "none")
 
 
 # ---------------------------------------------------------------- autograd: save, then grad_weight
@@ -45,7 +49,7 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, spec: bsr.PruneSpec, to_ma
         ctx.save_for_backward(weight)
         return
     k = weight.shape[1]  # in_features / C_in: A's columns
-    if bsr.compressed_elements(m, k, spec) >= m * k or (
+    if spec.keep_dense or bsr.compressed_elements(m, k, spec) >= m * k or (
             not spec.prune_shared and kept_by_producer(x)) or (
             not spec.compress_input and not ctx.needs_input_grad[0]):
         ctx.save_for_backward(weight, x)
@@ -163,35 +167,96 @@ def _active(mod: nn.Module) -> bool:
     return mod.prune_spec.sparsity > 0 and torch.is_grad_enabled() and mod.weight.requires_grad
 
 
-class PrunedLinear(nn.Linear):
+def _storage(t: torch.Tensor) -> int:
+    """The storage a tensor (or a view) lives in: who else saves it is counted per storage."""
+    return t.untyped_storage()._cdata
+
+
+class _Planned:
+    """A module whose calls, numbered from the start of the model's forward, follow prune's plan
+    (`PruneMethod.prepare`): `plan[i]` says what call i does. No plan (a model wrapped but never
+    prepared) keeps the rules applied at run time alone. `log`, set while the plan is probed,
+    collects what each call sees."""
+
+    plan: tuple[bool, ...] | None = None
+    calls: int = 0
+    log: list | None = None
+
+    def _planned(self) -> bool | None:
+        i, self.calls = self.calls, self.calls + 1
+        if self.plan is None:
+            return None
+        return i < len(self.plan) and self.plan[i]
+
+
+class _PrunedLayer(_Planned):
+    """What PrunedLinear and PrunedConv1x1 share: the plan, then the function."""
+
+    prune_spec: bsr.PruneSpec
+
+    def _run(self, x: torch.Tensor, fn, *extra) -> torch.Tensor | None:
+        planned = self._planned()
+        if not _active(self):
+            return None
+        spec = self.prune_spec
+        if self.log is not None:  # probing: save x as it is, note its storage and its size rule
+            dev = x.device.type  # autocast: the layer saves a cast copy of its own
+            copies = torch.is_autocast_enabled(dev) and x.dtype != torch.get_autocast_dtype(dev)
+            self.log.append((_storage(x), copies, self._compressible(x)))
+            spec = replace(spec, keep_dense=True)
+        elif planned is False and not spec.prune_shared:
+            return None  # someone else keeps x for backward: blocks would add memory
+        return _apply(fn, x, self.weight, self.bias, spec, *extra)
+
+    def _compressible(self, x: torch.Tensor) -> bool:
+        """Would the blocks of this call's input take less than the input (and may it be
+        pruned: the batch only with compress_input)?"""
+        k = self.weight.shape[1]
+        m = x.numel() // x.shape[1 if x.dim() == 4 and self.weight.dim() == 4 else -1]
+        if self.weight.dim() == 4 and self.stride != (1, 1):
+            m = x.shape[0] * len(range(0, x.shape[2], self.stride[0])) * len(
+                range(0, x.shape[3], self.stride[1]))
+        return bsr.compressed_elements(m, k, self.prune_spec) < m * k and (
+            self.prune_spec.compress_input or x.requires_grad)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, prune={self.prune_spec}"
+
+
+class PrunedLinear(_PrunedLayer, nn.Linear):
     """nn.Linear whose saved input is block-pruned (the class of a swapped module, in place:
     parameters, state_dict keys and hooks stay those of the original)."""
 
-    prune_spec: bsr.PruneSpec
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _active(self):
-            return super().forward(x)
-        return _apply(PrunedLinearFn, x, self.weight, self.bias, self.prune_spec)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, prune={self.prune_spec}"
+        out = self._run(x, PrunedLinearFn)
+        return super().forward(x) if out is None else out
 
 
-class PrunedConv1x1(nn.Conv2d):
+class PrunedConv1x1(_PrunedLayer, nn.Conv2d):
     """A 1x1 nn.Conv2d (groups 1, no padding) whose saved input is block-pruned (swapped in
     place, as PrunedLinear)."""
 
-    prune_spec: bsr.PruneSpec
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._run(x, PrunedConv1x1Fn, tuple(self.stride))
+        return super().forward(x) if out is None else out
+
+
+class PruneReLU(_Planned, nn.ReLU):
+    """nn.ReLU whose planned calls keep a 1-bit (or bool) mask instead of their output
+    (common/compact.py's MaskedReLUFn, exact): a call is planned so when only pruned layers
+    save its output, which the blocks then replace (`method.relu_mask`). Other calls are
+    nn.ReLU's own (their output is kept for another op's backward anyway, so a mask would add)."""
+
+    relu_mask: str = "bits"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _active(self):
-            return super().forward(x)
-        return _apply(PrunedConv1x1Fn, x, self.weight, self.bias, self.prune_spec,
-                      tuple(self.stride))
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, prune={self.prune_spec}"
+        planned = self._planned() or self.log is not None
+        if planned and self.training and torch.is_grad_enabled() and x.requires_grad:
+            out = MaskedReLUFn.apply(x, self.inplace, self.relu_mask)
+            if self.log is not None:
+                self.log.append(_storage(out))
+            return out
+        return super().forward(x)
 
 
 def is_conv1x1(mod: nn.Module) -> bool:
@@ -219,13 +284,24 @@ class PruneMethod:
             outputs); off by default since the blocks then add memory; on for accuracy studies.
         compress_input: also prune a layer's input that is the batch (needs no gradient: data
             from outside the graph, alive for the whole step); off by default, as prune_shared.
+        relu_mask: bits (1 bit per element, packed), bool, or none: how an nn.ReLU call whose
+            output only pruned layers save keeps what its backward needs. A ReLU keeps its
+            output for backward, so without a mask the layers after ReLUs (mlp6's hidden layers,
+            a bottleneck's 1x1 convs) could free nothing: their inputs stay dense (none).
+
+    `prepare` (before the first step, on the run's first batch) probes one forward and plans
+    every call: a layer prunes its input only when no other op saves that storage for backward,
+    and a ReLU call keeps a mask only when its output is such an input. A model in which the plan
+    prunes nothing (resnet18: its 1x1 convs read the inputs its 3x3 convs keep) is a one-line
+    ConfigError: the run would be `none` under another name.
     """
 
     name = "prune"
 
     def __init__(self, sparsity: float = 0.5, block_size: int = 32, criterion: str = "l2",
                  layers: str = "both", backend: str = "auto", prune_head: bool = False,
-                 prune_shared: bool = False, compress_input: bool = False):
+                 prune_shared: bool = False, compress_input: bool = False,
+                 relu_mask: str = "bits"):
         check_range("method.sparsity", sparsity, 0, 1, hi_open=True)
         check_choice("method.block_size", block_size, BLOCK_SIZES)
         check_choice("method.criterion", criterion, bsr.CRITERIA)
@@ -234,13 +310,15 @@ class PruneMethod:
         check_choice("method.prune_head", prune_head, (True, False))
         check_choice("method.prune_shared", prune_shared, (True, False))
         check_choice("method.compress_input", compress_input, (True, False))
+        check_choice("method.relu_mask", relu_mask, RELU_MASKS)
         if backend == "triton" and not bsr.triton_available():
             raise ConfigError("method.backend=triton but triton is not installed; use "
                               "method.backend=auto or torch")
         self.spec = bsr.PruneSpec(float(sparsity), int(block_size), criterion, backend,
                                    prune_shared, compress_input)
-        self.layers, self.prune_head = layers, prune_head
+        self.layers, self.prune_head, self.relu_mask = layers, prune_head, relu_mask
         self.pruned: list[str] = []
+        self.planned: list[_Planned] = []
 
     def _match(self, head: str | None):
         def match(name: str, mod: nn.Module) -> bool:
@@ -265,4 +343,85 @@ class PruneMethod:
                               f"{self.layers} in {type(model).__name__} (choices: linear, "
                               f"conv1x1, both; the classifier is pruned only with "
                               f"method.prune_head=true)")
+        if self.relu_mask != "none":
+            for mod in model.modules():
+                if type(mod) is nn.ReLU:
+                    mod.__class__, mod.relu_mask = PruneReLU, self.relu_mask
+        self.planned = [m for m in model.modules() if isinstance(m, _Planned)]
+        model.register_forward_pre_hook(self._restart)
         return model
+
+    def _restart(self, *_) -> None:
+        """A forward of the whole model starts: number its calls from 0 again."""
+        for mod in self.planned:
+            mod.calls = 0
+
+    def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
+                carry=None) -> dict[str, int]:
+        """Plan every call on the run's first batch (see the class); returns its columns."""
+        return self.plan(model, x, autocast)
+
+    def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
+                    num_classes: int) -> list:
+        """The estimate measures the step the run measures: the planned one."""
+        from memtrain.estimate import ProbeStep
+
+        self.plan(model, x, autocast)
+        return [ProbeStep(model, x, y)]
+
+    def plan(self, model: nn.Module, x: torch.Tensor, autocast=None) -> dict[str, int]:
+        """One forward on `x`, every tensor saved for backward counted per storage (each pruned
+        layer saving its input as it is, each ReLU a mask), the model's buffers and the RNG
+        restored afterwards; then per call: prune where the pruned layers are the only ones to
+        save that storage (and each would take fewer bytes as blocks), mask the ReLU calls that
+        produce such a storage."""
+        if self.spec.sparsity == 0:  # the baseline's own ops, by definition (bitwise, tested)
+            return {}
+        saves: Counter = Counter()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saves[_storage(t)] += 1
+            return t
+
+        buffers = [(b, b.clone()) for b in model.buffers()]
+        for mod in self.planned:
+            mod.plan, mod.log = None, []
+        try:
+            devices = [x.device] if x.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    (autocast() if autocast is not None else nullcontext()):
+                out = model(x)
+                del out
+            logs = {mod: mod.log for mod in self.planned}
+        finally:
+            for mod in self.planned:
+                mod.log = None
+            with torch.no_grad():
+                for b, old in buffers:
+                    b.copy_(old)
+        users: dict[int, list[bool]] = {}  # per storage: the calls that save it as it is
+        for mod, log in logs.items():
+            if isinstance(mod, _PrunedLayer):
+                for key, copies, alone in log:
+                    users.setdefault(key, [])
+                    if not copies:
+                        users[key].append(alone)
+        free = {key: saves[key] == len(alone) and all(alone) for key, alone in users.items()}
+        for mod, log in logs.items():
+            if isinstance(mod, _PrunedLayer):  # a cast copy is the layer's own: free if small
+                mod.plan = tuple(alone if copies else free[key] for key, copies, alone in log)
+            else:
+                mod.plan = tuple(free.get(key, False) for key in log)
+        layers = sum(sum(m.plan) for m in self.planned if isinstance(m, _PrunedLayer))
+        relus = sum(sum(m.plan) for m in self.planned if isinstance(m, PruneReLU))
+        if not layers and not self.spec.prune_shared:
+            head = "" if self.prune_head else "method.prune_head=true, "
+            raise ConfigError(
+                f"method=prune prunes nothing in {type(model).__name__}: none of its "
+                f"{len(self.pruned)} prunable layers' inputs could be freed (another op keeps "
+                f"it for backward, it is the batch, or its {self.spec.block_size}x"
+                f"{self.spec.block_size} blocks would take no less; method.relu_mask="
+                f"{self.relu_mask}), so the run would be method=none; try {head}a smaller "
+                f"method.block_size (16, 32, 64) or a larger batch")
+        return {"prune_layer_calls": layers, "prune_relu_masked": relus}
