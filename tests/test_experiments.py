@@ -70,6 +70,7 @@ def quick_points() -> list[list[str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.study  # 6 runs at the study's size: 5.5 min alone, past make test's budget
 def test_quick_study_methods_each_change_memory_and_train_above_chance(tmp_path):
     """The guard of `make run`, at the size the study runs (16 px, batch 64, 40 steps): every
     method's row lies below the none row of its own model (resnet18; mlp6 for prune) in saved
