@@ -22,6 +22,7 @@ import pandas as pd
 
 from memtrain.columns import ACT_PEAK as ACT
 from memtrain.columns import (
+    ACT_TEMP_PEAK,
     ERROR,
     ESTIMATE,
     ESTIMATE_ACT,
@@ -42,7 +43,9 @@ MATCH = ("model", "dataset", "dataset.image_size", "dataset.channels", "trainer.
          "trainer.epochs", "trainer.estimate", "trainer.find_max_batch", "trainer.gpu_memory_gb",
          "optim", "device", "mem_peak_source")
 # each ratio (x_*) and difference (d_acc) against the run's none: report.add_baselines
-RATIOS = {PEAK: "x_peak", ACT: "x_act", SAVED: "x_saved", THROUGHPUT: "x_thr",
+# x_act: activations + backward temporaries (what a method's step needs for them, not only what
+# it keeps: quantize's dequantized copies and pool's upsampled maps count)
+RATIOS = {PEAK: "x_peak", ACT_TEMP_PEAK: "x_act", SAVED: "x_saved", THROUGHPUT: "x_thr",
           STEP_TIME: "x_step", MAX_BATCH: "x_batch"}
 DELTAS = {TEST_ACC: "d_acc"}
 OVERHEAD_HEAD = ("| date | device | model | px | batch | plain loop ms/step | memtrain ms/step | "
@@ -163,7 +166,7 @@ def baseline(df: pd.DataFrame, runs: Path) -> list[str]:
 
 def _vs_none(df: pd.DataFrame, unit: str, div: float, extra: dict | None = None) -> list[str]:
     cols = {"setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
-            "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+            "peak x none": _x("x_peak"), "act.+temp. peak x none": _x("x_act"),
             "saved x none": _x("x_saved"), "samples/s": _x("throughput_samples_s"),
             "throughput x none": _x("x_thr")}
     return table(df, {**cols, **(extra or {})})
@@ -203,7 +206,7 @@ def checkpoint(df: pd.DataFrame, runs: Path) -> list[str]:
     unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
     return table(d, {
         "setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
-        "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+        "peak x none": _x("x_peak"), "act.+temp. peak x none": _x("x_act"),
         "step ms": lambda r: fmt(1e3 * _num(r.get("step_time_s_median")), 1),
         "step time x none": _x("x_step"),
         "planned act. peak MiB": _mem("plan_peak_bytes", 2.0**20),
