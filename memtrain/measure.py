@@ -123,7 +123,9 @@ class PeakTracker:
     run its backward: quantize's dequantized copies, pool's upsampled maps).
     `act_temp_peak_bytes`: the highest activations + backward temporaries alive at one moment of
     the step, the complete activation memory a method's step needs (`act_peak_bytes` alone
-    over-credits a method that trades saved bytes for backward temporaries).
+    over-credits a method that trades saved bytes for backward temporaries). It equals the CPU
+    allocator's own count of what the step allocates outside kernels' workspaces, gradients
+    left out (tests/test_act_temp_peak.py).
     `at_act_peak`: the breakdown at the moment of that activation peak (params, grads, optim,
     act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
