@@ -247,7 +247,13 @@ COLUMNS: tuple[Column, ...] = (
          ("plan_budget_bytes", "bytes", "the budget planned for"),
          ("plan_measured_peak_bytes", "bytes",
           "a stack's plan, measured in one tracked step before training"),
-         ("plan_overhead", "ratio", "modelled recompute time / forward-backward time"),
+         ("plan_overhead", "ratio", "predicted extra step time: profiled forward time of the "
+                                    "recomputed segments / forward-backward time (no fixed "
+                                    "costs of checkpointing)"),
+         ("plan_measured_overhead", "ratio", "the plan's extra forward-backward time, measured "
+                                             "before training (median of alternating passes "
+                                             "with and without it on the profile batch)"),
+         ("plan_overhead_error", "ratio", "`plan_overhead` - `plan_measured_overhead`"),
          ("plan_recompute_s", "s", "modelled recompute time"),
          ("plan_solve_s", "s", "the solver's time"),
          ("plan_segments", "count", "segments of the model's chain"),

@@ -11,7 +11,7 @@ MemTracker: storages, weak references, reference types):
   what was alive before the counted window (parameters, the batch, optimizer state: no event in
   the window), the parameters' gradients (the allocations still alive at the end at a `.grad`'s
   address) and the workspaces a kernel allocates and frees inside one operator (no tensor: the
-  tracker sees operators' outputs; they are no part of the column, see the test's note).
+  tracker sees operators' outputs; they are no part of the column, see `AllocatorCount`).
 
 Two pitfalls of ad-hoc counts, both reproduced while building this one (issue 31's earlier
 counts, whose code was not kept, disagreed with the tracker): counting op outputs by storage also
