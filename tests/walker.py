@@ -19,6 +19,7 @@ method's case.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,13 +98,14 @@ def estimated_cases(models: tuple[str, ...] | list[str] = MODELS) -> list[Case]:
 
 _ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's session
 _ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
+_FOLDERS = itertools.count()  # one folder per run: a refused run (ConfigError) keeps its own
 
 
 def _run(overrides: list[str]) -> dict:
     """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
     key = tuple(overrides)
     if key not in _ROWS:
-        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(len(_ROWS)))
+        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(next(_FOLDERS)))
     return _ROWS[key]
 
 
