@@ -83,10 +83,12 @@ ESTIMATE_AT_PEAK = ("params", "buffers", "grads", "optim", "act", "other")  # th
 RUN_ID, STATUS, ERROR, METHOD, RUN_DIR = "run_id", "status", "error", "method", "run_dir"
 PEAK, RESERVED, PEAK_SOURCE = "mem_peak_alloc_bytes", "mem_peak_reserved_bytes", "mem_peak_source"
 ACT_PEAK, SAVED = "mem_peak_act_bytes", "mem_act_saved_bytes"
+ACT_TEMP_PEAK = "mem_peak_act_temp_bytes"  # activations + backward temporaries: the report's
 THROUGHPUT, STEP_TIME, STEP_TIME_P90 = ("throughput_samples_s", "step_time_s_median",
                                         "step_time_s_p90")
 TEST_ACC, MAX_BATCH = "test_acc", "max_batch_size"
 ESTIMATE, ESTIMATE_ACT = "mem_estimate_bytes", "mem_estimate_act_bytes"
+ESTIMATE_ACT_TEMP = "mem_estimate_act_temp_bytes"
 
 # method.<option> -> its short name in labels ("" shows the value alone: `pool conv+bn`)
 OPTION_LABELS = {
@@ -180,7 +182,13 @@ COLUMNS: tuple[Column, ...] = (
           "the partitions not in training, all of them on a CPU), in the peak; present when not "
           "0"),
          (ACT_PEAK, "bytes", "the highest activation memory in a step, recomputed activations "
-                             "included", "act. peak", "activation memory"),
+                             "included, backward temporaries not (what the checkpoint planner "
+                             "models)", "act. peak", "activation memory"),
+         (ACT_TEMP_PEAK, "bytes", "the highest activations + backward temporaries alive at one "
+                                  "moment of a step (activation gradients, quantize's "
+                                  "dequantized copies, pool's upsampled maps): the report's "
+                                  "activation ratios", "act.+temp. peak",
+          "activation + backward temporary memory"),
          ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "
                                              "step"),
          ("mem_params_bytes", "bytes", "parameters"),
@@ -222,6 +230,8 @@ COLUMNS: tuple[Column, ...] = (
          (ESTIMATE, "bytes", "predicted peak of one step (fake tensors; predicts "
                              "`mem_tracker_peak_bytes`)", "estimate"),
          (ESTIMATE_ACT, "bytes", "predicted activation peak (predicts `mem_peak_act_bytes`)"),
+         (ESTIMATE_ACT_TEMP, "bytes", "predicted activations + backward temporaries peak "
+                                      "(predicts `mem_peak_act_temp_bytes`)"),
          ("mem_estimate_saved_bytes", "bytes",
           "predicted saved bytes (predicts `mem_act_saved_bytes`)"),
          ("mem_estimate_at_peak_{" + ",".join(ESTIMATE_AT_PEAK) + "}_bytes", "bytes",
@@ -248,7 +258,13 @@ COLUMNS: tuple[Column, ...] = (
          ("plan_budget_bytes", "bytes", "the budget planned for"),
          ("plan_measured_peak_bytes", "bytes",
           "a stack's plan, measured in one tracked step before training"),
-         ("plan_overhead", "ratio", "modelled recompute time / forward-backward time"),
+         ("plan_overhead", "ratio", "predicted extra step time: profiled forward time of the "
+                                    "recomputed segments / forward-backward time (no fixed "
+                                    "costs of checkpointing)"),
+         ("plan_measured_overhead", "ratio", "the plan's extra forward-backward time, measured "
+                                             "before training (median of alternating passes "
+                                             "with and without it on the profile batch)"),
+         ("plan_overhead_error", "ratio", "`plan_overhead` - `plan_measured_overhead`"),
          ("plan_recompute_s", "s", "modelled recompute time"),
          ("plan_solve_s", "s", "the solver's time"),
          ("plan_segments", "count", "segments of the model's chain"),

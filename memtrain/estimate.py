@@ -102,6 +102,7 @@ def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.opti
         training_step(step.module, optimizer, step.x, step.y, precision, saved, step.loss_fn)
     out = {"mem_estimate_bytes": tracker.peak_bytes,
            "mem_estimate_act_bytes": tracker.act_peak_bytes,
+           "mem_estimate_act_temp_bytes": tracker.act_temp_peak_bytes,
            "mem_estimate_saved_bytes": saved.bytes}
     out.update({f"mem_estimate_at_peak_{k}_bytes": v for k, v in tracker.at_peak.items()})
     out.update({f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()})
@@ -117,11 +118,13 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
     Predicts what the run's accounting step reports: `mem_estimate_bytes` the tracker's peak of
     live tensors (`mem_tracker_peak_bytes`, on the CPU `mem_peak_alloc_bytes`),
     `mem_estimate_act_bytes` the peak of activation memory (`mem_peak_act_bytes`, recomputation
-    included), `mem_estimate_saved_bytes` the bytes saved for backward (`mem_act_saved_bytes`),
+    included), `mem_estimate_act_temp_bytes` the peak of activations + backward temporaries
+    (`mem_peak_act_temp_bytes`), `mem_estimate_saved_bytes` the bytes saved for backward
+    (`mem_act_saved_bytes`),
     and the breakdown at the peak. A method with several phases (synthetic) is estimated per
     phase and the row gets the phase with the largest peak (`mem_estimate_phase`), its activation
-    figures the phase with the largest activation peak (`mem_estimate_act_phase`), as its run's
-    row does.
+    figures the phase with the largest activation peak (`mem_estimate_act_phase`), and the
+    largest phase's activations + temporaries peak, as its run's row does.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -135,6 +138,9 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
         act_name, act = max(peaks, key=lambda p: p[1]["mem_estimate_act_bytes"])
         out.update({k: act[k] for k in ("mem_estimate_act_bytes", "mem_estimate_saved_bytes")
                     if k in act})
+        # the largest of every phase's own, as the run's row takes it
+        out["mem_estimate_act_temp_bytes"] = max(p["mem_estimate_act_temp_bytes"]
+                                                 for _, p in peaks)
         out.update(mem_estimate_phase=name, mem_estimate_act_phase=act_name)
     return out
 

@@ -30,6 +30,7 @@ from torch import nn
 # the headline columns by their names in the one list of columns
 from memtrain.columns import (
     ACT_PEAK,
+    ACT_TEMP_PEAK,
     PEAK,
     PEAK_SOURCE,
     RESERVED,
@@ -117,14 +118,21 @@ class PeakTracker:
     other) and `act_peak_bytes`: the highest activation memory at any moment of the step, where
     activations are the tensors made by module forwards, including forwards that a checkpointed
     segment re-runs during backward (MemTracker files those as activations too), so whatever
-    recomputation brings back is counted. Backward temporaries (activation gradients) are not.
+    recomputation brings back is counted. Backward temporaries are not: whatever backward
+    allocates outside a recomputed forward (activation gradients, and what a method makes to
+    run its backward: quantize's dequantized copies, pool's upsampled maps).
+    `act_temp_peak_bytes`: the highest activations + backward temporaries alive at one moment of
+    the step, the complete activation memory a method's step needs (`act_peak_bytes` alone
+    over-credits a method that trades saved bytes for backward temporaries). It equals the CPU
+    allocator's own count of what the step allocates outside kernels' workspaces, gradients
+    left out (tests/test_act_temp_peak.py).
     `at_act_peak`: the breakdown at the moment of that activation peak (params, grads, optim,
     act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
 
     def __init__(self, *external, device: torch.device | None = None):
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
         # the run's device only (host copies of an offloaded GPU run are not GPU memory)
         self._device = device
@@ -133,6 +141,10 @@ class PeakTracker:
         self._mt = MemTracker()
         self._mt.track_external(*external)
         self.act_peak_bytes = 0
+        self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
+        self._act_temp: list[int] = []  # activations + temporaries after each update
+        self._made: dict[int, int] = {}  # a temporary's record -> the update it was made at
+        self._to_grad: list[tuple[int, int, int]] = []  # (from, to, bytes): temps made grads
         self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
         mt = self._mt
 
@@ -143,13 +155,37 @@ class PeakTracker:
         # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
         # peak as MemTracker does, and the peak of the activation part alone with its moment.
         def update(state):
+            now = 0
             for dev, snap in mt._curr_mem_snap.items():
                 total = snap[_TOTAL]
                 if mt._peak_mem.get(dev, 0) < total:
                     mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
-                if self._counts(dev) and snap.get(_MemRefType.ACT, 0) > self.act_peak_bytes:
-                    self.act_peak_bytes, self._act_snap = snap[_MemRefType.ACT], dict(snap)
+                if not self._counts(dev):
+                    continue
+                act = snap.get(_MemRefType.ACT, 0)
+                if act > self.act_peak_bytes:
+                    self.act_peak_bytes, self._act_snap = act, dict(snap)
+                now += act + snap.get(_MemRefType.TEMP, 0)
+            self._act_temp.append(now)
 
+        # A parameter's gradient is made in backward, so MemTracker files it as a temporary
+        # until autograd hands it to the parameter (its grad hook retags it as a gradient, a
+        # few ops later). It is no activation memory: the bytes of every temporary later
+        # retagged as a gradient are taken off the moments they were counted as a temporary
+        # (on a 256-wide MLP the weight gradient was most of the temporaries at their peak).
+        def update_snap(kind, winfo, **kw):
+            orig_update_snap(kind, winfo, **kw)
+            if not self._counts(winfo.device):
+                return
+            if kind == _UpdateType.ADD and winfo.reftype == _MemRefType.TEMP:
+                self._made[id(winfo)] = len(self._act_temp)
+            elif (kind == _UpdateType.REF and kw.get("old_reftype") == _MemRefType.TEMP
+                  and winfo.reftype == _MemRefType.GRAD and id(winfo) in self._made):
+                self._to_grad.append((self._made.pop(id(winfo)), len(self._act_temp),
+                                      winfo.mem_consumed))
+
+        orig_update_snap = mt._update_snap
+        mt._update_snap = update_snap
         mt._update_peak_stats = update
 
     def _counts(self, dev: torch.device) -> bool:
@@ -162,6 +198,15 @@ class PeakTracker:
     def __exit__(self, *exc) -> None:
         self._mt.__exit__(*exc)
         T = self._types
+        diff = [0] * (len(self._act_temp) + 1)
+        for a, b, nbytes in self._to_grad:
+            diff[a] -= nbytes
+            diff[b] += nbytes
+        less = 0
+        for i, v in enumerate(self._act_temp):
+            less += diff[i]
+            self.act_temp_peak_bytes = max(self.act_temp_peak_bytes, v + less)
+        self._act_temp, self._made = [], {}
         snap = {}
         for dev, dev_snap in self._mt.get_tracker_snapshot("peak").items():
             if not self._counts(dev):
@@ -373,6 +418,7 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
         SAVED: saved.bytes,
         "mem_act_saved_tensors": saved.count,
         ACT_PEAK: tracker.act_peak_bytes,
+        ACT_TEMP_PEAK: tracker.act_temp_peak_bytes,
         "mem_tracker_peak_bytes": tracker.peak_bytes,
         "mem_params_bytes": tensor_bytes(model.parameters()),
         "mem_buffers_bytes": tensor_bytes(model.buffers()),

@@ -35,6 +35,7 @@ def write_run(folder: Path, *, method: str = "none", model: str = "resnet18",
         "model": model, "dataset": dataset, "optim": "sgd", "trainer": "default",
         "trainer.batch_size": batch_size, "trainer.precision": precision, "trainer.seed": seed,
         "mem_peak_alloc_bytes": peak, "mem_peak_source": source, "mem_peak_act_bytes": act,
+        "mem_peak_act_temp_bytes": act,  # no backward temporaries in these made-up rows
         "mem_act_saved_bytes": act if saved is None else saved,
         "mem_params_bytes": at_peak["params"], "mem_grads_bytes": at_peak["grads"],
         "mem_optim_bytes": at_peak["optim"],

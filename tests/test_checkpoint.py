@@ -201,6 +201,49 @@ def test_infeasible_budget_names_the_smallest(tmp_path):
                  "method.budget_fraction=0.1"], out_dir=tmp_path / "x")
 
 
+def test_row_carries_predicted_and_measured_overhead_and_their_error(tmp_path):
+    """Issue 31, finding 8: `plan_overhead` leaves out checkpointing's fixed costs, so the row
+    also carries the plan's measured extra time and the prediction's error."""
+    s = api.run([*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint",
+                 "method.budget_fraction=0.8"], out_dir=tmp_path / "x")
+    assert s["status"] == "ok", s.get("error")
+    assert s["plan_measured_overhead"] > -1  # a ratio of two measured times, minus one
+    assert s["plan_overhead_error"] == s["plan_overhead"] - s["plan_measured_overhead"]
+
+
+def test_measured_overhead_alternates_and_takes_medians():
+    """`planner.measured_overhead` on a fake clock: passes alternate without / with the plan,
+    the first of each is left out, the plan is on at the end, and the result is median with /
+    median without - 1."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4)), torch.randn(2, 4)
+    calls, state = [], {"on": False}
+
+    def plan_off():
+        calls.append("off")
+        state["on"] = False
+
+    def plan_on():
+        calls.append("on")
+        state["on"] = True
+
+    # seconds per pass, in order: without, with; the first pair is the warm-up
+    durations = iter([9.0, 9.0, 1.0, 1.5, 3.0, 2.0, 1.0, 1.4])
+    clock = {"t": 0.0, "start": True}
+
+    def perf_counter():
+        if not clock["start"]:
+            clock["t"] += next(durations)
+        clock["start"] = not clock["start"]
+        return clock["t"]
+
+    got = planner.measured_overhead(model, x, lambda out: out.sum(), None, plan_off, plan_on,
+                                    repeats=3, clock=perf_counter)
+    assert calls == ["off", "on"] * 4 and state["on"]
+    assert got == pytest.approx(1.5 / 1.0 - 1)  # medians of (1.5, 2.0, 1.4) and (1.0, 3.0, 1.0)
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("key,value", [("strategy", "best"), ("every", 0),
                                        ("budget_fraction", 0), ("budget_fraction", 1.5)])
 def test_bad_options_are_config_errors(key, value):

@@ -179,7 +179,7 @@ def study(tmp_path_factory):
 def test_figures_plot_the_table(study):
     root, runs, settings = study
     mem = style.memory_metric(runs)
-    assert mem.col == "mem_peak_act_bytes" and "CPU, no CUDA peak" in mem.axis("none")
+    assert mem.col == "mem_peak_act_temp_bytes" and "CPU, no CUDA peak" in mem.axis("none")
     by = settings.assign(panel=[NAMES.panel(m, "cifar10") for m in settings["model"]]
                          ).set_index(["panel", "label"])
     p = plots.tradeoff(settings, mem)

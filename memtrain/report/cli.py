@@ -24,7 +24,7 @@ COMPACT = {
     "mem_act_saved_bytes": "act_saved_MiB",
     "mem_peak_rel": "peak_rel",
     "mem_saved_rel": "saved_rel",
-    "mem_act_rel": "act_peak_rel",
+    "mem_act_temp_rel": "act_temp_peak_rel",  # activations + backward temporaries
     "throughput_e2e_samples_s": "samples_s",  # end to end (derive.py)
     "test_acc": "test_acc",
     # the GPU-free estimate's predictions (trainer.estimate=true)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.columns import ACT_PEAK, PEAK, SAVED, TEST_ACC, THROUGHPUT, label
+from memtrain.columns import ACT_PEAK, ACT_TEMP_PEAK, PEAK, SAVED, TEST_ACC, THROUGHPUT, label
 from memtrain.report import derive
 from memtrain.report.draw import is_true
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -78,7 +78,7 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     the other must be visible."""
     act = mem.col != PEAK  # a second memory column when figures plot another
     # its ratio, unless it is one of the two ratios every table shows
-    act_rel = act and mem.rel not in ("mem_saved_rel", "mem_act_rel")
+    act_rel = act and mem.rel not in ("mem_saved_rel", "mem_act_temp_rel")
     pdiv, punit, pdec = _bytes_col(g, PEAK)
     adiv, aunit, adec = _bytes_col(g, mem.col)
     tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else THROUGHPUT
@@ -87,7 +87,8 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
             f"{label(PEAK)} / {baseline}",
             *([f"{mem_short(mem)} {aunit}"] if act else []),
             *([f"{mem_short(mem)} / {baseline}"] if act_rel else []),
-            f"{label(SAVED)} / {baseline}", f"{label(ACT_PEAK)} / {baseline}", label(THROUGHPUT),
+            f"{label(SAVED)} / {baseline}", f"{label(ACT_TEMP_PEAK)} / {baseline}",
+            label(THROUGHPUT),
             f"throughput / {baseline}", f"{label(TEST_ACC)} %", "Δ acc (pts)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
@@ -96,7 +97,7 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
                  _cell(r, PEAK, pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
                  *([_cell(r, mem.col, adec, 1 / adiv)] if act else []),
                  *([_ratio(r, mem.rel)] if act_rel else []),
-                 _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_rel"),
+                 _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_temp_rel"),
                  _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
                  _cell(r, TEST_ACC, 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
                  r["status"] + (f", did not learn {int(r['n_not_learned'])}/{int(r['n_ok'])}"

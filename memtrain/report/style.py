@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from memtrain import columns  # noqa: E402
-from memtrain.columns import ACT_PEAK, PEAK, PEAK_SOURCE, SAVED  # noqa: E402
+from memtrain.columns import ACT_TEMP_PEAK, PEAK, PEAK_SOURCE, SAVED  # noqa: E402
 from memtrain.report.names import BASELINE_METHOD, METHODS, Names, method_order  # noqa: E402
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES  # noqa: E402
 
@@ -207,9 +207,9 @@ def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
     """The memory figure for the axes.
 
     `peak` is the CUDA peak where it was measured; on the CPU there is no CUDA peak, so `auto`
-    uses activation bytes there (`act`: the highest activation memory in a step, recomputed
-    tensors included, from the live-tensor tracker; `saved`: bytes saved for backward, which
-    undercount under recomputation). The axis label names the source.
+    uses activation bytes there (`act`: the highest activations + backward temporaries alive at
+    once in a step, recomputed tensors included, from the live-tensor tracker; `saved`: bytes
+    saved for backward, which undercount under recomputation). The axis label names the source.
     """
     if choice not in MEMORY_CHOICES:
         raise ValueError(f"--memory must be one of {', '.join(MEMORY_CHOICES)}, got {choice!r}")
@@ -223,7 +223,8 @@ def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
         return Memory(PEAK, "mem_peak_rel", columns.axis(PEAK), src)
     cpu = "" if cuda_only else "; CPU, no CUDA peak"
     if choice == "act":
-        return Memory(ACT_PEAK, "mem_act_rel", columns.axis(ACT_PEAK), f"saved + recomputed{cpu}")
+        return Memory(ACT_TEMP_PEAK, "mem_act_temp_rel", columns.axis(ACT_TEMP_PEAK),
+                      f"saved + recomputed + backward temporaries{cpu}")
     return Memory(SAVED, "mem_saved_rel", columns.axis(SAVED), f"saved for backward{cpu}")
 
 

@@ -32,7 +32,10 @@ DEFAULT_MATCH = ("model", "dataset", "trainer.batch_size", "trainer.precision", 
 # Columns made relative to the baseline (ratio) or differenced (delta), per run.
 RATIOS = {
     "mem_peak_alloc_bytes": "mem_peak_rel",
+    # activations only: what the checkpoint planner models (the budget figure's target panel)
     "mem_peak_act_bytes": "mem_act_rel",
+    # activations + backward temporaries: the tables' and figures' activation ratio
+    "mem_peak_act_temp_bytes": "mem_act_temp_rel",
     "mem_act_saved_bytes": "mem_saved_rel",
     # end to end (report/derive.py): every phase of a multi-phase method, not its largest one
     "throughput_e2e_samples_s": "throughput_rel",

@@ -22,6 +22,7 @@ import pandas as pd
 
 from memtrain.columns import ACT_PEAK as ACT
 from memtrain.columns import (
+    ACT_TEMP_PEAK,
     ERROR,
     ESTIMATE,
     ESTIMATE_ACT,
@@ -42,8 +43,12 @@ MATCH = ("model", "dataset", "dataset.image_size", "dataset.channels", "trainer.
          "trainer.epochs", "trainer.estimate", "trainer.find_max_batch", "trainer.gpu_memory_gb",
          "optim", "device", "mem_peak_source")
 # each ratio (x_*) and difference (d_acc) against the run's none: report.add_baselines
-RATIOS = {PEAK: "x_peak", ACT: "x_act", SAVED: "x_saved", THROUGHPUT: "x_thr",
-          STEP_TIME: "x_step", MAX_BATCH: "x_batch"}
+# x_act: activations + backward temporaries (what a method's step needs for them, not only what
+# it keeps: quantize's dequantized copies and pool's upsampled maps count)
+# (rows written before the complete activation peak existed have activations only: their x_act
+# is that one, and a table of such rows says "act. peak", not "act.+temp. peak")
+RATIOS = {PEAK: "x_peak", ACT_TEMP_PEAK: "x_act_temp", ACT: "x_act_only", SAVED: "x_saved",
+          THROUGHPUT: "x_thr", STEP_TIME: "x_step", MAX_BATCH: "x_batch"}
 DELTAS = {TEST_ACC: "d_acc"}
 OVERHEAD_HEAD = ("| date | device | model | px | batch | plain loop ms/step | memtrain ms/step | "
                  "ratio | torch |")
@@ -79,8 +84,16 @@ def read_md_table(path: Path) -> pd.DataFrame:
 def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """`x_peak`, `x_act`, `x_saved`, `x_thr`, `x_step`, `x_batch`, `d_acc`: each run against the
     first ok none with equal MATCH columns, one of its own part first."""
-    return report.add_baselines(df, report.DEFAULT_BASELINE, MATCH, ratios=RATIOS,
-                                deltas=DELTAS, prefer=("part",), first=True)[0]
+    df = report.add_baselines(df, report.DEFAULT_BASELINE, MATCH, ratios=RATIOS,
+                              deltas=DELTAS, prefer=("part",), first=True)[0]
+    return df.assign(x_act=df["x_act_temp"].where(df["x_act_temp"].notna(), df["x_act_only"]))
+
+
+def _act_head(df: pd.DataFrame) -> str:
+    """The x_act column's heading: what its rows measured."""
+    complete = ACT_TEMP_PEAK in df and pd.to_numeric(df[ACT_TEMP_PEAK], errors="coerce").notna()
+    return "act.+temp. peak x none" if bool(getattr(complete, "any", lambda: False)()) else \
+        "act. peak x none"
 
 
 def _num(v) -> float:
@@ -163,7 +176,7 @@ def baseline(df: pd.DataFrame, runs: Path) -> list[str]:
 
 def _vs_none(df: pd.DataFrame, unit: str, div: float, extra: dict | None = None) -> list[str]:
     cols = {"setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
-            "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+            "peak x none": _x("x_peak"), _act_head(df): _x("x_act"),
             "saved x none": _x("x_saved"), "samples/s": _x("throughput_samples_s"),
             "throughput x none": _x("x_thr")}
     return table(df, {**cols, **(extra or {})})
@@ -203,7 +216,7 @@ def checkpoint(df: pd.DataFrame, runs: Path) -> list[str]:
     unit, div = unit_of(d[PEAK]) if len(d) else ("MiB", 2.0**20)
     return table(d, {
         "setting": setting, "status": status, f"peak {unit}": _mem(PEAK, div),
-        "peak x none": _x("x_peak"), "act. peak x none": _x("x_act"),
+        "peak x none": _x("x_peak"), _act_head(d): _x("x_act"),
         "step ms": lambda r: fmt(1e3 * _num(r.get("step_time_s_median")), 1),
         "step time x none": _x("x_step"),
         "planned act. peak MiB": _mem("plan_peak_bytes", 2.0**20),

@@ -557,6 +557,35 @@ def tracked_act_peak(model: nn.Module, x: torch.Tensor,
     return int(tracker.act_peak_bytes * scale)
 
 
+def measured_overhead(model: nn.Module, x: torch.Tensor,
+                      loss_fn: Callable[[torch.Tensor], torch.Tensor], autocast,
+                      plan_off: Callable[[], None], plan_on: Callable[[], None],
+                      repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The plan's measured extra step time: forward + backward on `x` without the plan
+    (`plan_off()`) and with it (`plan_on()`), alternating so both see the same load, one
+    untimed pass of each first; median with / median without - 1. The plan is on afterwards;
+    buffers, gradients and the RNG state restored."""
+    autocast = autocast or contextlib.nullcontext
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with unchanged(model, x.device):
+        for r in range(repeats + 1):
+            for on in (False, True):
+                (plan_on if on else plan_off)()
+                measure.sync(x.device)
+                t0 = clock()
+                with autocast():
+                    loss = loss_fn(model(x))
+                loss.backward()
+                measure.sync(x.device)
+                dt = clock() - t0
+                if r:  # the first pass of each warms up
+                    times[on].append(dt)
+                del loss
+                for prm in model.parameters():
+                    prm.grad = None
+    return statistics.median(times[True]) / statistics.median(times[False]) - 1
+
+
 def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
     out_keys = {}
     for i, o in enumerate(rec.outputs):
