@@ -159,8 +159,10 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
         done = _already_done(search, run_dir, summary["run_id"])
         if done is not None:
             return Outcome(done)
-    if not cfg.trainer.resume and (old := _finished_row(run_dir)) is not None:
-        # a second sweep into a finished sweep's folder: never overwrite a row untold
+    if not (cfg.trainer.resume or cfg.trainer.skip_done) and \
+            (old := _finished_row(run_dir)) is not None:
+        # a second sweep into a finished sweep's folder: never overwrite a row untold (with
+        # skip_done a done row was kept above, and one that failed is meant to run again)
         error = ConfigError(
             f"{run_dir} already holds a finished run (status={old['status']}); add "
             "trainer.skip_done=true to keep it, trainer.resume=true to continue it, or choose "

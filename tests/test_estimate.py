@@ -51,7 +51,8 @@ def test_probe_steps_of_synthetic_are_its_phases():
 def test_prune_estimate_uses_the_configured_sparsity():
     """The kept blocks are a shape: ceil((1 - s) n) blocks of b x b values plus their int32 block
     rows and column pointers, per pruned layer (mlp6's hidden layers; the first one's input is
-    the batch and the classifier is skipped), on top of what s=0 (the baseline's path) saves."""
+    the batch and the classifier is skipped): the estimate's saved bytes at two sparsities differ
+    by exactly the kept blocks' difference."""
     from memtrain.kernels import bsr
 
     def saved(s: float) -> int:
@@ -65,9 +66,10 @@ def test_prune_estimate_uses_the_configured_sparsity():
         return sum(bsr.n_kept(4 * k // 16, s) * (16 * 16 * 4 + 4) + (k // 16 + 1) * 4
                    for k in (1024, 1024, 512, 512))
 
-    dense = saved(0.0)
-    for s in (0.5, 0.9):
-        assert saved(s) - dense == blocks(s)
+    # between two sparsities only the kept blocks differ (the ReLU masks prune keeps before its
+    # pruned layers, relu_mask=bits, are the same; at s=0 nothing would be freed: refused)
+    assert saved(0.5) - saved(0.9) == blocks(0.5) - blocks(0.9)
+    assert saved(0.5) - saved(0.75) == blocks(0.5) - blocks(0.75)
 
 
 def test_checkpoint_probe_plans_without_printing(capsys):
@@ -88,7 +90,7 @@ def test_find_max_batch_on_the_cpu_without_a_cap_is_refused_up_front():
 
 def test_each_probe_step_is_logged(in_tmp, caplog):
     caplog.set_level(logging.INFO, logger="memtrain")
-    base = ["model=mlp6", "method=prune", *SMALL, "trainer.max_steps=0"]
+    base = ["model=mlp6", "method=prune", "method.block_size=16", *SMALL, "trainer.max_steps=0"]
     need = api.run(base, out_dir=in_tmp / "e")["mem_estimate_bytes"]  # batch 16
     row = api.run([*base, "trainer.find_max_batch=true", f"trainer.gpu_memory_gb={need / 2**30!r}"],
                   out_dir=in_tmp / "r")

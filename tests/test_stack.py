@@ -13,6 +13,7 @@ from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.offload import OffloadMethod
 from memtrain.methods.pool import PoolMethod
+from memtrain.methods.prune import PruneMethod
 from memtrain.methods.quantize import QuantizeMethod
 from memtrain.methods.stack import Stack
 from memtrain.methods.synthetic import Synthetic
@@ -108,7 +109,9 @@ checkpoint:
 @pytest.mark.slow
 def test_a_multirun_sweeps_two_stacks(in_tmp):
     """Hydra-native: stacks are method options (here two of the user's, from --config-dir) and
-    a sweep over them runs each; the row names the stack and its members' options."""
+    a sweep over them runs each; the row names the stack and its members' options. A stack that
+    cannot work (prune inside checkpoint) is that job's row, refused in one line, and the sweep
+    goes on."""
     (in_tmp / "mine" / "method").mkdir(parents=True)
     for inner in ("pool", "prune"):
         (in_tmp / "mine" / "method" / f"checkpoint+{inner}.yaml").write_text(
@@ -117,10 +120,14 @@ def test_a_multirun_sweeps_two_stacks(in_tmp):
                        "model=mlp6", "dataset.image_size=8", "trainer.max_steps=1",
                        "hydra.sweep.dir=sweep", *TINY[2:5], cwd=in_tmp)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = [json.loads(p.read_text()) for p in sorted((in_tmp / "sweep").glob("*/summary.json"))]
-    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("error") for r in rows]
-    assert sorted(r["method"] for r in rows) == ["checkpoint+pool", "checkpoint+prune"]
-    assert all(r["method.checkpoint.strategy"] == "uniform" for r in rows)
+    rows = {r["method"]: r for r in (json.loads(p.read_text())
+                                     for p in sorted((in_tmp / "sweep").glob("*/summary.json")))}
+    assert sorted(rows) == ["checkpoint+pool", "checkpoint+prune"]
+    assert rows["checkpoint+pool"]["status"] == "ok", rows["checkpoint+pool"].get("error")
+    assert rows["checkpoint+pool"]["method.checkpoint.strategy"] == "uniform"
+    assert rows["checkpoint+prune"]["status"] == "error"
+    assert "prune plans its calls in the order of one forward pass" in \
+        rows["checkpoint+prune"]["error"]
 
 
 @pytest.mark.slow
@@ -224,3 +231,13 @@ def test_a_stack_replans_while_measured_over_budget(monkeypatch):
                                               r"what this stack's plans measure: least \d+ "):
             method.prepare(model, x, y)
         assert 1 <= len(seen) <= 4  # one measurement per plan tried
+
+
+def test_prune_inside_checkpoint_is_refused_in_one_line():
+    """prune's plan numbers its calls in one forward; checkpoint's recomputation calls them again
+    out of that order (torch: 'a different number of tensors was saved'): refused up front."""
+    from memtrain.methods.stack import Stack
+
+    with pytest.raises(ConfigError, match=r"method=checkpoint\+prune: prune plans its calls in "
+                                          r"the order of one forward pass"):
+        Stack(checkpoint=CheckpointMethod(strategy="uniform"), prune=PruneMethod())

@@ -170,7 +170,8 @@ def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
     line = err.split("continue with: ")[-1].strip().splitlines()[0]
     again = shlex.split(line)
     assert again[:3] == ["memtrain", "-m", "hydra/launcher=parallel"]
-    assert f"hydra.sweep.dir={sweep}" in again and NO_REPORT in again
+    # the folder as one Hydra value (its space quoted for Hydra, under the shell's quoting)
+    assert f"hydra.sweep.dir='{sweep}'" in again and NO_REPORT in again
     p = run_memtrain(*again[1:], cwd=in_tmp, env={"MEMTRAIN_PARALLEL_JOBS": "2"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Joblib.Parallel" in p.stdout + p.stderr  # the same launcher

@@ -33,6 +33,7 @@ def _study(folder, variants: list[str]) -> None:
 def test_a_baseline_and_variants_sweep_into_one_folder(in_tmp):
     _study(in_tmp / "c", ["method=none", "method=prune method.sparsity=0.5,0.9"])
     p = run_memtrain("--config-dir", str(in_tmp / "c"), "experiment=study", *TINY,
+                     "trainer.batch_size=32",  # prune's 32-row blocks (smoke's batch is 8)
                      "hydra.sweep.dir=sw", cwd=in_tmp, timeout=600)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(f.read_text()) for f in (in_tmp / "sw").glob("*/summary.json")]

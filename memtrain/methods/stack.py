@@ -137,6 +137,11 @@ def _check(members: dict[str, Any], name: str) -> None:
             raise ConfigError(f"{where}: checkpoint strategy=compile lets torch.compile choose "
                               f"what the whole graph saves; it stacks with nothing (use "
                               f"budget, uniform, sqrt or selective)")
+    if "checkpoint" in members and "prune" in members:
+        raise ConfigError(f"{where}: prune plans its calls in the order of one forward pass, and "
+                          f"checkpoint's recomputation calls them again out of that order (the "
+                          f"recomputed step would save other tensors); stack prune with quantize "
+                          f"or pool instead")
     ranks = [RANK.get(k, INNER) for k in members]
     for (a, ra), (b, rb) in zip(zip(members, ranks), zip(list(members)[1:], ranks[1:])):
         if rb < ra:
