@@ -8,10 +8,12 @@ column of a summary is checked against memtrain/columns.py, the one list of them
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -51,9 +53,32 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are meant to be shared
         os.replace(tmp, path)
+    except RuntimeError as e:  # torch.save's zip writer on a full disk: "unexpected pos"
+        Path(tmp).unlink(missing_ok=True)
+        if "unexpected pos" in str(e) or "file write failed" in str(e):
+            raise _write_failed(path, e) from None
+        raise
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise _write_failed(path, e) from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_failed(path: Path, e: BaseException) -> OSError:
+    """A write that failed for want of space says so and names the file (torch's zip writer
+    says only "unexpected pos 4672 vs 4566")."""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = 0
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC or free < 64 * 2**20:
+        return OSError(errno.ENOSPC, f"no space left on device writing {path} "
+                                     f"({free / 2**20:.0f} MiB free)")
+    return OSError(errno.EIO, f"writing {path} failed: {str(e).splitlines()[0]}")
 
 
 def _jsonable(v: Any) -> Any:

@@ -298,3 +298,28 @@ def test_the_continue_command_names_any_folder_exactly(folder):
         words = shlex.split(continue_command(given, **kwargs))
         (line,) = [w for w in words if w.startswith(key + "=")]
         assert parser.parse_override(line).value() == folder
+
+
+@pytest.mark.parametrize("failure", [
+    RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4672 vs 4566"),
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_is_named_with_the_file(tmp_path, monkeypatch, failure):
+    """torch.save's zip writer on a full disk says only "unexpected pos 4672 vs 4566": the
+    write says "no space left on device" and names the file, and leaves no temporary behind."""
+    import shutil
+    from collections import namedtuple
+
+    from memtrain import record
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 0))
+
+    def writer(f):
+        f.write(b"partial")
+        raise failure
+
+    with pytest.raises(OSError,
+                       match=r"no space left on device writing .*state\.pt \(0 MiB free\)"):
+        record.atomic_write(tmp_path / "state.pt", writer)
+    assert list(tmp_path.iterdir()) == []
