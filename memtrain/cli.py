@@ -48,7 +48,8 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
         _fail(2, f"error: {out.error}")
     log.info(f"{'skipped (done) ' if summary.get('skipped') else ''}{status}: "
              f"{summary['method']} {summary['model']} {summary['dataset']} "
-             f"test_acc={summary.get('test_acc', float('nan')):.4f} -> {run_dir}"
+             f"{(m := summary.get('metric') or 'test_acc')}={summary.get(m, float('nan')):.4f} "
+             f"-> {run_dir}"
              + (f" (did not learn: {summary['not_learned_why']})"
                 if summary.get("learned") is False else ""))
     if status == "interrupted" and not worker:  # the user or the cluster wants it to stop

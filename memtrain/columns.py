@@ -39,6 +39,7 @@ UNITS = {
     "fraction": "a number in [0, 1] (accuracy: 0.9 = 90%)", "ratio": "a ratio, 1 = equal",
     "count": "a whole number", "bool": "true or false", "text": "text", "path": "a folder or file",
     "time": "a UTC ISO 8601 time", "loss": "a loss value", "option": "as written in conf/",
+    "perplexity": "exp(loss per token), 1 or more",
 }
 # in the order the README lists them
 KINDS = {
@@ -151,8 +152,17 @@ COLUMNS: tuple[Column, ...] = (
          ("slurm_job_id", "text", "the SLURM job, if any")),
     # ---- the run
     *_of("run", "runner",
-         ("num_classes", "count", "classes of the dataset"),
-         ("input_shape", "text", "one sample's shape, e.g. 3x32x32"),
+         ("num_classes", "count", "classes of the dataset (a language model's: its "
+                                  "vocabulary)"),
+         ("input_shape", "text", "one sample's shape, e.g. 3x32x32 (tokens: the sequence "
+                                 "length)"),
+         ("task", "text", "classify, or lm: next-token prediction"),
+         ("metric", "text", "the column that holds the run's quality: test_acc, or a language "
+                            "model's test_loss"),
+         ("metric_higher_better", "bool", "whether a higher `metric` is better"),
+         ("data_hash", "text", "the corpus' content hash, where its content can vary "
+                               "(dataset=text: the Python version's standard library)"),
+         ("data_source", "text", "where the corpus came from"),
          ("params", "count", "parameters of the model"),
          ("wall_s", "s", "time of the whole job"),
          (RUN_DIR, "path", "where the run's folder was written"),
@@ -216,15 +226,21 @@ COLUMNS: tuple[Column, ...] = (
          (TEST_ACC, "fraction", "top-1 accuracy on the test split", "test acc"),
          ("test_acc5", "fraction", "top-5 accuracy on the test split")),
     *_of("accuracy", "train",
-         ("test_loss", "loss", "loss on the test split"),
+         ("test_loss", "loss", "loss on the test split (language models: per token, the "
+                               "validation loss)", "validation loss"),
          ("train_loss", "loss", "the last training loss")),
     *_of("accuracy", "runner",
          ("chance_acc", "fraction", "the accuracy of guessing: 1 / the dataset's classes",
           "chance"),
          ("test_samples", "count", "test samples the accuracy was measured on"),
          ("learned", "bool", "test accuracy above chance by 2 binomial sigma and the last "
-                             "training loss below ln(classes); false: the run did not learn"),
-         ("not_learned_why", "text", "why `learned` is false")),
+                             "training loss below ln(classes) (language models: validation "
+                             "loss below `unigram_loss`); false: the run did not learn"),
+         ("not_learned_why", "text", "why `learned` is false"),
+         ("unigram_loss", "loss", "language models: the validation loss of the training "
+                                  "tokens' unigram distribution (a model that ignores context)",
+          "unigram loss"),
+         ("test_ppl", "perplexity", "language models: exp(test_loss)", "perplexity")),
     # ---- probes
     *_of("probe", "estimate",
          (ESTIMATE, "bytes", "predicted peak of one step (fake tensors; predicts "
@@ -374,7 +390,7 @@ def unit(name: str) -> str | None:
 # Units whose values cannot leave a range, whatever the column: an accuracy of 7.5, a negative
 # byte count or a negative throughput is no measurement (a row edited by hand, another tool's).
 RANGES = {"fraction": (0.0, 1.0), "bytes": (0.0, None), "s": (0.0, None),
-          "samples/s": (0.0, None), "count": (0.0, None)}
+          "samples/s": (0.0, None), "count": (0.0, None), "perplexity": (1.0, None)}
 # ... except differences, which may be negative by design: what the allocator holds beyond the
 # tracked parts ("other" of a CUDA breakdown is not clamped: the tracker seeing more must show)
 SIGNED = re.compile(r"_other_bytes$|_error|_delta|_diff")

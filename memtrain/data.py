@@ -7,6 +7,7 @@ so input never bottlenecks a throughput figure. ImageNet-style folders stream th
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 import math
@@ -144,9 +145,13 @@ class Data:
 
     train: Split
     test: Split
-    num_classes: int
-    input_shape: tuple[int, int, int]  # (C, H, W) as the model sees it
+    num_classes: int  # language models: the vocabulary size
+    input_shape: tuple[int, ...]  # (C, H, W) as the model sees it; token data: (seq_len,)
     name: str = ""
+    task: str = "classify"  # or "lm": next-token prediction, x and y int64 [B, T]
+    unigram_loss: float | None = None  # lm: the context-free model's loss (did it learn?)
+    data_hash: str | None = None  # a corpus' content hash, when its content can vary
+    data_source: str | None = None  # where a corpus came from (its Python version, files)
 
 
 # ---------------------------------------------------------------- synthetic
@@ -399,10 +404,38 @@ def cifar100(data_dir: str | None = None, download: bool = False, image_size: in
                   data_dir, download, image_size, augment, 100)
 
 
+class CastSplit(Split):
+    """A split whose floating batches come out in `dtype` (trainer.precision=bf16-true): cast
+    where the batch is made, so the cast copy is the step's batch, not an activation."""
+
+    def __init__(self, inner: Split, dtype: torch.dtype):
+        self.inner, self.dtype = inner, dtype
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def to(self, device: torch.device) -> CastSplit:
+        return CastSplit(self.inner.to(device), self.dtype)
+
+    def batches(self, batch_size, device, shuffle=False, generator=None, drop_last=False):
+        for x, y in self.inner.batches(batch_size, device, shuffle, generator, drop_last):
+            yield (x.to(self.dtype) if x.is_floating_point() else x), y
+
+
+def cast_batches(data: Data, dtype: torch.dtype | None) -> Data:
+    """`data` with floating batches in `dtype` (None: unchanged)."""
+    if dtype is None:
+        return data
+    return dataclasses.replace(data, train=CastSplit(data.train, dtype),
+                               test=CastSplit(data.test, dtype))
+
+
 def place(data: Data, device: torch.device, max_bytes: int) -> Data:
     """Move in-memory splits onto the device whole when they fit under max_bytes."""
     for attr in ("train", "test"):
         split = getattr(data, attr)
-        if isinstance(split, TensorSplit) and split.images.numel() <= max_bytes:
+        size = split.images.numel() if isinstance(split, TensorSplit) else getattr(
+            split, "nbytes", None)  # token windows say their size
+        if size is not None and size <= max_bytes:
             setattr(data, attr, split.to(device))
     return data

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain import measure
-from memtrain.train import autocast_factory
+from memtrain.losses import cross_entropy
+from memtrain.train import autocast_factory, cast_input
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ProbeStep:
     module: nn.Module
     x: torch.Tensor
     y: torch.Tensor
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     name: str = ""
     resident: tuple[nn.Module, ...] = ()  # on the device beside `module` (counted in the peak)
 
@@ -51,7 +51,7 @@ class ProbeStep:
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                   y: torch.Tensor, precision: str = "fp32",
                   saved: measure.SavedBytes | None = None,
-                  loss_fn: Callable = F.cross_entropy) -> None:
+                  loss_fn: Callable = cross_entropy) -> None:
     """Forward, backward, update: the memory-relevant part of train.train's step, which also
     keeps the output alive until the update is done (a partition's output is no small logit)."""
     with measure.maybe(saved, saved is not None), autocast_factory(x.device.type, precision)():
@@ -64,15 +64,21 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.T
 
 
 def random_batch(batch_size: int, input_shape: tuple[int, ...], num_classes: int,
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(batch_size, *input_shape, device=device)  # [B, C, H, W]
-    y = torch.randint(0, num_classes, (batch_size,), device=device)  # [B]
-    return x, y
+                 device: torch.device, task: str = "classify",
+                 precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of the run's shapes and dtypes: images [B, C, H, W] and labels [B], or a
+    language model's token ids and next tokens, both [B, T]."""
+    if task == "lm":
+        x = torch.randint(0, num_classes, (batch_size, *input_shape), device=device)
+        return x, torch.randint(0, num_classes, (batch_size, *input_shape), device=device)
+    x = torch.randn(batch_size, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    return cast_input(x, precision), y
 
 
 def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
                 input_shape: tuple[int, ...], num_classes: int, device: torch.device,
-                precision: str = "fp32") -> list[ProbeStep]:
+                precision: str = "fp32", task: str = "classify") -> list[ProbeStep]:
     """The steps a run of this model and method measures, on a batch of `batch_size`.
 
     `make()` returns a fresh model with the method applied, and the method. A method whose run
@@ -84,7 +90,7 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
     if any(p.device != device for p in model.parameters()):  # a real probe (fake: made there)
         model.to(device)
     model.train()
-    x, y = random_batch(batch_size, input_shape, num_classes, device)
+    x, y = random_batch(batch_size, input_shape, num_classes, device, task, precision)
     own = getattr(method, "probe_steps", None)
     if own is None:
         return [ProbeStep(model, x, y)]
@@ -112,7 +118,8 @@ def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.opti
 def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                   input_shape: tuple[int, ...], num_classes: int, batch_size: int,
-                  precision: str = "fp32", device: str = "cpu") -> dict[str, int | str]:
+                  precision: str = "fp32", device: str = "cpu",
+                  task: str = "classify") -> dict[str, int | str]:
     """Predicted memory of one training step after warm-up (optimizer state allocated).
 
     Predicts what the run's accounting step reports: `mem_estimate_bytes` the tracker's peak of
@@ -130,7 +137,7 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
 
     dev = torch.device(device)
     with FakeTensorMode(), torch.device(dev):
-        steps = probe_steps(make, batch_size, input_shape, num_classes, dev, precision)
+        steps = probe_steps(make, batch_size, input_shape, num_classes, dev, precision, task)
         peaks = [(s.name, _step_peak(s, make_optimizer, precision)) for s in steps]
     name, out = max(peaks, key=lambda p: p[1]["mem_estimate_bytes"])
     out = {**out, "mem_estimate_device": dev.type}

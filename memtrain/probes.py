@@ -48,7 +48,7 @@ def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
 
     def predict(b: int) -> dict[str, Any]:
         return estimate.estimate_peak(make, make_optimizer, data.input_shape, data.num_classes,
-                                      b, t.precision, est_dev)
+                                      b, t.precision, est_dev, data.task)
 
     if t.estimate:
         # a large model, or a method that plans (checkpoint profiles, quantize packs every saved
@@ -79,7 +79,7 @@ def _find_max_batch(t: Trainer, data: Data, device: torch.device, make: MakeMode
     if device.type == "cuda":
         def make_step(b: int):
             steps = estimate.probe_steps(make, b, data.input_shape, data.num_classes, device,
-                                         t.precision)
+                                         t.precision, data.task)
 
             def run_steps():  # every phase in turn, each with its own optimizer
                 for s in steps:

@@ -29,12 +29,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema, trust
 from memtrain.config import identity
-from memtrain.data import Data, place
+from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.record import GROUPS
 from memtrain.schema import Trainer
-from memtrain.train import RunFailed, TrainResult, autocast_factory, train
+from memtrain.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
 log = logging.getLogger("memtrain")
 
@@ -96,19 +96,43 @@ def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.
 
 
 def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
-    """The model for `data` with the method applied, and the method."""
+    """The model for `data` with the method applied, and the method. Under
+    trainer.precision=bf16-true both are made with bf16 as the default dtype (Lightning's
+    bf16-true does the same): every parameter and buffer is created in bf16, nothing converted
+    afterwards (a conversion of tied weights cannot run on the estimate's fake tensors)."""
+    with default_dtype(param_dtype(str(cfg.trainer.get("precision", "fp32")))):
+        try:
+            model = _target(cfg.model, "model")(num_classes=data.num_classes,
+                                                input_shape=data.input_shape,
+                                                **_kwargs(cfg.model))
+        except (RuntimeError, MemoryError) as e:  # a model too large to build names its inputs
+            if "alloc" not in str(e) and not isinstance(e, MemoryError):
+                raise
+            shape = "x".join(map(str, data.input_shape))
+            raise ConfigError(f"model={cfg.model._target_.rsplit('.', 1)[-1]} for {shape} inputs "
+                              f"(dataset.image_size) and {data.num_classes} classes does not fit "
+                              f"in memory: {str(e).splitlines()[0][:160]}") from None
+        if data.task != getattr(model, "task", "classify"):  # an image model on tokens
+            name = cfg.model._target_.rsplit(".", 1)[-1]
+            raise ConfigError(f"model={name} classifies images and dataset {data.name} holds "
+                              f"token sequences for language models; use model=gpt_nano or "
+                              f"model=gpt2_small, or an image dataset")
+        method = build_method(cfg.method)
+        return method.wrap(model), method
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None):
+    """torch's default floating dtype set to `dtype` inside (None: unchanged)."""
+    if dtype is None:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
     try:
-        model = _target(cfg.model, "model")(num_classes=data.num_classes,
-                                            input_shape=data.input_shape, **_kwargs(cfg.model))
-    except (RuntimeError, MemoryError) as e:  # a model too large to build names its inputs
-        if "alloc" not in str(e) and not isinstance(e, MemoryError):
-            raise
-        shape = "x".join(map(str, data.input_shape))
-        raise ConfigError(f"model={cfg.model._target_.rsplit('.', 1)[-1]} for {shape} inputs "
-                          f"(dataset.image_size) and {data.num_classes} classes does not fit in "
-                          f"memory: {str(e).splitlines()[0][:160]}") from None
-    method = build_method(cfg.method)
-    return method.wrap(model), method
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def build_method(node: DictConfig) -> Method:
@@ -220,6 +244,36 @@ def learning(test_acc, train_loss, num_classes: int, n_test: int) -> dict[str, A
     return out
 
 
+def task_columns(data: Data) -> dict[str, Any]:
+    """What a row's quality metric is: a classifier's test accuracy (higher is better) or a
+    language model's validation loss per token (lower is better), and where the data came from."""
+    cols: dict[str, Any] = {"task": data.task}
+    if data.task == "lm":
+        cols.update(metric="test_loss", metric_higher_better=False,
+                    unigram_loss=data.unigram_loss)
+    else:
+        cols.update(metric="test_acc", metric_higher_better=True)
+    cols.update({k: v for k, v in (("data_hash", data.data_hash),
+                                   ("data_source", data.data_source)) if v is not None})
+    return cols
+
+
+def lm_learning(test_loss, unigram_loss: float | None) -> dict[str, Any]:
+    """Did a language model learn? Its validation loss below the loss of the data's unigram
+    distribution (the best a model that ignores context does on the same tokens)."""
+    out: dict[str, Any] = {}
+    if test_loss is None or not math.isfinite(test_loss) or unigram_loss is None:
+        if test_loss is not None and not math.isfinite(test_loss):
+            out.update(learned=False, not_learned_why=f"validation loss is {test_loss}")
+        return out
+    out["test_ppl"] = math.exp(test_loss) if test_loss < 700 else math.inf  # exp overflows
+    out["learned"] = test_loss < unigram_loss
+    if not out["learned"]:
+        out["not_learned_why"] = (f"validation loss {test_loss:.4f} is not below the unigram "
+                                  f"loss {unigram_loss:.4f} (a model that ignores context)")
+    return out
+
+
 def _finished_row(run_dir: Path) -> dict[str, Any] | None:
     """The row a folder holds when its run ended (any status but running or interrupted)."""
     try:
@@ -273,9 +327,11 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
                               f"is empty; nothing would be measured")
     if device.type == "cuda" and t.data_on_device:
         data = place(data, device, int(t.data_on_device_max_gb * 2**30))
+    data = cast_batches(data, param_dtype(t.precision))  # bf16-true: bf16 batches
     summary.update({"num_classes": data.num_classes,
                     "input_shape": "x".join(map(str, data.input_shape)),
-                    "params": sum(p.numel() for p in model.parameters())})
+                    "params": sum(p.numel() for p in model.parameters()),
+                    **task_columns(data)})
     optim = _kwargs(cfg.optim)
     summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
                               lambda m: build_optimizer(m, **optim)))
@@ -287,7 +343,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     scheduler = build_scheduler(optimizer, total_steps, **optim)
     ckpt = resume.Checkpointer(run_dir, summary["run_id"], t.save_every, t.resume,
                                resume.find_checkpoints(search) if t.resume else [], stop)
-    planned = _prepare(method, model, data, t, device, ckpt, search)
+    planned = _prepare(method, model, data, t, device, ckpt, search,
+                       OmegaConf.to_container(cfg.model, resolve=True))
     summary.update(planned)
     live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty())
     for lg in live:
@@ -305,8 +362,11 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if not planned.get("dry_run"):
         n_test = len(data.test) if t.eval_max_batches is None else min(
             len(data.test), t.eval_max_batches * (t.eval_batch_size or t.batch_size))
-        summary.update(learning(summary.get("test_acc"), summary.get("train_loss"),
-                                data.num_classes, n_test))
+        if data.task == "lm":
+            summary.update(lm_learning(summary.get("test_loss"), data.unigram_loss))
+        else:
+            summary.update(learning(summary.get("test_acc"), summary.get("train_loss"),
+                                    data.num_classes, n_test))
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)
     summary.update(ckpt.columns())
@@ -318,7 +378,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
 
 def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
              device: torch.device, ckpt: resume.Checkpointer,
-             search: Path | None = None) -> dict[str, Any]:
+             search: Path | None = None, model_config: dict | None = None) -> dict[str, Any]:
     """`method.prepare` (optional): on the run's first batch, on the run's device, before the
     first step (checkpoint profiles and plans here). Returns its summary columns. A prepare that
     takes `cache_dir` gets the sweep folder (`search`): checkpoint keeps its profile there."""
@@ -333,5 +393,7 @@ def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
     extra = {}
     if search is not None and "cache_dir" in inspect.signature(method.prepare).parameters:
         extra["cache_dir"] = str(search)
+    if "model_config" in inspect.signature(method.prepare).parameters:
+        extra["model_config"] = model_config
     return method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry,
                           **extra)

@@ -29,7 +29,7 @@ from memtrain.errors import ConfigError, check_choice, check_range
 INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds included) hold no more
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # autocast dtypes: train.autocast_factory
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")  # train.autocast_factory, train.param_dtype
 
 
 @dataclasses.dataclass

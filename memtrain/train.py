@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain import measure, resume
@@ -27,11 +26,27 @@ from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
 from memtrain.faults import Fault
 from memtrain.loggers import Logger
+from memtrain.losses import cross_entropy
 from memtrain.schema import Trainer
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,  # autocast dtype
+              "bf16-true": None}  # no autocast: the model itself is bf16 (param_dtype)
+PARAM_DTYPES = {"bf16-true": torch.bfloat16}  # Lightning's "bf16-true": weights, activations,
+# gradients and optimizer state in bf16; everything else keeps fp32 parameters
+
+
+def param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the model's parameters and the input batches are cast to (None: left fp32)."""
+    return PARAM_DTYPES.get(precision)
+
+
+def cast_input(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """A floating batch in the model's dtype; token ids and fp32 models unchanged. Done where
+    the batch is made, before a step: the cast copy is the batch, not an activation."""
+    dtype = param_dtype(precision)
+    return x.to(dtype) if dtype is not None and x.is_floating_point() else x
 
 
 def autocast_factory(device_type: str,
@@ -62,7 +77,7 @@ class TrainResult:
 def evaluate(model: nn.Module, split: Split, device: torch.device, batch_size: int,
              autocast, max_batches: int | None = None, channels_last: bool = False,
              loss_fn: Callable | None = None) -> dict[str, float]:
-    """Top-1, top-5 and mean loss over a split."""
+    """Top-1, top-5 and mean loss over a split (a language model: over every next token)."""
     was_training = model.training
     model.eval()
     n = correct1 = correct5 = 0
@@ -75,8 +90,9 @@ def evaluate(model: nn.Module, split: Split, device: torch.device, batch_size: i
         with autocast():
             out = model(x)
         out = out.float()
-        loss_sum += float((loss_fn or F.cross_entropy)(out, y, reduction="sum"))
-        top = out.topk(min(5, out.shape[-1]), dim=-1).indices  # [B, 5]
+        loss_sum += float((loss_fn or cross_entropy)(out, y, reduction="sum"))
+        out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)  # a language model: per token
+        top = out.topk(min(5, out.shape[-1]), dim=-1).indices  # [N, 5]
         hit = top == y[:, None]
         correct1 += int(hit[:, 0].sum())
         correct5 += int(hit.any(dim=-1).sum())
@@ -131,7 +147,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     `checkpointer` saves resumable state at step boundaries and hands it back on resume.
     Raises RunFailed (oom, diverged, interrupted) with the records so far.
     """
-    t, loss_fn, evaluate_fn = trainer, loss_fn or F.cross_entropy, evaluate_fn or evaluate
+    t, loss_fn, evaluate_fn = trainer, loss_fn or cross_entropy, evaluate_fn or evaluate
     steps_per_epoch, total_steps, epochs = _schedule(t, len(data.train))
     autocast = autocast_factory(device.type, t.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
@@ -153,8 +169,8 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                           t.eval_max_batches, t.channels_last)
         rec.add(at, epoch, "test", res)
         rec.summary.update({f"test_{k}": v for k, v in res.items()})
-        log.info("%sepoch %d step %d train_loss %.4f %s %.4f", metric_prefix, epoch, at,
-                 loss_val, eval_name, res.get("acc", float("nan")))
+        log.info("%sepoch %d step %d train_loss %.4f %s", metric_prefix, epoch, at, loss_val,
+                 _quality(res, data.task, eval_name))
         evaluated_at = at
 
     for lg in loggers:
@@ -212,6 +228,14 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
 
     rec.summary.update(_end_columns(meas, t.batch_size, loss_val, step, epochs, t_start))
     return TrainResult(rec.summary, rec.metrics)
+
+
+def _quality(res: dict[str, float], task: str, eval_name: str) -> str:
+    """An evaluation in a log line: a language model's loss per token and perplexity, or the
+    accuracy under the name of what it measures."""
+    if task == "lm":
+        return f"val_loss {res['loss']:.4f} ppl {math.exp(min(res['loss'], 700)):.2f}"
+    return f"{eval_name} {res.get('acc', float('nan')):.4f}"
 
 
 def _end_columns(meas: measure.Measurement, batch_size: int, loss_val: float, step: int,

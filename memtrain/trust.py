@@ -39,7 +39,7 @@ HYDRA_CORE = "hydra._internal.core_plugins"
 SLOTS = {  # key prefix -> where what fills it may be defined
     "method": ("memtrain.methods",),
     "model": ("memtrain.models",),
-    "dataset": ("memtrain.data", "memtrain.imagefolder"),
+    "dataset": ("memtrain.data", "memtrain.imagefolder", "memtrain.tokens"),
     "hydra.callbacks": ("memtrain.hydra_callbacks", "memtrain.report.callback"),
     # memtrain's launchers, and Hydra's own plugins its presets use (hydra/launcher=parallel)
     "hydra.launcher": ("hydra_plugins.memtrain_launcher", HYDRA_CORE,

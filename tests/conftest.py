@@ -32,6 +32,22 @@ def conf_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+def language_model(model: str) -> bool:
+    """A model whose conf picks token data (conf/model/<model>.yaml overrides the dataset)."""
+    return "dataset: tokens" in (CONF / "model" / f"{model}.yaml").read_text()
+
+
+def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: int = 8,
+              seq_len: int = 8) -> list[str]:
+    """Dataset overrides of a tiny run of `model`: synthetic images, or a language model's
+    synthetic tokens."""
+    if language_model(model):
+        return ["dataset=tokens", f"dataset.seq_len={seq_len}", f"dataset.train_size={train_size}",
+                f"dataset.test_size={test_size}"]
+    return ["dataset=synthetic", f"dataset.image_size={image_size}",
+            f"dataset.train_size={train_size}", f"dataset.test_size={test_size}"]
+
+
 def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the `memtrain` console entry point in a subprocess, as a user would."""

@@ -44,7 +44,9 @@ def _instantiate(group: str, option: str, cfg):
         assert isinstance(method, runner.Method)
         assert method.name == (option if group == "method" else "none")
         x, _ = next(iter(data.train.batches(2, torch.device("cpu"))))
-        assert model(x).shape == (2, data.num_classes)
+        # a classifier's logits per sample, a language model's per token
+        lm = data.task == "lm"
+        assert model(x).shape == ((2, *data.input_shape) if lm else (2,)) + (data.num_classes,)
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in conf_options(g)])
@@ -102,7 +104,8 @@ def test_unknown_option_is_one_line_error(in_tmp, cli_checks, override, expected
 
 @pytest.mark.parametrize("override,expected", [
     ("trainer.batch_size=0", "trainer.batch_size must be in [1, inf], got 0"),
-    ("trainer.precision=fp8", "trainer.precision must be one of fp32, bf16, fp16, got 'fp8'"),
+    ("trainer.precision=fp8",
+     "trainer.precision must be one of fp32, bf16, fp16, bf16-true, got 'fp8'"),
     ("trainer.epochs=0", "trainer.epochs must be in [1, inf], got 0"),
 ])
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from conftest import conf_options
+from conftest import conf_options, language_model
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from walker import METHODS, MODELS
 
@@ -32,6 +32,21 @@ SMALL = ["dataset.train_size=8", "dataset.test_size=4", "dataset.image_size=8", 
 # dataset choices that need files: their options are walked on the synthetic default's builder
 # (the file-backed builders' own bad input has its tests in test_bad_input.py)
 DATASETS = ["synthetic"]
+
+
+LM_DATASETS = ["tokens", "text"]
+# the full-size transformers' options are walked on one layer (and a ViT-B/16 on 16 px images,
+# which its 16 px patches divide)
+SHRINK = {"gpt2_small": ["model.layers=1"], "vit_b16": ["model.layers=1"]}
+
+
+def _base(model: str) -> tuple[str, ...]:
+    """The tiny selection a model's options are walked on."""
+    if language_model(model):
+        return ("dataset=tokens", "dataset.seq_len=8", "dataset.train_size=8",
+                "dataset.test_size=4", "trainer=smoke", *SHRINK.get(model, []))
+    size = ["dataset.image_size=16"] if model == "vit_b16" else []
+    return (*SMALL, *size, *SHRINK.get(model, []))
 
 
 @functools.cache
@@ -61,8 +76,12 @@ def cases() -> list[tuple[tuple[str, ...], str]]:
     for group, options in (("method", METHODS), ("model", MODELS),
                            ("optim", conf_options("optim"))):
         for option in options:
-            sel = (*base, f"{group}={option}")
+            sel = (*_base(option if group == "model" else "mlp6"), f"{group}={option}")
             out += [(sel, k) for k in _leaves(composed(sel)[group], group)]
+    for dataset in LM_DATASETS:  # token data: walked with a language model
+        sel = ("model=gpt_nano", "model.layers=1", "trainer=smoke", f"dataset={dataset}",
+               "dataset.seq_len=8")
+        out += [(sel, k) for k in _leaves(composed(sel)["dataset"], "dataset")]
     return sorted(set(out))
 
 

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from conftest import conf_options
+from conftest import conf_options, language_model
 
 from memtrain import api
+from memtrain.errors import ConfigError
+from memtrain.losses import cross_entropy
 
 # make test-compat runs this file on the oldest torch: torchvision's and timm's models
 pytestmark = pytest.mark.compat
@@ -18,15 +20,27 @@ SHAPES = {  # dataset override -> expected input shape
 }
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("model", conf_options("model"))
+TOKENS = ["dataset=tokens", "dataset.seq_len=16", "dataset.vocab_size=50", "dataset.train_size=8"]
+
+
+@pytest.mark.parametrize("model,shape", [
+    (m, s) for m in conf_options("model") for s in (["tokens"] if language_model(m) else
+                                                     sorted(SHAPES))])
 def test_model_forward_backward_every_param_gets_grad(model, shape):
-    data, net, _ = api.build([f"model={model}", *SHAPES[shape]])
+    cfg, _ = api.compose([f"model={model}", *SHAPES.get(shape, TOKENS)])
+    patch, size = cfg.model.get("patch_size"), cfg.dataset.get("image_size")
+    if patch and size % patch:  # a fixed patch that does not divide the image: refused
+        with pytest.raises(ConfigError, match=f"model.patch_size={patch} must divide"):
+            api.build([f"model={model}", *SHAPES[shape]])
+        return
+    data, net, _ = api.build([f"model={model}", *SHAPES.get(shape, TOKENS)])
     x, y = next(data.train.batches(2, torch.device("cpu")))
     assert x.shape[1:] == data.input_shape
     out = net(x)
-    assert out.shape == (2, data.num_classes)
-    torch.nn.functional.cross_entropy(out, y).backward()
+    # a classifier's logits per sample, a language model's per token
+    lm = shape == "tokens"
+    assert out.shape == ((2, *data.input_shape) if lm else (2,)) + (data.num_classes,)
+    cross_entropy(out, y).backward()
     missing = [n for n, p in net.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
 

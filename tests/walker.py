@@ -24,16 +24,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import conf_options
+from conftest import conf_options, language_model
 
 from memtrain import api
 
 METHODS = conf_options("method")
 MODELS = conf_options("model")
-MEASURED = ("mlp6", "resnet18")  # the reference models of measured rows
+# the reference models of measured rows: an MLP, a CNN, and one transformer of each family
+MEASURED = ("mlp6", "resnet18", "gpt_nano", "vit_tiny")
 # A stack's members are walked on every model; the stack itself on the reference models (its
 # quantize-inside-checkpoint accounting is the slowest case on the CPU: resnet50 377 s alone).
-STACK_MODELS = MEASURED
+STACK_MODELS = ("mlp6", "resnet18")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Case:
         return " ".join([self.model, self.method, *self.extra])
 
     def overrides(self, size: list[str]) -> list[str]:
+        if language_model(self.model):  # the same sizes in tokens: sequences of 16
+            size = [*LM_DATA, *(o for o in size if not o.startswith("dataset"))]
+        if self.model in MEASURED and self.model not in STACK_MODELS:  # two layers suffice
+            size = [*size, "model.layers=2"]
         return [f"model={self.model}", f"method={self.method}", *size, *self.extra]
 
 
@@ -79,6 +84,12 @@ ESTIMATED: dict[str, list[str]] = {"checkpoint": ["method.strategy=uniform"], "p
 # ResNet of basic blocks without prune_head: each 1x1 conv (the downsample) reads the block input
 # its sibling 3x3 conv keeps, so no input could be freed; with prune_head the classifier's is.
 REFUSED: dict[Case, str] = {
+    **{Case("synthetic", m): "method=synthetic trains each partition to predict synthetic labels"
+       for m in MODELS if language_model(m)},
+    # transformers have no ReLU and no convolution beyond a ViT's patch embedding (which reads
+    # the batch): pool would change nothing
+    **{Case("pool", m): "it would change nothing" for m in MODELS
+       if m.startswith(("gpt", "vit"))},
     Case("prune", "resnet18", ("method.block_size=16",)): "method=prune prunes nothing in ResNet",
     Case("prune", "resnet34"): "method=prune prunes nothing in ResNet: none of its 3 prunable",
 }
@@ -87,6 +98,7 @@ MEASURED_SIZE = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_si
                  "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=3",
                  "trainer.batch_size=16", "trainer.eval_max_batches=1", "trainer.seed=0",
                  "trainer.estimate=true"]
+LM_DATA = ["dataset=tokens", "dataset.seq_len=16", "dataset.train_size=32", "dataset.test_size=8"]
 ESTIMATED_SIZE = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=16",
                   "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=0",
                   "trainer.batch_size=8", "trainer.seed=0", "trainer.estimate=true"]
@@ -106,8 +118,13 @@ def _applies(method: str, model: str) -> bool:
 
 
 def _walk_measured() -> list[Case]:
+    """Every method with its defaults and each variant on the MLP and the CNN; on the
+    transformers each method (stacks aside) at its defaults: the variants' claims do not
+    depend on the model family."""
     return [Case(method, model, tuple(extra)) for model in MEASURED for method in METHODS
-            for extra in [DEFAULTS.get(method, []), *VARIANTS.get(method, [])]]
+            if _applies(method, model)
+            for extra in [DEFAULTS.get(method, []),
+                          *(VARIANTS.get(method, []) if model in STACK_MODELS else [])]]
 
 
 def _walk_estimated(models) -> list[Case]:

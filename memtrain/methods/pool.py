@@ -23,6 +23,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.swap import recast, swap_modules
+from memtrain.models import chain_of
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,17 @@ class PoolMethod:
     def wrap(self, model: nn.Module) -> nn.Module:
         pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size,
                        compress_input=self.compress_input)
+        stem = _stem_convs(model)
         convs = swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
                              lambda _, m: recast(m, PooledConv2d, mode=self.mode, **pooling))
+        relus = any(type(m) in (nn.ReLU, nn.MaxPool2d) for m in model.modules())
+        if not relus and (not convs or (set(convs) <= stem and not self.compress_input)):
+            what = (f"its only convolutions ({', '.join(convs)}) read the input batch, which the "
+                    "step keeps anyway (method.compress_input=true would pool that copy)"
+                    if convs else "it has no convolution")
+            raise ConfigError(f"method=pool pools the maps convolutions save and swaps ReLUs and "
+                              f"max-pools for compact ones; {type(model).__name__} has no ReLU "
+                              f"or max-pool and {what}: it would change nothing")
         if not convs:  # not silent: its ReLU masks alone can cost memory (Linear keeps the input)
             log.warning("method=pool found no nn.Conv2d in %s: nothing is pooled, only its ReLUs "
                         "and max-pools change", type(model).__name__)
@@ -72,6 +82,17 @@ class PoolMethod:
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
                      lambda _, m: recast(m, CompactMaxPool2d))
         return model
+
+
+def _stem_convs(model: nn.Module) -> set[str]:
+    """Names of the convolutions in the model's chain entry (what reads the batch: a ViT's
+    patch embedding, a ResNet's first convolution); empty for a model without a chain rule."""
+    try:
+        entry = chain_of(model).entry
+    except ConfigError:
+        return set()
+    inside = {id(m) for m in entry.modules()} if entry is not None else set()
+    return {n for n, m in model.named_modules() if type(m) is nn.Conv2d and id(m) in inside}
 
 
 def _compress(module: nn.Module, x: torch.Tensor) -> bool:

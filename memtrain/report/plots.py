@@ -32,11 +32,11 @@ from memtrain.report.draw import (
 )
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names
-from memtrain.report.plots_memory import breakdown, budget
+from memtrain.report.plots_memory import breakdown, budget, sequence
 from memtrain.report.style import Memory, byte_unit, order_settings, panels, setting_styles
 
 __all__ = ["Plot", "all_plots", "breakdown", "budget", "curves", "failures", "pareto_front",
-           "save", "throughput", "tradeoff"]
+           "save", "sequence", "throughput", "tradeoff"]
 
 
 # ---------------------------------------------------------------- 1. memory-accuracy trade-off
@@ -60,6 +60,11 @@ def pareto_front(x: pd.Series, y: pd.Series) -> list[int]:
 
 
 @style.styled
+def language_model(g: pd.DataFrame) -> bool:
+    """A panel of language models: their rows' metric is the validation loss (lower better)."""
+    return bool("metric" in g and g["metric"].eq("test_loss").any())
+
+
 def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
              names: Names = DEFAULT_NAMES) -> Plot | None:
     """Memory relative to the baseline against test accuracy, one panel per model and dataset,
@@ -74,16 +79,28 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     fig, axes = style.subplots(len(ps))
     drawn = []
     for ax, (title, g) in zip(axes, ps):
-        ok = ok_rows(g)
-        pts = points(ax, ok, xcol, "test_acc", styles, title, xscale=xscale, yscale=0.01,
-                     flag="did_not_learn", yrange=(0.0, 100.0))
-        chance = pd.to_numeric(g.get("chance_acc", pd.Series(dtype=float)), errors="coerce")
+        ok, lm = ok_rows(g), language_model(g)
+        if lm:  # validation loss per token, lower better; the unigram loss is "chance"
+            pts = points(ax, ok, xcol, "test_loss", styles, title, xscale=xscale,
+                         flag="did_not_learn", yrange=(0.0, math.inf))
+            chance = pd.to_numeric(g.get("unigram_loss", pd.Series(dtype=float)),
+                                   errors="coerce")
+            scale = 1.0
+        else:
+            pts = points(ax, ok, xcol, "test_acc", styles, title, xscale=xscale, yscale=0.01,
+                         flag="did_not_learn", yrange=(0.0, 100.0))
+            chance = pd.to_numeric(g.get("chance_acc", pd.Series(dtype=float)),
+                                   errors="coerce")
+            scale = 100.0
         if chance.notna().any():  # guessing's accuracy: a point at or below it learned nothing
-            ax.axhline(chance.mean() * 100, color="#c00000", linestyle=":",
+            ax.axhline(chance.mean() * scale, color="#c00000", linestyle=":",
                        linewidth=style.line_width(0.7), zorder=0)
             for p in pts:
-                p["chance"] = chance.mean() * 100
-        idx = pareto_front(pd.Series([p["x"] for p in pts]), pd.Series([p["y"] for p in pts]))
+                p["chance"] = chance.mean() * scale
+        # the front of the best points: a loss is better low, so it is drawn on -loss
+        sign = -1.0 if lm else 1.0
+        idx = pareto_front(pd.Series([p["x"] for p in pts]),
+                           pd.Series([sign * p["y"] for p in pts]))
         if len(idx) > 1:  # a front of one point is no line
             ax.plot([pts[i]["x"] for i in idx], [pts[i]["y"] for i in idx], color="#999999",
                     drawstyle="steps-post", linestyle="--", linewidth=style.line_width(0.7),
@@ -101,11 +118,14 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
         same = coincident(pts)
         note(ax, failed_lines(g) + skipped, (*front, *[_blank()] * len(same)),
              ["Pareto front"] * len(front) + same, panel=title)
-        ax.set(title=title, xlabel=xlab, ylabel="test accuracy (%)")
+        ax.set(title=title, xlabel=xlab,
+               ylabel="validation loss (per token)" if lm else "test accuracy (%)")
     data = pd.DataFrame(drawn)
     extra = []
     if "chance" in data:
-        extra.append((Line2D([], [], color="#c00000", linestyle=":"), "chance (1 / classes)"))
+        extra.append((Line2D([], [], color="#c00000", linestyle=":"),
+                      "chance (1 / classes; language models: the unigram loss)"
+                      if language_model(agg) else "chance (1 / classes)"))
     if "did_not_learn" in data and data["did_not_learn"].any():
         extra.append((Line2D([], [], linestyle="none", marker="o",
                              markersize=style.marker_size(), **hollow({"color": "#666666"})),
@@ -304,7 +324,9 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     step = agg.get("step_time_rel", pd.Series(dtype=float))
     if acc.notna().sum() == 0 and step.notna().sum() == 0:
         return None
+    loss = agg.get("test_loss_delta", pd.Series(math.nan, index=agg.index))
     agg = agg.assign(acc_pts=acc * 100, acc_pts_std=agg.get("test_acc_delta_std", math.nan) * 100,
+                     loss_delta=loss, loss_delta_std=agg.get("test_loss_delta_std", math.nan),
                      overhead_pct=(step - 1) * 100,
                      overhead_pct_std=agg.get("step_time_rel_std", math.nan) * 100)
     styles, ps = setting_styles(agg), panels(agg, names)
@@ -314,10 +336,14 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     drawn = []
     for j, (title, g) in enumerate(ps):
         top, bottom = axes[0][j], axes[1][j]
-        ok = ok_rows(g)
-        drawn += [{**p, "row": "accuracy"} for p in points(
-            top, ok, mem.rel, "acc_pts", styles, title, flag="did_not_learn",
-            yrange=(-100.0, 100.0))]
+        ok, lm = ok_rows(g), language_model(g)
+        if lm:  # a language model's quality: its validation loss change (lower is better)
+            drawn += [{**p, "row": "loss"} for p in points(
+                top, ok, mem.rel, "loss_delta", styles, title, flag="did_not_learn")]
+        else:
+            drawn += [{**p, "row": "accuracy"} for p in points(
+                top, ok, mem.rel, "acc_pts", styles, title, flag="did_not_learn",
+                yrange=(-100.0, 100.0))]
         drawn += [{**p, "row": "overhead"} for p in points(
             bottom, ok, mem.rel, "overhead_pct", styles, title, flag="timing_noisy",
             yrange=(-100.0, math.inf))]
@@ -326,7 +352,8 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
             ax.axvline(1.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":",
                        zorder=0)
         note(top, failed_lines(g), panel=title)
-        top.set(title=title, ylabel=f"accuracy change\nvs {baseline} (points)")
+        top.set(title=title, ylabel=f"validation loss change\nvs {baseline}" if lm else
+                f"accuracy change\nvs {baseline} (points)")
         bottom.set(title=f"{title}: overhead", xlabel=mem.axis(baseline),
                    ylabel=f"step-time overhead\nvs {baseline} (%)")
     data = pd.DataFrame(drawn)
@@ -392,6 +419,7 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
         "breakdown": (lambda: breakdown(agg, names), "no memory breakdown columns"),
         "throughput": (lambda: throughput(agg, mem, names), "no throughput or memory"),
         "curves": (lambda: curves(agg, metrics, names), "no setting evaluated twice or more"),
+        "sequence": (lambda: sequence(agg, names), None),  # only when seq_len varies
         "budget": (lambda: budget(agg, mem, baseline, names),
                    "no method=checkpoint runs with method.budget_fraction"),
         "failures": (lambda: failures(agg, names), "every run ended ok"),

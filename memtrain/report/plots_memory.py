@@ -240,3 +240,48 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
         extra = ((h, "hollow: the planner's prediction"),)
     draw.finish(fig, styles, draw.drawn_labels(data), extra)
     return Plot("budget", fig, data)
+
+
+# ---------------------------------------------------------------- 6. memory against sequence length
+
+SEQ_LEN = "dataset.seq_len"
+_SEQ_LABEL = r" seq_len=\S+"
+
+
+@style.styled
+def sequence(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
+    """Activation memory against the sequence length (the figure of Korthikanti et al.): one
+    line per setting but the length (method, attention, ...), one panel per model and dataset;
+    log-log, so a term linear in s and one in s^2 show as slopes 1 and 2. Drawn when a sweep
+    varies `dataset.seq_len`."""
+    if SEQ_LEN not in agg or pd.to_numeric(agg[SEQ_LEN], errors="coerce").nunique() < 2:
+        return None
+    col = next((c for c in (columns.ACT_TEMP_PEAK, columns.ACT_PEAK)
+                if c in agg and agg[c].notna().any()), None)
+    if col is None:
+        return None
+    agg = agg.assign(line=agg["label"].str.replace(_SEQ_LABEL, "", regex=True).str.strip(),
+                     seq=pd.to_numeric(agg[SEQ_LEN], errors="coerce"))
+    div, unit = byte_unit(agg[col])
+    colors = setting_styles(agg.assign(label=agg["line"]))
+    fig, axes = style.subplots(len(panels(agg, names)))
+    drawn = []
+    for ax, (title, g) in zip(axes, panels(agg, names)):
+        ok = draw.ok_rows(g)
+        for line, h in order_settings(ok.assign(label=ok["line"])).groupby("label", sort=False):
+            h = h.sort_values("seq")
+            h = h[h[col].notna()]
+            if h.empty:
+                continue
+            st = colors[line]
+            ax.plot(h["seq"], h[col] / div, label=line, linewidth=style.line_width(1.0), **st)
+            drawn += [{"panel": title, "label": line, "method": r["method"], "seq_len": r["seq"],
+                       "bytes": r[col]} for _, r in h.iterrows()]
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        draw.note(ax, draw.failed_lines(g), panel=title)
+        ax.set(title=title, xlabel="sequence length (tokens)",
+               ylabel=f"{columns.axis(col)} ({unit})")
+    data = pd.DataFrame(drawn)
+    draw.finish(fig, colors, draw.drawn_labels(data))
+    return Plot("sequence", fig, data)

@@ -45,7 +45,7 @@ RATIOS = {
     "mem_estimate_act_bytes": "mem_estimate_act_rel",
     "mem_estimate_saved_bytes": "mem_estimate_saved_rel",
 }
-DELTAS = {"test_acc": "test_acc_delta"}
+DELTAS = {"test_acc": "test_acc_delta", "test_loss": "test_loss_delta"}
 
 
 # ---------------------------------------------------------------- loading
@@ -264,6 +264,9 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     df = df.copy()
     warnings: list[str] = []
     where = parse_baseline(baseline)
+    if tuple(match) == DEFAULT_MATCH:  # the workload's own options too: a none of another
+        # sequence length, attention kernel or image size is not this run's baseline
+        match = [*match, *(c for c in df.columns if c.startswith(("model.", "dataset.")))]
     for k in [*where, *match]:
         if k not in df:
             warnings.append(f"column {k!r} (in --baseline/--match) is in no run; it matches "

@@ -24,13 +24,16 @@ FOLDER = ".checkpoint-profiles"
 
 
 def key(model: torch.nn.Module, names: list[str], x: torch.Tensor, autocast, **options) -> str:
-    """A hash of what the profile depends on: the model's type, segments and parameter shapes,
-    the batch's shape, dtype and device, the autocast dtype, the profiling options, torch."""
+    """A hash of what the profile depends on: the model's type, segments, parameter shapes and
+    module tree as printed (dropout rates included), the batch's shape, dtype and device, the
+    autocast dtype, the profiling options (the run's model options among them: what the
+    printed tree does not show, such as a transformer's attention kernel), torch."""
     with autocast():
         dev = x.device.type
         amp = str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else "off"
     device = torch.cuda.get_device_name(x.device) if dev == "cuda" else dev
     what = [type(model).__qualname__, names, [tuple(p.shape) for p in model.parameters()],
+            repr(model),
             tuple(x.shape), str(x.dtype), device, amp, torch.__version__, sorted(options.items())]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
@@ -34,6 +33,7 @@ import memtrain.methods.checkpoint.plan as planner
 import memtrain.methods.common.hooks as hooks
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
+from memtrain.losses import cross_entropy
 from memtrain.methods.checkpoint.segments import Segment, apply_groups, discover
 
 log = logging.getLogger("memtrain.methods.checkpoint")  # the name runs have logged under
@@ -173,12 +173,13 @@ class CheckpointMethod:
         return model
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None,
-                cache_dir: str | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None, cache_dir: str | None = None,
+                model_config: dict | None = None) -> dict[str, Any]:
         """Before the first step, on the run's first batch and device: profile the segments on
         `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
         in place; `cache_dir` (the sweep folder) keeps one profile per model, input, precision
-        and device for every job of the sweep. Returns the plan's summary columns; with
+        and device for every job of the sweep (`model_config`: the run's model options, part
+        of the profile's key). Returns the plan's summary columns; with
         `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there."""
         if self.strategy not in PLANNED:
             if self.dry_run:
@@ -191,7 +192,8 @@ class CheckpointMethod:
         plan = self._choose(model, x, y, autocast,
                             None if groups is None else [(int(a), int(b)) for a, b in groups],
                             None if keep is None else {(int(i), int(j)) for i, j in keep},
-                            cache_dir, [int(i) for i in carry.get("checkpoint_compact", [])])
+                            cache_dir, [int(i) for i in carry.get("checkpoint_compact", [])],
+                            model_config)
         self.plan = plan
         if not self.dry_run:
             self._apply(model)
@@ -223,7 +225,7 @@ class CheckpointMethod:
         excess (and further while that leaves the plan as it is: `_replan_below`) and the plan
         chosen again, at most three times; no fit is a one-line error."""
         scale, x, y = self._profile_slice(x, y)
-        loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
+        loss = lambda out: cross_entropy(out.float(), y)  # noqa: E731
         budget = target = self._budget(self.profile)
         least = None
         for _ in range(4):
@@ -256,7 +258,7 @@ class CheckpointMethod:
         max(3, profile_repeats) alternating pairs) -> `plan_measured_overhead` and
         `plan_overhead_error` (predicted - measured)."""
         _, x, y = self._profile_slice(x, y)
-        loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
+        loss = lambda out: cross_entropy(out.float(), y)  # noqa: E731
         self.plan.extra["measured_overhead"] = planner.measured_overhead(
             model, x, loss, autocast, lambda: self._unapply(), lambda: self._apply(model),
             max(3, self.profile_repeats))
@@ -302,12 +304,14 @@ class CheckpointMethod:
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
                 groups: list[tuple[int, int]] | None = None,
                 keep: set[tuple[int, int]] | None = None,
-                cache_dir: str | None = None, compact: list[int] | None = None) -> planner.Plan:
+                cache_dir: str | None = None, compact: list[int] | None = None,
+                model_config: dict | None = None) -> planner.Plan:
         """Profile the segments on `x` and choose the groups (`groups`, `keep`, `compact`: a
         plan kept by a resumed run, used whatever a new profile says); sets `self.profile` (and
         `self.ops`)."""
         scale, x, y = self._profile_slice(x, y)
-        self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir)
+        self._profile(model, x, y, autocast or contextlib.nullcontext, scale, cache_dir,
+                      model_config)
         prof, n = self.profile, self.profile.n
         if self.by_op and groups is not None:
             return opplan.op_plan(prof, self.ops, groups, keep or set(), compact or ())
@@ -327,7 +331,8 @@ class CheckpointMethod:
             return x.shape[0] / pb, x[:pb], y[:pb]
         return 1.0, x, y
 
-    def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None) -> None:
+    def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None,
+                 model_config: dict | None = None) -> None:
         """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
         measured on `x` (and then cached). Op and block jobs of a sweep share the segment
         profile; the first op job adds the op profile to it."""
@@ -340,10 +345,10 @@ class CheckpointMethod:
             # cost their measured times (`plan_on_times`), where older profiles had a roofline
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats, bn="split", compact=1, cost="time",
-                          transient=3)
+                          transient=3, model_options=model_config)
             got = cache.load(cache_dir, k)
         if got is None:
-            loss = lambda out: F.cross_entropy(out.float(), y)  # noqa: E731
+            loss = lambda out: cross_entropy(out.float(), y)  # noqa: E731
             self.profile, ops = planner.profile(model, self.segments, x, loss, autocast,
                                                 self.profile_repeats, scale), None
             if hooks.wrapped(model) and self.inside is None:

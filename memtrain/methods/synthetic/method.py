@@ -32,12 +32,12 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
+from memtrain.losses import cross_entropy
 from memtrain.methods.synthetic.cuts import (
     PROFILE_BATCH,
     Partitioned,
@@ -129,6 +129,11 @@ class Synthetic:
         """The model as `Partitioned` (same parameters and names; the forward gains only the
         fixed `LabelStandardize` at each cut). Explicit cuts apply now; automatic ones when
         `plan` sees the data (a model type without a chain rule is refused here)."""
+        if getattr(model, "task", "classify") != "classify":
+            raise ConfigError(f"method=synthetic trains each partition to predict synthetic "
+                              f"labels of the classes, and {type(model).__name__} is a language "
+                              f"model with no classes; use a classifier (vit_tiny, vit_b16, "
+                              f"resnet18, mlp6, ...)")
         units = chain_of(model, "method synthetic").units()
         parts = Partitioned(model, units, self.kappa)
         params = [numel(u) for u in units]
@@ -250,10 +255,10 @@ class Synthetic:
                 xj = synthetic_input(labels[j - 1].t().contiguous(), shapes[j - 1],
                                      self.noise * self.kappa, x, y)
             loss = (partial(mse_to_label, targets=labels[j].t().contiguous())
-                    if j < len(model) - 1 else F.cross_entropy)
+                    if j < len(model) - 1 else cross_entropy)
             steps.append(ProbeStep(part, xj, y, loss, f"part{j}", resident))
         if self.recovery_epochs:
-            steps.append(ProbeStep(model, x, y, F.cross_entropy, "recovery"))
+            steps.append(ProbeStep(model, x, y, cross_entropy, "recovery"))
         return steps
 
     def _phase(self, j, model, optimizer, scheduler, kw, shapes, run_total, n_train) -> Phase:
