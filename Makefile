@@ -105,6 +105,13 @@ bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block,
 bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
 	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
+.PHONY: transformer-study-cpu
+transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/transformer_study_cpu/
+	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \
+	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
+	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
+	$(BIN)/memtrain-report runs/transformer_study_cpu --out docs/results/transformer_study_cpu
+
 .PHONY: bench-pool
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
 	$(BIN)/python -m memtrain.bench.pool $(ARGS)

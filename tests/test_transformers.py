@@ -239,3 +239,30 @@ def test_the_estimate_of_gpt2_small_at_1024_tokens_is_the_formula():
                                  "lm")
     layers = 12 * formula(1024, 8, 768, 12, d=2, m=2)
     assert out["mem_estimate_saved_bytes"] == pytest.approx(layers, rel=0.05)
+
+
+@pytest.mark.slow
+def test_gpt_nano_learns_real_text(tmp_path):
+    """The Python standard library as bytes: a short run ends below the corpus' byte unigram
+    loss (the longer run is in docs/results/transformer_text_cpu)."""
+    row = api.run(["model=gpt_nano", "model.layers=1", "dataset=text", "dataset.seq_len=64",
+                   "trainer.batch_size=16", "trainer.max_steps=50", "trainer.warmup_steps=1",
+                   "trainer.eval_max_batches=8", "trainer.account_memory=false",
+                   "trainer.progress=false", "trainer.device=cpu"], out_dir=tmp_path / "r")
+    assert row["status"] == "ok" and row["learned"], row.get("not_learned_why")
+    assert row["test_loss"] < row["unigram_loss"]
+    assert row["data_hash"] and "stdlib" in row["data_source"]
+
+
+def test_estimate_of_gpt_nano_is_its_measured_step(tmp_path):
+    """gpt_nano's shape, bf16-true, math attention, dropout 0.1, s=256, b=2: the GPU-free
+    estimate's saved bytes and activation peak equal the CPU's measured step within 3% (the
+    same device kind: the CPU's 2-byte masks on both)."""
+    row = api.run(["model=gpt_nano", "model.dropout=0.1", "dataset.seq_len=256",
+                   "dataset.train_size=4", "dataset.test_size=2", "trainer=smoke",
+                   "trainer.batch_size=2", "trainer.max_steps=2", "trainer.precision=bf16-true",
+                   "trainer.estimate=true"], out_dir=tmp_path / "r")
+    assert row["status"] == "ok"
+    assert row["mem_estimate_saved_bytes"] == pytest.approx(row["mem_act_saved_bytes"], rel=0.03)
+    assert row["mem_estimate_act_bytes"] == pytest.approx(row["mem_peak_act_bytes"], rel=0.03)
+    assert row["mem_act_saved_bytes"] > 4 * formula(256, 2, 128, 4, d=2, m=2)  # 4 layers + more
