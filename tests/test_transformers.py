@@ -266,3 +266,17 @@ def test_estimate_of_gpt_nano_is_its_measured_step(tmp_path):
     assert row["mem_estimate_saved_bytes"] == pytest.approx(row["mem_act_saved_bytes"], rel=0.03)
     assert row["mem_estimate_act_bytes"] == pytest.approx(row["mem_peak_act_bytes"], rel=0.03)
     assert row["mem_act_saved_bytes"] > 4 * formula(256, 2, 128, 4, d=2, m=2)  # 4 layers + more
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,data", [
+    ("gpt2_small", ["dataset.seq_len=1024", "dataset.train_size=8", "dataset.test_size=2"]),
+    ("vit_b16", ["dataset.image_size=224", "dataset.train_size=8", "dataset.test_size=2"])])
+def test_find_max_batch_at_full_size_without_allocating_it(tmp_path, model, data):
+    """The probes on fake tensors: a full-size model's largest batch under a GPU's memory, on a
+    machine that could not hold one of its steps' activations for that batch."""
+    row = api.run([f"model={model}", *data, "trainer.precision=bf16-true",
+                   "trainer.find_max_batch=true", "trainer.gpu_memory_gb=16",
+                   "trainer.max_steps=0"], out_dir=tmp_path / "r")
+    assert row["status"] == "ok" and row["max_batch_size"] >= 1
+    assert measure.peak_rss_bytes() < 16 * 2**30
