@@ -110,7 +110,10 @@ transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scal
 	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \
 	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
 	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
-	$(BIN)/memtrain-report runs/transformer_study_cpu --out docs/results/transformer_study_cpu
+	$(BIN)/python -m memtrain.study.docs --capture runs/transformer_study_cpu transformer_study_cpu
+	$(BIN)/memtrain-report runs/transformer_study_cpu --out runs/transformer_study_cpu/report
+	mkdir -p docs/results/transformer_study_cpu && cp runs/transformer_study_cpu/report/figures/sequence.* \
+	  runs/transformer_study_cpu/report/figures/tradeoff.* docs/results/transformer_study_cpu/
 
 .PHONY: bench-pool
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time

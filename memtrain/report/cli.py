@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
                     help="which runs are baselines, as column=value[,column=value] "
                          "(default: %(default)s)")
     ap.add_argument("--match", default=",".join(tables.DEFAULT_MATCH),
-                    help="columns a run and its baseline share (default: %(default)s)")
+                    help="columns a run and its baseline share (default: %(default)s, and "
+                         "every model.* and dataset.* option)")
     ap.add_argument("--format", default="png,pdf",
                     help="figure formats, comma-separated (default: %(default)s)")
     ap.add_argument("--memory", default="auto", choices=("auto", "peak", "act", "saved"),
