@@ -130,7 +130,10 @@ COLUMNS: tuple[Column, ...] = (
          (ERROR, "text", "why the run did not end ok: the exception or the failure's message"),
          ("failed_step", "count", "the step at which training failed or stopped"),
          ("signal", "text", "the signal that stopped an interrupted run"),
-         ("memory_snapshot", "path", "the CUDA memory snapshot (`trainer.memory_snapshot=true`)")),
+         ("memory_snapshot", "path", "the CUDA memory snapshot (`trainer.memory_snapshot=true`)"),
+         ("memory_timeline", "path", "the accounting step's memory timeline, relative to the run "
+                                     "folder (`trainer.memory_timeline=true`; timeline.png/.pdf "
+                                     "beside it)")),
     *_of("status", "train",
          ("resumed_at_step", "count", "the step a resumed run continued from (`trainer.resume`)")),
     *_of("status", "resume",
@@ -201,6 +204,14 @@ COLUMNS: tuple[Column, ...] = (
           "activation + backward temporary memory"),
          ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "
                                              "step"),
+         ("mem_timeline_peak_bytes", "bytes", "the highest total of the memory timeline "
+                                              "(`trainer.memory_timeline`): the tracker's peak"),
+         ("mem_timeline_peak_phase", "text", "the step's phase at the timeline's peak (forward, "
+                                             "backward, optimizer)"),
+         ("mem_timeline_peak_module", "text", "the innermost module active at the timeline's "
+                                              "peak"),
+         ("mem_timeline_events", "count", "the timeline's events (one per op of the accounting "
+                                          "step)"),
          ("mem_params_bytes", "bytes", "parameters"),
          ("mem_buffers_bytes", "bytes", "buffers"),
          ("mem_grads_bytes", "bytes", "gradients"),

@@ -130,7 +130,7 @@ class PeakTracker:
     act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
 
-    def __init__(self, *external, device: torch.device | None = None):
+    def __init__(self, *external, device: torch.device | None = None, timeline: bool = False):
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
@@ -147,6 +147,13 @@ class PeakTracker:
         self._to_grad: list[tuple[int, int, int]] = []  # (from, to, bytes): temps made grads
         self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
         mt = self._mt
+        # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
+        # rows of memtrain.timeline.table), with the loop's `phase` and the innermost module
+        self.events: list[tuple] | None = [] if timeline else None
+        self.phase = "forward"
+        refs = [_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT, _MemRefType.GRAD,
+                _MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH]  # timeline.CATEGORIES
+        self._t0 = time.perf_counter()
 
         # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
         # breakdown at that moment (what `peak_bytes` and `at_peak` read), and a peak per module,
@@ -167,6 +174,8 @@ class PeakTracker:
                     self.act_peak_bytes, self._act_snap = act, dict(snap)
                 now += act + snap.get(_MemRefType.TEMP, 0)
             self._act_temp.append(now)
+            if self.events is not None:
+                self._record(mt, refs)
 
         # A parameter's gradient is made in backward, so MemTracker files it as a temporary
         # until autograd hands it to the parameter (its grad hook retags it as a gradient, a
@@ -191,7 +200,20 @@ class PeakTracker:
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type
 
+    def _record(self, mt, refs) -> None:
+        """One timeline event: the counted devices' bytes per category after this op."""
+        values = [0] * len(refs)
+        for dev, snap in mt._curr_mem_snap.items():
+            if self._counts(dev):
+                for i, r in enumerate(refs):
+                    values[i] += snap.get(r, 0)
+        # the innermost module: ModTracker's active modules are nested names ("Global" outside)
+        module = max(mt._mod_tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
+        self.events.append((time.perf_counter() - self._t0, self.phase,
+                            "" if module == "Global" else module, *values))
+
     def __enter__(self) -> PeakTracker:
+        self._t0 = time.perf_counter()
         self._mt.__enter__()
         return self
 
@@ -206,6 +228,11 @@ class PeakTracker:
         for i, v in enumerate(self._act_temp):
             less += diff[i]
             self.act_temp_peak_bytes = max(self.act_temp_peak_bytes, v + less)
+            if self.events is not None and less:  # a gradient filed as a temporary till then
+                e = list(self.events[i])
+                e[-2] += less  # temp (timeline.CATEGORIES: ..., grads, act, temp, other)
+                e[-4] -= less  # grads
+                self.events[i] = tuple(e)
         self._act_temp, self._made = [], {}
         snap = {}
         for dev, dev_snap in self._mt.get_tracker_snapshot("peak").items():
@@ -227,6 +254,39 @@ class PeakTracker:
         self.at_act_peak = {"params": a.get(T.PARAM, 0), "grads": a.get(T.GRAD, 0),
                             "optim": a.get(T.OPT, 0), "act": a.get(T.ACT, 0),
                             "other": sum(a.get(k, 0) for k in (T.BUFFER, T.OTH, T.TEMP))}
+
+
+class TimelineRecorder:
+    """`trainer.memory_timeline=true`: while entered (the runner, around training), every
+    accounting step records its timeline here (`PeakTracker.events`), one table per part of the
+    run (synthetic: one per phase; others: one); `table()` is them end to end
+    (memtrain/timeline.py's format). Off: a no-op that records nothing."""
+
+    active: TimelineRecorder | None = None
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.tables: list = []
+
+    def add(self, events: list[tuple], part: str) -> None:
+        from memtrain import timeline
+
+        first = sum(int(t["event"].max()) + 1 for t in self.tables if len(t))
+        self.tables.append(timeline.table(events, part, first))
+
+    def table(self):
+        import pandas as pd
+
+        return pd.concat(self.tables, ignore_index=True) if self.tables else None
+
+    def __enter__(self) -> TimelineRecorder:
+        if self.enabled:
+            TimelineRecorder.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if TimelineRecorder.active is self:
+            TimelineRecorder.active = None
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -318,8 +378,11 @@ class Measurement:
     """
 
     def __init__(self, device: torch.device, total_steps: int, warmup_steps: int,
-                 account_memory: bool, summary: dict, resident: Iterable[nn.Module] = ()):
+                 account_memory: bool, summary: dict, resident: Iterable[nn.Module] = (),
+                 part: str = ""):
         self.device, self.account, self.summary = device, account_memory, summary
+        self.part = part  # a method's phase that this loop trains (synthetic's part<j>)
+        self._tracker: PeakTracker | None = None
         # modules whose tensors stay where they are beside the trained one (synthetic: the
         # partitions not in training): the tracker counts those on the run's device
         self.resident = tuple(resident)
@@ -337,16 +400,21 @@ class Measurement:
         timed = step >= self.warmup and not accounting
         self._saved = SavedBytes(alive_before_step(model, x, y), self.device) \
             if accounting else None
-        tracker = PeakTracker(model, optimizer, x, y, *self.resident,
-                              device=self.device) if accounting else None
+        recorder = TimelineRecorder.active
+        tracker = PeakTracker(model, optimizer, x, y, *self.resident, device=self.device,
+                              timeline=recorder is not None) if accounting else None
+        self._tracker = tracker
         if timed:
             self.timer.start()
         with maybe(tracker, accounting):
             yield
         if timed:
             self.timer.stop()
+        self._tracker = None
         if accounting:
             self.summary.update(_accounting(self._saved, tracker, model, optimizer))
+            if recorder is not None:
+                recorder.add(tracker.events, self.part)
             other = resident_bytes(self.resident, model, self.device)
             if other:
                 self.summary["mem_resident_other_bytes"] = other
@@ -354,9 +422,22 @@ class Measurement:
         if step == self.warmup:  # the CUDA peak window opens after the accounting step
             reset_cuda_peak(self.device)
 
-    def forward(self) -> contextlib.AbstractContextManager:
-        """Around the forward pass: counts what is saved for backward on the accounting step."""
-        return maybe(self._saved, self._saved is not None)
+    @contextlib.contextmanager
+    def forward(self):
+        """Around the forward pass: counts what is saved for backward on the accounting step;
+        what follows it, up to `updating`, is the backward phase of the step's timeline."""
+        self._phase("forward")
+        with maybe(self._saved, self._saved is not None):
+            yield
+        self._phase("backward")
+
+    def updating(self) -> None:
+        """The update starts (clip, optimizer step, zero): the timeline's optimizer phase."""
+        self._phase("optimizer")
+
+    def _phase(self, name: str) -> None:
+        if self._tracker is not None:
+            self._tracker.phase = name
 
     def update_done(self, model: nn.Module) -> None:
         """After the optimizer step, before the gradients are freed: their bytes, once."""

@@ -32,9 +32,11 @@ GROUPS = ("dataset", "model", "method", "optim", "trainer", "experiment")
 # trainer options that drive a run without changing what it computes: left out of run_id (so a
 # resumed or re-launched run keeps its id and skip_done finds it) and out of the report's settings
 # (evaluation between steps draws no random numbers and runs outside the measured steps: the
-# trained weights and every measured column are the same with or without it)
+# trained weights and every measured column are the same with or without it; the memory timeline
+# records the accounting step, which no timed step or peak column includes)
 DRIVING_OPTIONS = ("resume", "save_every", "save_weights", "skip_done", "search_dir",
-                   "memory_snapshot", "progress", "logger", "eval_every_steps")
+                   "memory_snapshot", "memory_timeline", "progress", "logger",
+                   "eval_every_steps")
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes]], None]) -> None:

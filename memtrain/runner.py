@@ -352,13 +352,19 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
             stack.callback(lg.close)
     # a method that changes the training procedure (synthetic) replaces the loop
     loop = getattr(method, "fit", train)
-    with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot:
+    with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot, \
+            measure.TimelineRecorder(t.memory_timeline) as timeline:
         if planned.get("dry_run"):  # the method was asked for its plan only
             result = TrainResult()
         else:
             result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
                           checkpointer=ckpt, loggers=live)
     summary.update(result.summary)
+    if (table := timeline.table()) is not None:
+        from memtrain import timeline as timeline_file
+
+        title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
+        summary.update(timeline_file.write(table, run_dir, title))
     if not planned.get("dry_run"):
         n_test = len(data.test) if t.eval_max_batches is None else min(
             len(data.test), t.eval_max_batches * (t.eval_batch_size or t.batch_size))

@@ -68,6 +68,7 @@ class Trainer:
     fault: str | None = None
     fault_step: int = 0
     memory_snapshot: bool = False
+    memory_timeline: bool = False
     gpu_memory_gb: float | None = None
     find_max_batch: bool = False
     estimate: bool = False

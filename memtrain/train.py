@@ -157,7 +157,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
 
     rec, t_start = Records(metric_prefix, loggers), time.perf_counter()
     meas = measure.Measurement(device, total_steps, t.warmup_steps, t.account_memory, rec.summary,
-                               resident)
+                               resident, part=metric_prefix.rstrip("."))
     step, start_epoch, loss_val = _resume(checkpointer, metric_prefix, model, optimizer,
                                           scheduler, scaler, shuffle_gen, rec, meas)
     replay = step - start_epoch * steps_per_epoch  # resumed: skip the epoch's batches done
@@ -271,6 +271,7 @@ def _ready(model: nn.Module, t: Trainer, device: torch.device) -> tuple[Callable
 def _update(model: nn.Module, optimizer, scheduler, scaler, grad_clip: float,
             meas: measure.Measurement) -> None:
     """The update after backward: clip, optimizer step (through the fp16 scaler), zero grads."""
+    meas.updating()
     if grad_clip:
         scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

@@ -105,6 +105,11 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
         base_name = tables.parse_baseline(baseline).get("method", baseline)
         with style_mod.using(style):
             made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name, disp)
+            from memtrain.report.plots_timeline import timelines
+
+            # the runs' step timelines (trainer.memory_timeline): drawn only where recorded
+            if (tl := timelines(runs, base_name, disp)) is not None:
+                made.append(tl)
             for p in made:
                 rep.figures[p.name] = plots.save(p, out / "figures", formats)
     text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=dirs,
