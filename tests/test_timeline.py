@@ -52,6 +52,16 @@ def test_checkpoint_timeline_shows_recomputation_in_backward(tmp_path):
     assert _act_rises_in_backward(none) == 0
     assert _act_rises_in_backward(ckpt) >= 4  # mlp6: a rise per recomputed segment at least
     assert int(ckpt.groupby("event")["bytes"].sum().max()) == row["mem_peak_alloc_bytes"]
+    # the report: a panel per method, each panel's peak its row's, none's peak the reference
+    from memtrain.report.build import make_report
+
+    rep = make_report([tmp_path], tmp_path / "report", formats=("png",))
+    drawn = pd.read_csv(tmp_path / "report" / "figures" / "timeline.csv")
+    assert rep.figures["timeline"] and list(drawn["label"]) == ["none", "checkpoint"]
+    none_row = rep.runs[rep.runs["method"] == "none"].iloc[0]
+    assert list(drawn["peak_bytes"]) == [none_row["mem_peak_alloc_bytes"],
+                                         row["mem_peak_alloc_bytes"]]
+    assert (drawn["baseline_peak_bytes"] == none_row["mem_peak_alloc_bytes"]).all()
 
 
 @pytest.mark.slow

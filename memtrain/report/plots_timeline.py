@@ -57,7 +57,7 @@ def timelines(runs: pd.DataFrame, baseline: str = "none",
     drawn = []
     for i, (ax, (r, df)) in enumerate(zip(axes.flat, found)):
         title = f"{r['label']} ({names.panel(r.get('model'), r.get('dataset'))})"
-        p = timeline.draw(ax, df, unit, legend=i == 0, title=title)
+        p = timeline.draw(ax, df, unit, legend=False, title=title)
         ref = base.get((r.get("model"), r.get("dataset")))
         if ref is not None:
             ax.axhline(ref / unit[1], color="k", lw=0.8, ls="--", zorder=5)
@@ -70,6 +70,14 @@ def timelines(runs: pd.DataFrame, baseline: str = "none",
                       "peak_bytes": p["bytes"], "peak_phase": p["phase"],
                       "peak_module": p["module"], "baseline_peak_bytes": ref,
                       "events": int(df["event"].nunique())})
+    handles, labels = {}, {}
+    for ax in axes.flat[:n]:  # every category any panel drew, once, under the panels
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values())[::-1], list(handles)[::-1], loc="outside lower center",
+               ncol=4, fontsize="x-small", frameon=False,
+               title="shaded: forward (white), backward (blue), optimizer (violet)",
+               title_fontsize="x-small")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     for ax in axes.flat:
