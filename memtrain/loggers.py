@@ -4,9 +4,17 @@ The loop calls, for every `train.train` call (a run, or one phase of a multi-pha
 `start(total_steps, prefix)` once, `step(...)` after every step, `metrics(rows)` for each group of
 metric rows as they are made (the same rows metrics.csv gets: step, epoch, split, name, value;
 names carry the phase's prefix), and `end()` once, also when the run fails. A logger is any
-object with these four methods; the runner builds the list from the trainer options (`build`).
+object with these four methods; the runner builds the list from the trainer options (`build`)
+and, once the run's row is final (any status), calls `close(row)` on those that have it
+(TensorBoard's hparams and W&B's summary take the row's final metrics there).
 Loggers never change what is measured: the loop's records are written by the runner either way
 (metrics.csv is rewritten whole, atomically, when the run ends).
+
+The train rows of a logged step carry, beside loss and lr, the run's memory and throughput as
+series (`measure.Measurement.series`): `samples_s` (the steps timed since the previous logged
+step), `mem_peak_alloc_bytes` (the CUDA allocator's peak over the timed steps, or the CPU
+tracker's peak of the accounting step: the row's column, its value so far), on CUDA
+`mem_peak_reserved_bytes` and `mem_alloc_bytes` (allocated now), and `mem_peak_rss_bytes`.
 """
 
 from __future__ import annotations
@@ -14,25 +22,34 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from memtrain import measure
+from memtrain import columns
 from memtrain.errors import ConfigError, check_choice
 from memtrain.record import METRIC_FIELDS, METRICS
 
 log = logging.getLogger("memtrain")
-LOGGERS = ("csv", "tensorboard")  # trainer.logger
+LOGGERS = ("csv", "tensorboard", "wandb")  # trainer.logger
+MemoryNow = Callable[[], dict[str, int]]  # measure.Measurement.memory_now
+# the row's final metrics that TensorBoard's hparams and W&B's summary carry (those it has)
+FINAL_METRICS = ("test_acc", "test_acc5", "test_loss", "train_loss", "learned",
+                 columns.PEAK, columns.ACT_TEMP_PEAK, columns.ACT_PEAK, columns.SAVED,
+                 columns.THROUGHPUT, columns.STEP_TIME, columns.ESTIMATE, columns.MAX_BATCH)
 
 
 class Logger(Protocol):
     def start(self, total_steps: int, prefix: str) -> None: ...
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float) -> None:
-        """After step `step` (counted from 1) of `epoch`: its loss, and the samples per second of
-        the last timed step (NaN before the first one)."""
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
+        """After step `step` (counted from 1) of `epoch`: its loss, the samples per second of
+        the last timed step (NaN before the first one) and a function giving the memory
+        series now (`measure.Measurement.memory_now`; called only by loggers that show it)."""
         ...
 
     def metrics(self, rows: list[dict[str, Any]]) -> None: ...
@@ -40,11 +57,22 @@ class Logger(Protocol):
     def end(self) -> None: ...
 
 
-def memory_now(device: torch.device) -> str:
-    """The memory figure a progress line shows: the CUDA peak so far, or the process's RSS."""
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f}G"
-    return f"{measure.peak_rss_bytes() / 2**30:.2f}G rss"
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f}G" if n >= 2**30 else f"{n / 2**20:.1f}M"
+
+
+def memory_text(mem: Mapping[str, int], device: torch.device) -> str:
+    """What a progress line says of memory, each figure named: the tracked peak (CUDA's
+    allocator over the timed steps, or the CPU tracker's peak of the accounting step, the row's
+    `mem_peak_alloc_bytes`), on CUDA what is allocated now, and the process's peak RSS."""
+    parts = []
+    if columns.PEAK in mem:
+        parts.append(f"{_size(mem[columns.PEAK])} peak "
+                     f"({'cuda' if device.type == 'cuda' else 'tracked'})")
+    if "mem_alloc_bytes" in mem:
+        parts.append(f"{_size(mem['mem_alloc_bytes'])} allocated")
+    parts.append(f"{_size(mem['mem_peak_rss_bytes'])} rss")
+    return ", ".join(parts)
 
 
 class ProgressBar:
@@ -64,9 +92,10 @@ class ProgressBar:
         self._redirect = logging_redirect_tqdm()
         self._redirect.__enter__()
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float) -> None:
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
         self._bar.set_postfix_str(f"ep {epoch} loss {loss:.3f} {samples_s:.0f}/s "
-                                  f"mem {memory_now(self.device)}", refresh=False)
+                                  f"mem {memory_text(memory(), self.device)}", refresh=False)
         self._bar.update()
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
@@ -80,7 +109,8 @@ class ProgressBar:
 
 
 class ProgressLines:
-    """One log line every `every` steps (and on the last): step, loss, samples/s and memory.
+    """One log line every `every` steps (and on the last): step, loss, samples/s and memory
+    (`memory_text`: the tracked peak, and the process's RSS, each named).
     Through logging, so it reaches memtrain.log and the console however they are redirected
     (SLURM logs, nohup), where a progress bar draws nothing."""
 
@@ -91,12 +121,13 @@ class ProgressLines:
     def start(self, total_steps: int, prefix: str) -> None:
         self.total, self.prefix = total_steps, prefix
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float) -> None:
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
         if step % self.every and step != self.total:
             return
         rate = "-" if math.isnan(samples_s) else f"{samples_s:.0f}"
         log.info("%sstep %d/%d epoch %d loss %.4f samples/s %s mem %s", self.prefix, step,
-                 self.total, epoch, loss, rate, memory_now(self.device))
+                 self.total, epoch, loss, rate, memory_text(memory(), self.device))
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         pass
@@ -118,7 +149,8 @@ class CsvLog:
     def start(self, total_steps: int, prefix: str) -> None:
         pass
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float) -> None:
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
         pass
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
@@ -128,6 +160,27 @@ class CsvLog:
 
     def end(self) -> None:
         pass
+
+
+def hparams_of(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The row's config as hyperparameters: its identity and config columns (the chosen
+    options, every option flattened), in the types TensorBoard and W&B take (None left out)."""
+    out = {}
+    for k, v in row.items():
+        col = columns.lookup(k)
+        if col is not None and col.kind in ("identity", "config") and v is not None:
+            out[k] = v if isinstance(v, (bool, int, float, str)) else str(v)
+    return out
+
+
+def final_metrics(row: Mapping[str, Any]) -> dict[str, float]:
+    """The row's final metrics (FINAL_METRICS, those it holds as finite numbers)."""
+    out = {}
+    for k in FINAL_METRICS:
+        v = row.get(k)
+        if isinstance(v, (bool, int, float)) and math.isfinite(float(v)):
+            out[k] = float(v)
+    return out
 
 
 def _summary_writer():
@@ -144,26 +197,99 @@ def _summary_writer():
 
 class TensorBoard:
     """The metric rows as TensorBoard scalars (`<split>/<name>` at their step, the names of
-    metrics.csv) in `<run_dir>/tensorboard`."""
+    metrics.csv: memory and samples/s among them) in `<run_dir>/tensorboard`; when the row is
+    final (`close`), the run's hyperparameters (`hparams_of`) with its final metrics
+    (`final/<column>` scalars) through TensorBoard's hparams plugin, as Lightning's
+    TensorBoardLogger writes them: the HPARAMS tab compares the runs of a sweep."""
 
     def __init__(self, run_dir: Path):
         self.writer = _summary_writer()(log_dir=str(Path(run_dir) / "tensorboard"))
+        self.last_step = 0
 
     def start(self, total_steps: int, prefix: str) -> None:
         pass
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float) -> None:
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
         pass
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         for r in rows:
             self.writer.add_scalar(f"{r['split']}/{r['name']}", r["value"], r["step"])
+            self.last_step = max(self.last_step, int(r["step"]))
 
     def end(self) -> None:
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, row: Mapping[str, Any] | None = None) -> None:
+        if row is not None:
+            from torch.utils.tensorboard.summary import hparams
+
+            final = {f"final/{k}": v for k, v in final_metrics(row).items()}
+            params = {**hparams_of(row), "status": str(row.get("status", ""))}
+            fw = self.writer._get_file_writer()  # the run's own event file (no sub-folder)
+            for summary in hparams(params, final):
+                fw.add_summary(summary)
+            for k, v in final.items():
+                self.writer.add_scalar(k, v, self.last_step)
         self.writer.close()
+
+
+def _wandb():
+    """The wandb package; a one-line ConfigError when it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("trainer.logger=wandb needs the wandb package: pip install "
+                          "'memtrain[wandb]' (or pip install wandb), or use "
+                          "trainer.logger=csv") from None
+    return wandb
+
+
+class WandB:
+    """Weights & Biases, offline unless the user says otherwise: `WANDB_MODE` as set, else
+    `offline` (the run lives in `<run_dir>/wandb/offline-run-*`, no network needed; `wandb sync`
+    uploads it later). The run's config is the row's hyperparameters (`hparams_of`), each
+    metric row a logged value (`<split>/<name>`, memory and samples/s among them); when the row
+    is final (`close`) its final metrics and status go to the run's summary. W&B's step only
+    grows, so a method's phases (each a `train` call counting from 0) follow one another:
+    the W&B step is the phase's first step plus memtrain's, which each entry also logs as
+    `<prefix>step`. `WANDB_PROJECT` names the project (default memtrain)."""
+
+    def __init__(self, run_dir: Path, hparams: Mapping[str, Any]):
+        wandb = _wandb()
+        run_dir = Path(run_dir)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "memtrain"), dir=str(run_dir),
+            name=run_dir.name, config=dict(hparams), mode=os.environ.get("WANDB_MODE", "offline"),
+            reinit="create_new")
+        self.base = self.next_base = 0
+        self.prefix = ""
+
+    def start(self, total_steps: int, prefix: str) -> None:
+        self.base, self.prefix = self.next_base, prefix
+
+    def step(self, step: int, epoch: int, loss: float, samples_s: float,
+             memory: MemoryNow) -> None:
+        pass
+
+    def metrics(self, rows: list[dict[str, Any]]) -> None:
+        by_step: dict[int, dict[str, Any]] = {}
+        for r in rows:
+            s = int(r["step"])
+            by_step.setdefault(s, {f"{self.prefix}step": s})[f"{r['split']}/{r['name']}"] = \
+                r["value"]
+        for s, values in sorted(by_step.items()):
+            self.run.log(values, step=self.base + s)
+            self.next_base = max(self.next_base, self.base + s + 1)
+
+    def end(self) -> None:
+        pass
+
+    def close(self, row: Mapping[str, Any] | None = None) -> None:
+        if row is not None:
+            self.run.summary.update({**final_metrics(row), "status": row.get("status", "")})
+        self.run.finish(exit_code=0 if row is None or row.get("status") == "ok" else 1)
 
 
 def check(logger: str) -> None:
@@ -171,15 +297,21 @@ def check(logger: str) -> None:
     check_choice("trainer.logger", logger, LOGGERS)
     if logger == "tensorboard":
         _summary_writer()
+    if logger == "wandb":
+        _wandb()
 
 
-def build(trainer, device: torch.device, run_dir: Path, tty: bool) -> list[Logger]:
-    """The loggers a run's trainer options ask for: metrics.csv always (with tensorboard beside
-    it for `trainer.logger=tensorboard`); with `trainer.progress`, lines every
-    `trainer.log_every` steps and, on a terminal, a bar."""
+def build(trainer, device: torch.device, run_dir: Path, tty: bool,
+          hparams: Mapping[str, Any] | None = None) -> list[Logger]:
+    """The loggers a run's trainer options ask for: metrics.csv always (with tensorboard or
+    wandb beside it, as `trainer.logger` says; `hparams`: the run's config, `hparams_of` its
+    row); with `trainer.progress`, lines every `trainer.log_every` steps and, on a terminal, a
+    bar."""
     out: list[Logger] = [CsvLog(run_dir)]
     if trainer.logger == "tensorboard":
         out.append(TensorBoard(run_dir))
+    if trainer.logger == "wandb":
+        out.append(WandB(run_dir, hparams or {}))
     if trainer.progress:
         out.append(ProgressLines(device, trainer.log_every))
         if tty:

@@ -391,6 +391,8 @@ class Measurement:
         self.timer = StepTimer(device)
         self.peak_cuda = {PEAK: 0, RESERVED: 0}
         self._saved: SavedBytes | None = None
+        self._window_open = False  # the CUDA peak window (after the accounting step)
+        self._rate_from = 0  # timer.times[_rate_from:]: the steps since the last series row
 
     @contextlib.contextmanager
     def step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -421,6 +423,7 @@ class Measurement:
             self._saved = None
         if step == self.warmup:  # the CUDA peak window opens after the accounting step
             reset_cuda_peak(self.device)
+            self._window_open = True
 
     @contextlib.contextmanager
     def forward(self):
@@ -461,6 +464,33 @@ class Measurement:
     def timing(self, batch_size: int) -> dict[str, float]:
         return self.timer.summary(batch_size)
 
+    def memory_now(self) -> dict[str, int]:
+        """The memory series of metrics.csv and the progress lines, as the run goes, named as
+        the row's columns whose value they are so far: `mem_peak_alloc_bytes` (on CUDA the
+        allocator's peak over the timed steps, evaluation excluded; elsewhere the tracker's peak
+        of the accounting step; absent before either is measured: the row's peak is the last
+        value), on CUDA `mem_peak_reserved_bytes` and `mem_alloc_bytes` (allocated now), and
+        `mem_peak_rss_bytes` (the process's peak resident memory so far)."""
+        out: dict[str, int] = {}
+        if self.device.type == "cuda":
+            out["mem_alloc_bytes"] = torch.cuda.memory_allocated(self.device)
+            if self._window_open:
+                now = cuda_peak(self.device)
+                out.update({k: max(self.peak_cuda[k], now[k]) for k in (PEAK, RESERVED)})
+        elif "mem_tracker_peak_bytes" in self.summary:
+            out[PEAK] = self.summary["mem_tracker_peak_bytes"]
+        out["mem_peak_rss_bytes"] = peak_rss_bytes()
+        return out
+
+    def series(self, batch_size: int) -> dict[str, float]:
+        """A logged step's memory and throughput: `memory_now()` and `samples_s`, the samples
+        per second of the steps timed since the previous call (absent when none was timed:
+        warm-up and the accounting step are not)."""
+        times = self.timer.times[self._rate_from:]
+        self._rate_from = len(self.timer.times)
+        rate = {"samples_s": batch_size * len(times) / sum(times)} if times else {}
+        return {**rate, **self.memory_now()}
+
     def memory(self) -> dict[str, float | int | str]:
         """The reported peak and its source: CUDA's allocator over the timed steps, or (on other
         devices) the live-tensor tracker's peak of the accounting step."""
@@ -489,6 +519,8 @@ class Measurement:
 
     def restore(self, state: dict) -> None:
         self.timer.times.extend(state["times"])
+        self._rate_from = len(self.timer.times)
+        self._window_open = bool(self.timer.times)  # timed steps ran: past the accounting step
         self.peak_cuda.update(state["peak_cuda"])
 
 

@@ -346,10 +346,11 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     planned = _prepare(method, model, data, t, device, ckpt, search,
                        OmegaConf.to_container(cfg.model, resolve=True))
     summary.update(planned)
-    live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty())
+    live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty(),
+                         hparams=loggers.hparams_of(summary))
     for lg in live:
-        if hasattr(lg, "close"):
-            stack.callback(lg.close)
+        if hasattr(lg, "close"):  # once the row is final: `run` sets its status before
+            stack.callback(_close_logger, lg, summary)
     # a method that changes the training procedure (synthetic) replaces the loop
     loop = getattr(method, "fit", train)
     with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot, \
@@ -380,6 +381,16 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if t.save_weights:
         resume.save_weights(model, run_dir)
     return result.metrics
+
+
+def _close_logger(logger: Any, summary: dict[str, Any]) -> None:
+    """A live logger's `close(row)` with the run's final row (TensorBoard's hparams, W&B's
+    summary); a logger that fails there is a warning, never the run's failure."""
+    try:
+        logger.close(summary)
+    except Exception as e:  # the row is what the run leaves; a logger's end is a courtesy
+        log.warning("trainer.logger: closing %s failed: %s", type(logger).__name__,
+                    f"{type(e).__name__}: {e}".splitlines()[0])
 
 
 def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,

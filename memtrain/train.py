@@ -200,11 +200,11 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                 if not math.isfinite(loss_val):
                     raise rec.failed("diverged", f"loss became {loss_val} at step {step}", step)
                 if step % t.log_every == 0 or step == total_steps - 1:
-                    rec.add(step, epoch, "train",
-                            {"loss": loss_val, "lr": optimizer.param_groups[0]["lr"]})
+                    rec.add(step, epoch, "train", {"loss": loss_val, "lr": optimizer.param_groups[
+                        0]["lr"], **meas.series(t.batch_size)})  # + memory and samples/s
                 step += 1
                 for lg in loggers:
-                    lg.step(step, epoch, loss_val, meas.samples_s(t.batch_size))
+                    lg.step(step, epoch, loss_val, meas.samples_s(t.batch_size), meas.memory_now)
                 if t.eval_every_steps and step % t.eval_every_steps == 0 and step < total_steps:
                     with meas.outside_window():  # the last step's evaluation is the epoch end's
                         run_eval(step, epoch)
