@@ -4,7 +4,9 @@
   so the caching allocator raises OutOfMemoryError where a card of that size would.
 - `find_max_batch`: exponential growth then bisection over a `fits(batch_size)` predicate. On
   CUDA the predicate trains a couple of steps under the cap; on the CPU it compares the fake-tensor
-  estimate with the cap; tests inject their own.
+  estimate with the cap; tests inject their own. Either way a batch fits when its peak plus the
+  CUDA context stays within the cap less a headroom (`Margin`: `trainer.max_batch_headroom`,
+  `trainer.cuda_context_gb`), and the result may be rounded down (`round_down`).
 - `claim_device`: with several GPUs and `trainer.device=auto`, each job takes the first GPU whose
   lock file it can lock (flock), so parallel jobs (joblib, several submitit tasks, two shells)
   never share one. The lock dies with the process, so a killed job frees its GPU.
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -71,43 +74,108 @@ def find_max_batch(fits: Callable[[int], bool], limit: int, start: int = 1) -> i
     return lo
 
 
+# The CUDA context a GPU-free search assumes when trainer.cuda_context_gb is not set: what
+# PyTorch measured for a process's context with lazy module loading, CUDA's and PyTorch's
+# default since 1.13 (pytorch/pytorch#86509: 287,047,680 bytes; 666,632,192 without lazy loading).
+# Not measured by memtrain: it varies with the GPU, the driver and the CUDA version.
+ASSUMED_CONTEXT_BYTES = 287_047_680
+
+
+@dataclasses.dataclass
+class Margin:
+    """How much of a memory cap a batch may take: its peak plus the CUDA context at most
+    (1 - headroom) x cap. `context_bytes` None: measured on CUDA at each probe (`cuda_context`),
+    `ASSUMED_CONTEXT_BYTES` without a GPU. `context_source` says which (row column
+    `max_batch_context_source`: set, measured or assumed); `context_seen` the largest counted."""
+
+    cap_bytes: int
+    headroom: float = 0.0
+    context_bytes: int | None = None
+    context_source: str = "set"
+    context_seen: int = 0
+
+    def budget(self, context: int) -> int:
+        """The bytes a batch's peak may reach, with `context` counted against the cap."""
+        self.context_seen = max(self.context_seen, context)
+        return int((1 - self.headroom) * self.cap_bytes) - context
+
+    def text(self, context: int) -> str:
+        return (f"+ context {context / GiB:.2f} GiB, cap {self.cap_bytes / GiB:.4f} GiB x "
+                f"{1 - self.headroom:.2f}")
+
+    def columns(self) -> dict:
+        return {"max_batch_budget_bytes": self.budget(self.context_seen),
+                "max_batch_context_bytes": self.context_seen,
+                "max_batch_context_source": self.context_source}
+
+
+def cuda_context(device: torch.device) -> int:
+    """Device memory this process uses outside PyTorch's caching allocator: the CUDA context,
+    the loaded kernels and libraries (and any other process on the same GPU, which a search on
+    a shared GPU counts too): the device's used memory less what the allocator reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def cuda_fits(make_step: Callable[[int], Callable[[], None]], device: torch.device,
-              steps: int = 2) -> Callable[[int], bool]:
-    """A fits(batch) predicate that runs `steps` training steps; OOM means it does not fit.
+              steps: int = 2, margin: Margin | None = None) -> Callable[[int], bool]:
+    """A fits(batch) predicate that runs `steps` training steps: it fits when none runs out of
+    memory and, with a `margin`, the allocator's reserved peak plus the context (measured after
+    the steps, once they have loaded their kernels) is within the margin's budget.
 
     `make_step(b)` builds a fresh model, optimizer and batch of size b and returns one training
     step; everything is dropped and the cache emptied before the next probe.
     """
 
     def fits(b: int) -> bool:
+        torch.cuda.reset_peak_memory_stats(device)
+        why = ""
         try:
             step = make_step(b)
             for _ in range(steps):
                 step()
             torch.cuda.synchronize(device)
             ok = True
+            if margin is not None:
+                context = cuda_context(device) if margin.context_bytes is None \
+                    else margin.context_bytes
+                peak = torch.cuda.max_memory_reserved(device)
+                ok = peak <= margin.budget(context)
+                why = f" (reserved {peak / GiB:.4f} GiB {margin.text(context)})"
         except torch.cuda.OutOfMemoryError:
-            ok = False
+            ok, why = False, " (out of memory)"
         step = None  # noqa: F841 (free the probe's model and batch before emptying the cache)
         torch.cuda.empty_cache()
-        log.info("find_max_batch: batch %d: %d real training steps: %s", b, steps,
-                 "fits" if ok else "does not fit (out of memory)")
+        log.info("find_max_batch: batch %d: %d real training steps%s: %s", b, steps, why,
+                 "fits" if ok else "does not fit")
         return ok
 
     return fits
 
 
-def estimate_fits(estimate_bytes: Callable[[int], int], cap_bytes: int) -> Callable[[int], bool]:
-    """A fits(batch) predicate from a memory estimate and a cap (GPU-free)."""
+def estimate_fits(estimate_bytes: Callable[[int], int], cap_bytes: int,
+                  margin: Margin | None = None) -> Callable[[int], bool]:
+    """A fits(batch) predicate from a memory estimate and a cap (GPU-free): the estimate plus
+    the margin's context within its budget (no margin: within the cap)."""
+    margin = margin or Margin(cap_bytes, 0.0, 0)
 
     def fits(b: int) -> bool:
         need = estimate_bytes(b)
-        ok = need <= cap_bytes
-        log.info("find_max_batch: batch %d: estimate %.4f GiB, cap %.4f GiB: %s", b, need / GiB,
-                 cap_bytes / GiB, "fits" if ok else "does not fit")
+        context = margin.context_bytes or 0
+        ok = need <= margin.budget(context)
+        log.info("find_max_batch: batch %d: estimate %.4f GiB %s: %s", b, need / GiB,
+                 margin.text(context), "fits" if ok else "does not fit")
         return ok
 
     return fits
+
+
+def round_down(batch: int, multiple: int) -> int:
+    """`batch` down to a multiple of `multiple`; a batch below one multiple stays as it is (it
+    fits, and 0 would say nothing does)."""
+    if multiple <= 1 or batch < multiple:
+        return batch
+    return batch - batch % multiple
 
 
 # ---------------------------------------------------------------- one GPU per job

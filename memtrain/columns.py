@@ -272,8 +272,17 @@ COLUMNS: tuple[Column, ...] = (
           "the phase with the largest predicted activation peak")),
     *_of("probe", "probes",
          ("mem_estimate_error", "text", "why the estimate failed (training went on)"),
-         (MAX_BATCH, "count", "`trainer.find_max_batch`: the largest batch that fits (under "
-                              "`trainer.gpu_memory_gb`)", "largest batch")),
+         (MAX_BATCH, "count", "`trainer.find_max_batch`: the largest batch whose peak + the "
+                              "CUDA context fits in (1 - `trainer.max_batch_headroom`) x the cap "
+                              "(`trainer.gpu_memory_gb`, else the GPU's memory), rounded down to "
+                              "`trainer.max_batch_multiple`", "largest batch"),
+         ("max_batch_budget_bytes", "bytes", "`trainer.find_max_batch`: what a batch's peak "
+                                             "could take: (1 - headroom) x cap - the context"),
+         ("max_batch_context_bytes", "bytes", "`trainer.find_max_batch`: the CUDA context "
+                                              "counted against the cap (the largest measured)"),
+         ("max_batch_context_source", "text", "where that context came from: set "
+                                              "(`trainer.cuda_context_gb`), measured (CUDA) or "
+                                              "assumed (the CPU: README)")),
     *_of("probe", "capacity",
          ("gpu_memory_cap_bytes", "bytes", "`trainer.gpu_memory_gb` in bytes"),
          ("gpu_memory_cap_applied", "bool", "whether the cap was applied (CUDA only)")),

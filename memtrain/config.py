@@ -215,7 +215,15 @@ NOT_IN_RUN_ID = record.DRIVING_OPTIONS
 # (the resume and skip_done of old sweeps keep finding them); at any other value it is hashed as
 # every option is. tests/test_run_ids.py fails on an option of an existing choice that is
 # neither frozen nor listed here. Keys: dotted paths as on the command line ("trainer.x").
-LATER_OPTIONS: dict[str, Any] = {}
+LATER_OPTIONS: dict[str, Any] = {
+    # find_max_batch's margin (issue 33): at these values it searches as it did before them
+    "trainer.max_batch_headroom": 0.0, "trainer.max_batch_multiple": 1,
+    "trainer.cuda_context_gb": 0.0,
+}
+# Trainer options that only tune a probe, left out of run_id while that probe is off: they
+# change nothing else a run computes (the margin of find_max_batch on a run without it).
+TUNES_PROBE = {"max_batch_headroom": "find_max_batch", "max_batch_multiple": "find_max_batch",
+               "cuda_context_gb": "find_max_batch"}
 
 
 def run_id(cfg: DictConfig, resolve: bool = True) -> str:
@@ -227,6 +235,9 @@ def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     trainer = c.get("trainer", {})
     for k in NOT_IN_RUN_ID:
         trainer.pop(k, None)
+    for k, probe in TUNES_PROBE.items():
+        if isinstance(trainer, dict) and not trainer.get(probe):
+            trainer.pop(k, None)
     for path, default in LATER_OPTIONS.items():
         *parents, key = path.split(".")
         node = c

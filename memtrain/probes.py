@@ -70,12 +70,35 @@ def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
             out["mem_estimate_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("trainer.estimate failed: %s", out["mem_estimate_error"])
     if t.find_max_batch:
-        out["max_batch_size"] = _find_max_batch(t, data, device, make, make_optimizer, predict)
+        out.update(_find_max_batch(t, data, device, make, make_optimizer, predict))
     return out
 
 
+def margin(t: Trainer, device: torch.device) -> capacity.Margin:
+    """find_max_batch's margin: the cap (`trainer.gpu_memory_gb`, else the GPU's memory), the
+    headroom kept free, and the CUDA context counted against the cap (`trainer.cuda_context_gb`;
+    unset: measured at each probe on CUDA, `capacity.ASSUMED_CONTEXT_BYTES` without a GPU)."""
+    if t.gpu_memory_gb is not None:
+        cap = int(t.gpu_memory_gb * capacity.GiB)
+    else:  # CUDA without a cap (check() refuses the CPU without one)
+        cap = torch.cuda.get_device_properties(device).total_memory
+    if t.cuda_context_gb is not None:
+        context, source = int(t.cuda_context_gb * capacity.GiB), "set"
+    elif device.type == "cuda":
+        context, source = None, "measured"
+    else:
+        context, source = capacity.ASSUMED_CONTEXT_BYTES, "assumed"
+        log.info("find_max_batch: the CUDA context is assumed %.2f GiB (PyTorch's lazy-loading "
+                 "figure, pytorch/pytorch#86509; not measured here): set "
+                 "trainer.cuda_context_gb to your GPU's", context / capacity.GiB)
+    return capacity.Margin(cap, t.max_batch_headroom, context, source)
+
+
 def _find_max_batch(t: Trainer, data: Data, device: torch.device, make: MakeModel,
-                    make_optimizer, predict) -> int:
+                    make_optimizer, predict) -> dict[str, Any]:
+    """The largest batch whose peak + CUDA context stays within (1 - headroom) x cap, rounded
+    down to `trainer.max_batch_multiple`; and the margin it was held to (row columns)."""
+    m = margin(t, device)
     if device.type == "cuda":
         def make_step(b: int):
             steps = estimate.probe_steps(make, b, data.input_shape, data.num_classes, device,
@@ -88,12 +111,14 @@ def _find_max_batch(t: Trainer, data: Data, device: torch.device, make: MakeMode
                                            loss_fn=s.loss_fn)
             return run_steps
 
-        fits = capacity.cuda_fits(make_step, device)
+        fits = capacity.cuda_fits(make_step, device, margin=m)
     else:
         if t.gpu_memory_gb is None:  # check() said so already; kept for direct callers
             raise ConfigError("trainer.find_max_batch on the CPU needs trainer.gpu_memory_gb")
-        fits = capacity.estimate_fits(lambda b: predict(b)["mem_estimate_bytes"],
-                                      int(t.gpu_memory_gb * capacity.GiB))
+        fits = capacity.estimate_fits(lambda b: predict(b)["mem_estimate_bytes"], m.cap_bytes, m)
     best = capacity.find_max_batch(fits, limit=len(data.train), start=t.batch_size)
-    log.info("find_max_batch: largest batch that fits: %d", best)
-    return best
+    rounded = capacity.round_down(best, t.max_batch_multiple)
+    log.info("find_max_batch: largest batch that fits: %d%s", rounded,
+             f" (rounded down from {best} to a multiple of {t.max_batch_multiple})"
+             if rounded != best else "")
+    return {"max_batch_size": rounded, **m.columns()}

@@ -71,6 +71,9 @@ class Trainer:
     memory_timeline: bool = False
     gpu_memory_gb: float | None = None
     find_max_batch: bool = False
+    max_batch_headroom: float = 0.1
+    max_batch_multiple: int = 1
+    cuda_context_gb: float | None = None
     estimate: bool = False
 
     @classmethod
@@ -124,6 +127,10 @@ class Trainer:
         check_range("trainer.fault_step", self.fault_step, 0)
         if self.gpu_memory_gb is not None:
             check_range("trainer.gpu_memory_gb", self.gpu_memory_gb, 0, None, lo_open=True)
+        check_range("trainer.max_batch_headroom", self.max_batch_headroom, 0, 1, hi_open=True)
+        check_range("trainer.max_batch_multiple", self.max_batch_multiple, 1)
+        if self.cuda_context_gb is not None:
+            check_range("trainer.cuda_context_gb", self.cuda_context_gb, 0)
         if dev.startswith("cuda"):
             import torch
 

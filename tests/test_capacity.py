@@ -62,6 +62,7 @@ def test_find_max_batch_on_cpu_uses_the_estimate_under_the_cap(in_tmp):
     base = [*TINY, "trainer.max_steps=0", "trainer.find_max_batch=true"]
     with pytest.raises(ConfigError, match="set trainer.gpu_memory_gb"):
         api.run(base, out_dir=in_tmp / "nocap")
+    base.append("trainer.cuda_context_gb=0")  # the assumed 0.27 GiB would fill these caps
     small = api.run([*base, "trainer.gpu_memory_gb=0.04"], out_dir=in_tmp / "a")
     big = api.run([*base, "trainer.gpu_memory_gb=0.08", "trainer.estimate=true"],
                   out_dir=in_tmp / "b")
@@ -100,3 +101,48 @@ def test_memory_snapshot_on_cpu_is_a_noted_no_op(in_tmp, caplog):
     assert row["status"] == "ok" and "memory_snapshot" not in row
     assert not (in_tmp / "r" / "memory_snapshot.pickle").exists()
     assert "memory_snapshot: CUDA only, no snapshot on device cpu" in caplog.text
+
+
+def test_margin_holds_the_peak_and_the_context_under_the_headroom():
+    """A made-up estimate (1000 + 100 b bytes) against a 10,000-byte cap: the largest batch
+    with 1000 + 100 b + context <= (1 - headroom) x cap, counted by hand."""
+    est = lambda b: 1000 + 100 * b  # noqa: E731
+    cases = [  # (headroom, context, largest by hand)
+        (0.0, 0, 90),  # the cap alone: 1000 + 100 * 90 = 10,000
+        (0.1, 0, 80),  # 9,000
+        (0.1, 500, 75),  # 8,500
+        (0.05, 2000, 65),  # 9,500 - 2,000 = 7,500 -> 65
+    ]
+    for headroom, context, want in cases:
+        m = capacity.Margin(10_000, headroom, context)
+        got = capacity.find_max_batch(capacity.estimate_fits(est, 10_000, m), 1000, start=4)
+        assert got == want, (headroom, context)
+        assert m.columns() == {"max_batch_budget_bytes": int((1 - headroom) * 10_000) - context,
+                               "max_batch_context_bytes": context,
+                               "max_batch_context_source": "set"}
+    assert [capacity.round_down(b, 8) for b in (75, 72, 8, 7, 0)] == [72, 72, 8, 7, 0]
+    assert capacity.round_down(75, 1) == 75
+
+
+@pytest.mark.slow
+def test_find_max_batch_row_keeps_its_margin_and_rounds(in_tmp):
+    """End to end on the CPU: the row's batch is the largest whose own estimate (a separate
+    probe run at that batch) + the context fits (1 - headroom) x cap, rounded down to 8; the
+    assumed context when none is set."""
+    base = [*TINY, "trainer.max_steps=0"]
+    est = lambda b: api.run([*base, "trainer.estimate=true", f"trainer.batch_size={b}"],  # noqa
+                            out_dir=in_tmp / f"e{b}")["mem_estimate_bytes"]
+    cap = 0.05
+    row = api.run([*base, "trainer.find_max_batch=true", f"trainer.gpu_memory_gb={cap}",
+                   "trainer.cuda_context_gb=0.01", "trainer.max_batch_multiple=8"],
+                  out_dir=in_tmp / "r")
+    budget = int(0.9 * int(cap * 2**30)) - int(0.01 * 2**30)
+    assert row["max_batch_budget_bytes"] == budget and row["max_batch_context_source"] == "set"
+    best = row["max_batch_size"]
+    assert best % 8 == 0 and best >= 8
+    assert est(best) <= budget
+    assert est(best + 8) > budget  # the next multiple of 8 would not fit
+    assumed = api.run([*base, "trainer.find_max_batch=true", "trainer.gpu_memory_gb=0.5"],
+                      out_dir=in_tmp / "a")
+    assert assumed["max_batch_context_source"] == "assumed"
+    assert assumed["max_batch_context_bytes"] == capacity.ASSUMED_CONTEXT_BYTES

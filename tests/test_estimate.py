@@ -92,7 +92,8 @@ def test_each_probe_step_is_logged(in_tmp, caplog):
     caplog.set_level(logging.INFO, logger="memtrain")
     base = ["model=mlp6", "method=prune", "method.block_size=16", *SMALL, "trainer.max_steps=0"]
     need = api.run(base, out_dir=in_tmp / "e")["mem_estimate_bytes"]  # batch 16
-    row = api.run([*base, "trainer.find_max_batch=true", f"trainer.gpu_memory_gb={need / 2**30!r}"],
+    row = api.run([*base, "trainer.find_max_batch=true", f"trainer.gpu_memory_gb={need / 2**30!r}",
+                   "trainer.max_batch_headroom=0", "trainer.cuda_context_gb=0"],  # no margin
                   out_dir=in_tmp / "r")
     assert row["status"] == "ok" and 16 <= row["max_batch_size"] < 32
     lines = [r.getMessage() for r in caplog.records if "find_max_batch: batch" in r.message]

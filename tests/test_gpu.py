@@ -138,3 +138,20 @@ def test_compiled_bitmask_kernels_equal_the_oracle():
     grad = torch.randn_like(x)
     assert torch.equal(bitmask.masked_grad_triton(grad, bits).cpu(),
                        ref.pool_masked_grad(grad.cpu(), bits.cpu()))
+
+
+def test_cuda_memory_series_end_at_the_rows_peak(in_tmp):
+    """metrics.csv on CUDA: allocated memory at every logged step, the allocator's peak from
+    the first timed step on (the window the row's peak covers), its last value the row's."""
+    import csv
+
+    row = api.run([*TINY, "model=mlp6", "trainer.log_every=1"], out_dir=in_tmp / "r")
+    with open(in_tmp / "r" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["split"] == "train"]
+    named = lambda n: [(int(r["step"]), float(r["value"])) for r in rows  # noqa: E731
+                       if r["name"] == n]
+    assert [s for s, _ in named("mem_alloc_bytes")] == list(range(6))
+    peak = named("mem_peak_alloc_bytes")
+    assert [s for s, _ in peak] == list(range(2, 6))  # warm-up 0-1 outside the window
+    assert peak[-1][1] == row["mem_peak_alloc_bytes"]
+    assert named("mem_peak_reserved_bytes")[-1][1] == row["mem_peak_reserved_bytes"]

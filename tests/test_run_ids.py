@@ -99,6 +99,23 @@ def test_a_true_option_is_not_its_default_of_one(monkeypatch):
     assert config.run_id(OmegaConf.create(c)) != config.run_id(cfg)
 
 
+def test_find_max_batch_margin_changes_only_the_ids_of_runs_that_search():
+    """The margin options tune find_max_batch only: without the probe any value keeps the id;
+    with it, the values that reproduce the search before them (no headroom, no context, no
+    rounding: LATER_OPTIONS) keep the id, and the defaults (headroom 0.1) are another run."""
+    rid = lambda *o: config.run_id(config.compose(["model=mlp6", *o])[0])  # noqa: E731
+    assert rid() == rid("trainer.max_batch_headroom=0.3", "trainer.max_batch_multiple=8",
+                        "trainer.cuda_context_gb=1.5")
+    search = ["trainer.find_max_batch=true", "trainer.gpu_memory_gb=2"]
+    old = [*search, "trainer.max_batch_headroom=0", "trainer.cuda_context_gb=0"]
+    cfg, _ = config.compose(["model=mlp6", *search])
+    before = OmegaConf.to_container(cfg)
+    for k in ("max_batch_headroom", "max_batch_multiple", "cuda_context_gb"):
+        del before["trainer"][k]  # a config composed before the options existed
+    assert rid(*old) == config.run_id(OmegaConf.create(before))
+    assert rid(*search) != rid(*old)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--freeze"]:
     FROZEN.write_text(json.dumps(current(selections()), indent=1, sort_keys=True) + "\n")
     print(f"froze {FROZEN.name}")
