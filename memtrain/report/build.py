@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain.report import derive, markdown, tables
+from memtrain.report import html as html_page
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import InputError, Names
 
@@ -59,18 +60,55 @@ def analyse(runs: pd.DataFrame, baseline: str = tables.DEFAULT_BASELINE,
     return runs, tables.aggregate_seeds(runs, names=names), warnings
 
 
+def parse_sources(specs: Iterable[str | os.PathLike]) -> list[tuple[str, Path]]:
+    """`--compare`'s sources: each `label=path`, or a path labelled by its folder's name (an
+    existing path wins over a split at '='). Two sources with one label are bad input."""
+    out: list[tuple[str, Path]] = []
+    for spec in map(str, specs):
+        label, sep, path = spec.partition("=")
+        if not sep or Path(spec).exists() or not label:
+            label, path = Path(spec).resolve().name or spec, spec
+        out.append((label, Path(path)))
+    seen: dict[str, Path] = {}
+    for label, path in out:
+        if label in seen:
+            raise InputError(f"--compare: {seen[label]} and {path} are both labelled {label!r}; "
+                             f"name them: memtrain-report A=PATH B=PATH --compare")
+        seen[label] = path
+    return out
+
+
+def load_sources(sources: Sequence[tuple[str, Path]]
+                 ) -> tuple[pd.DataFrame, list[tuple[Path, str]]]:
+    """The runs of each source, each source read alone (its own latest row per run_id: the
+    same config in two sweeps is two runs), with the `source` column naming it."""
+    frames, skipped = [], []
+    for label, path in sources:
+        df, skip = tables.load_runs([path])
+        skipped += skip
+        if not df.empty:
+            frames.append(df.assign(**{tables.SOURCE: label}))
+    return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), skipped
+
+
 def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None = None, *,
                 baseline: str = tables.DEFAULT_BASELINE,
                 match: Sequence[str] = tables.DEFAULT_MATCH,
                 formats: Sequence[str] = ("png", "pdf"), memory: str = "auto",
                 figures: bool = True, style: str = "paper",
                 names: Names | Mapping | str | os.PathLike | None = None,
-                labels: Mapping[str, str] | None = None) -> Report:
+                labels: Mapping[str, str] | None = None, compare: bool = False,
+                html: bool = True) -> Report:
     """Load every run below `dirs` and write summary.csv, summary.parquet, settings.csv,
-    report.md and figures/ into `out` (default: the first folder).
+    report.md, report.html (self-contained: the figures embedded) and figures/ into `out`
+    (default: the first folder).
 
     `style`: paper (a column of a two-column paper) or slide; `names`: display names (a mapping
     or a YAML file, see report/names.py) and `labels` (label as drawn -> another) over them.
+    `compare`: `dirs` are sources to set side by side (`parse_sources`: `label=path` or a
+    folder named by itself); every run carries its source's label (`source`), a setting of
+    one source is another setting than the same of another, and each run's baseline is its own
+    source's (default `out`: `compare/` beside the first source).
 
     Raises:
         FileNotFoundError: a folder does not exist.
@@ -81,7 +119,8 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     from memtrain.report import plots
     from memtrain.report import style as style_mod
 
-    dirs = [Path(d) for d in dirs]
+    sources = parse_sources(dirs) if compare else None
+    dirs = [p for _, p in sources] if sources else [Path(d) for d in dirs]
     tables.parse_baseline(baseline)
     if memory not in style_mod.MEMORY_CHOICES:
         raise InputError(f"--memory must be one of {', '.join(style_mod.MEMORY_CHOICES)}, "
@@ -89,10 +128,12 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     if style not in style_mod.LOOKS:
         raise InputError(f"--style must be one of {', '.join(style_mod.LOOKS)}, got {style!r}")
     disp = names_mod.load(names, labels)
-    raw, skipped = tables.load_runs(dirs)
+    raw, skipped = load_sources(sources) if sources else tables.load_runs(dirs)
     if raw.empty:
         raise InputError(f"no run folders (with summary.json) below {', '.join(map(str, dirs))}")
-    out = Path(out or dirs[0])
+    if sources:
+        match = [*match, tables.SOURCE]  # a run's baseline is its own sweep's
+    out = Path(out or (dirs[0].resolve().parent / "compare" if sources else dirs[0]))
     out.mkdir(parents=True, exist_ok=True)
     runs, settings, warnings = analyse(raw, baseline, match, disp)
     rep = Report(runs, settings, out, skipped, warnings)
@@ -100,6 +141,7 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     to_parquet(runs, out / "summary.parquet")
     atomic_write(out / "settings.csv", settings.to_csv(index=False))
     mem = style_mod.memory_metric(runs, memory)
+    pngs: dict[str, bytes] = {}  # what report.html embeds
     if figures:
         metrics = tables.load_metrics(runs["run_dir"])
         base_name = tables.parse_baseline(baseline).get("method", baseline)
@@ -111,9 +153,19 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
             if (tl := timelines(runs, base_name, disp)) is not None:
                 made.append(tl)
             for p in made:
-                rep.figures[p.name] = plots.save(p, out / "figures", formats)
-    text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=dirs,
+                rep.figures[p.name] = plots.save(p, out / "figures", formats,
+                                                 png=pngs if html else None)
+    shown = [f"{label}={path}" for label, path in sources] if sources else dirs
+    text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=shown,
                            n_runs=len(runs), skipped=skipped, warnings=warnings,
                            figures=rep.figures, not_drawn=rep.not_drawn, out=out, names=disp)
     atomic_write(out / "report.md", text)
+    if html:
+        page = html_page.render(text, {name: pngs[name] for name in rep.figures if name in pngs},
+                                out)
+        if page is None:
+            rep.warnings.append("report.html not written: it needs the markdown package "
+                                "(pip install markdown)")
+        else:
+            atomic_write(out / "report.html", page)
     return rep

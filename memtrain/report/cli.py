@@ -1,5 +1,6 @@
 """`memtrain-report DIR [DIR...]`: every run below the folders -> summary.csv, summary.parquet,
-settings.csv, report.md and figures/ (PNG and PDF), plus a table on the terminal."""
+settings.csv, report.md, report.html (self-contained) and figures/ (PNG and PDF), plus a table
+on the terminal. `--compare A=DIR B=DIR`: the sweeps side by side, each row naming its source."""
 
 from __future__ import annotations
 
@@ -39,19 +40,27 @@ def compact(df: pd.DataFrame) -> pd.DataFrame:
         return df
     out = pd.DataFrame(index=df.index)
     out["method"] = df["label"] if "label" in df else df["method"]
+    if tables.SOURCE in df:
+        out.insert(0, "source", df[tables.SOURCE])
     for col, name in COMPACT.items():
         if col not in df or (col != "test_acc" and df[col].isna().all()):  # none measured
             continue
         v = df[col]
         out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if unit(col) == "bytes" else v
-    sort = [c for c in ("model", "dataset", "method") if c in out]
+    sort = [c for c in ("model", "dataset", "source", "method") if c in out]
     return out.sort_values(sort).reset_index(drop=True)
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="memtrain-report", description=__doc__)
-    ap.add_argument("dirs", nargs="+", help="run folders, multirun folders or any parent")
-    ap.add_argument("--out", help="where the report goes (default: the first DIR)")
+    ap.add_argument("dirs", nargs="+", help="run folders, multirun folders or any parent; "
+                    "with --compare each a source, as LABEL=DIR or DIR (labelled by its name)")
+    ap.add_argument("--out", help="where the report goes (default: the first DIR; with "
+                                  "--compare, compare/ beside it)")
+    ap.add_argument("--compare", action="store_true",
+                    help="one report over several sweeps side by side: every row names its "
+                         "source (a column of the tables, [LABEL] in the figures) and takes "
+                         "its baseline from its own source")
     ap.add_argument("--baseline", default=tables.DEFAULT_BASELINE,
                     help="which runs are baselines, as column=value[,column=value] "
                          "(default: %(default)s)")
@@ -97,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                           match=[k.strip() for k in args.match.split(",") if k.strip()],
                           formats=[f.strip() for f in args.format.split(",") if f.strip()],
                           memory=args.memory, figures=not args.no_figures, style=args.style,
-                          names=disp)
+                          names=disp, compare=args.compare)
     except FileNotFoundError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 2
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print(compact(rep.runs).to_string(index=False))
     figs = ", ".join(rep.figures) or "none"
     print(f"\n{len(rep.runs)} runs, {len(rep.settings)} settings -> {rep.out / 'report.md'}, "
-          f"summary.csv, summary.parquet; figures: {figs}")
+          f"{'report.html, ' * (rep.out / 'report.html').is_file()}summary.csv, "
+          f"summary.parquet; figures: {figs}")
     return 0
 
 

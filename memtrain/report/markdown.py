@@ -18,7 +18,7 @@ from memtrain.report.draw import is_true
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names
 from memtrain.report.style import Memory, byte_unit, order_settings
-from memtrain.report.tables import constant_params
+from memtrain.report.tables import SOURCE, constant_params
 
 NOISY = "†"  # marks a throughput measured with noisy step times
 
@@ -66,6 +66,15 @@ def _ratio(r: pd.Series, col: str) -> str:
     return _cell(r, col)
 
 
+def _setting(r: pd.Series, g: pd.DataFrame) -> list[str]:
+    """The first cells of a row: the setting's label, and with `--compare` its source in a
+    column of its own (the label's " [source]" then left off)."""
+    if SOURCE not in g:
+        return [r["label"]]
+    src = str(r.get(SOURCE))
+    return [str(r["label"]).removesuffix(f" [{src}]"), src]
+
+
 def _bytes_col(g: pd.DataFrame, col: str) -> tuple[float, str, int]:
     """(divisor, unit, decimals) of a memory column in this table."""
     div, unit = byte_unit(g[col]) if col in g else (2**20, "MiB")
@@ -83,7 +92,8 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     adiv, aunit, adec = _bytes_col(g, mem.col)
     tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else THROUGHPUT
     tdec = decimals_for(g[tput]) if tput in g else 0
-    head = ["setting", "seeds", f"{label(PEAK)} {punit} ({peak_src})",
+    head = ["setting", *([SOURCE] if SOURCE in g else []), "seeds",
+            f"{label(PEAK)} {punit} ({peak_src})",
             f"{label(PEAK)} / {baseline}",
             *([f"{mem_short(mem)} {aunit}"] if act else []),
             *([f"{mem_short(mem)} / {baseline}"] if act_rel else []),
@@ -93,7 +103,7 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
         noisy = NOISY if is_true(r.get("timing_noisy")) else ""
-        cells = [r["label"], str(r["n_runs"]),
+        cells = [*_setting(r, g), str(r["n_runs"]),
                  _cell(r, PEAK, pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
                  *([_cell(r, mem.col, adec, 1 / adiv)] if act else []),
                  *([_ratio(r, mem.rel)] if act_rel else []),
@@ -129,7 +139,8 @@ def estimates_table(g: pd.DataFrame, baseline: str) -> str | None:
         return None
     div, unit, dec = _bytes_col(g, ESTIMATES[0])
     cap = gpu_memory(g)
-    head = ["setting", f"predicted {label(PEAK)} {unit}", f"/ {baseline}",
+    head = ["setting", *([SOURCE] if SOURCE in g else []), f"predicted {label(PEAK)} {unit}",
+            f"/ {baseline}",
             f"predicted {label(ACT_PEAK)} / {baseline}", f"predicted {label(SAVED)} / {baseline}"]
     if cap == cap:
         head.append(f"fits {cap / 2**30:.4g} GiB")
@@ -137,7 +148,8 @@ def estimates_table(g: pd.DataFrame, baseline: str) -> str | None:
     for _, r in order_settings(g).iterrows():
         if pd.isna(r.get(ESTIMATES[0])):
             continue
-        cells = [r["label"], _cell(r, ESTIMATES[0], dec, 1 / div), _ratio(r, "mem_estimate_rel"),
+        cells = [*_setting(r, g), _cell(r, ESTIMATES[0], dec, 1 / div),
+                 _ratio(r, "mem_estimate_rel"),
                  _ratio(r, "mem_estimate_act_rel"), _ratio(r, "mem_estimate_saved_rel")]
         if cap == cap:
             cells.append("yes" if r[ESTIMATES[0]] <= cap else "no")
@@ -177,6 +189,9 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         "# memtrain report", "",
         f"{n_runs} run{'s' * (n_runs != 1)} in {len(agg)} setting{'s' * (len(agg) != 1)} "
         f"from {', '.join(map(str, sources))}.", "",
+        *([f"- Compared: {', '.join(f'`{x}`' for x in sorted(agg[SOURCE].astype(str).unique()))}"
+           " (the `source` column: each folder's label); a run's baseline is from its own "
+           "source."] if SOURCE in agg else []),
         f"- Baseline of a run: the `{baseline}` run (status ok) with the same "
         f"{', '.join(f'`{k}`' for k in match)}; a baseline run is its own. Ratios and Δ are "
         f"per run, then averaged over seeds (mean ± std).",

@@ -441,8 +441,11 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
 
 
 @style.styled
-def save(plot: Plot, folder, formats=("png", "pdf")) -> list:
-    """Write the figure in each format and its drawn data as CSV; close the figure."""
+def save(plot: Plot, folder, formats=("png", "pdf"), png: dict | None = None) -> list:
+    """Write the figure in each format and its drawn data as CSV; close the figure. `png`: a
+    dict that gets the figure's PNG bytes under its name (report.html embeds them; drawn in
+    memory when the formats have no PNG)."""
+    import io
     from pathlib import Path
 
     folder = Path(folder)
@@ -452,6 +455,12 @@ def save(plot: Plot, folder, formats=("png", "pdf")) -> list:
         p = folder / f"{plot.name}.{fmt}"
         plot.fig.savefig(p)
         paths.append(p)
+        if png is not None and fmt == "png":
+            png[plot.name] = p.read_bytes()
+    if png is not None and plot.name not in png:
+        buf = io.BytesIO()
+        plot.fig.savefig(buf, format="png")
+        png[plot.name] = buf.getvalue()
     plot.data.to_csv(folder / f"{plot.name}.csv", index=False)
     plt.close(plot.fig)
     return paths

@@ -26,6 +26,9 @@ METRICS = "metrics.csv"
 
 CHOICES = GROUPS
 SEED = "trainer.seed"
+# `memtrain-report A B --compare`: which source (sweep) a run came from, a setting column of its
+# own (build.load_sources), so the same setting from two sweeps stays two settings
+SOURCE = "source"
 # A run's baseline: the `none` run that differs from it only in the method (the documented rule).
 DEFAULT_BASELINE = "method=none"
 DEFAULT_MATCH = ("model", "dataset", "trainer.batch_size", "trainer.precision", SEED)
@@ -161,7 +164,8 @@ def constant_params(df: pd.DataFrame) -> dict[str, dict[str, str]]:
 
 def config_columns(df: pd.DataFrame) -> list[str]:
     """The columns that say what ran: the Hydra choices and every flattened option."""
-    return [c for c in df.columns if c in CHOICES or c.startswith(CONFIG_PREFIXES)]
+    return [c for c in df.columns
+            if c in CHOICES or c == SOURCE or c.startswith(CONFIG_PREFIXES)]
 
 
 # Options that drive a run without changing what it computes (left out of run_id): a relaunch
@@ -196,9 +200,13 @@ def add_labels(df: pd.DataFrame, seed: str = SEED, names: Names = DEFAULT_NAMES)
     for _, idx in df.groupby(["model", "dataset"], dropna=False).groups.items():
         g = df.loc[idx]
         for c in _varying(g, extra_pool):
+            if c == SOURCE:  # after the rest: "pool k=2 [gpu]"
+                continue
             short = c.rsplit(".", 1)[-1]
             has = g[c].notna()
             df.loc[g.index[has], "label"] += " " + short + "=" + g.loc[has, c].map(fmt_value)
+    if SOURCE in df:  # --compare: every label names its source, varying or not
+        df["label"] += df[SOURCE].map(lambda v: f" [{v}]")
     renamed = df["label"].map(names.relabel)
     keys = [c for c in ("model", "dataset") if c in df]
     clash = df.assign(_new=renamed).groupby([*keys, "_new"], dropna=False)["label"].transform(
