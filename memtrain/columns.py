@@ -291,7 +291,11 @@ COLUMNS: tuple[Column, ...] = (
          ("plan_peak_bytes", "bytes", "the planner's modelled activation peak"),
          ("plan_baseline_peak_bytes", "bytes", "the modelled activation peak without "
                                                "recomputation"),
-         ("plan_budget_bytes", "bytes", "the budget planned for"),
+         ("plan_budget_bytes", "bytes", "the budget asked for (`method.budget_fraction` of "
+                                        "the baseline's peak, or `method.budget_bytes`)"),
+         ("plan_budget_raised_to_bytes", "bytes",
+          "a budget below the smallest feasible activation peak is raised to it (a warning): "
+          "the peak planned for instead (a stack: the least measured)"),
          ("plan_measured_peak_bytes", "bytes",
           "a stack's plan, measured in one tracked step before training"),
          ("plan_overhead", "ratio", "predicted extra step time: profiled forward time of the "

@@ -4,7 +4,9 @@ force, the modelled activation peak against the tracker's, budgets respected."""
 from __future__ import annotations
 
 import copy
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -222,10 +224,24 @@ def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extr
         assert s["mem_peak_act_bytes"] <= 0.5 * none["mem_peak_act_bytes"]
 
 
-def test_infeasible_budget_names_the_smallest(tmp_path):
-    with pytest.raises(ConfigError, match=r"smallest feasible activation peak, \d+ bytes"):
-        api.run([*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint",
-                 "method.budget_fraction=0.1"], out_dir=tmp_path / "x")
+def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, caplog):
+    """A budget below the smallest feasible peak plans at that peak (issue 33: the default 0.5
+    did not fit mlp6): the warning names the peak, the row keeps the budget asked for and the
+    one planned for, and that plan is the least any budget gets (a budget at it, asked
+    directly, gives the same plan, raising nothing)."""
+    base = [*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint"]
+    with caplog.at_level(logging.WARNING, logger="memtrain.methods.checkpoint.method"):
+        low = api.run([*base, "method.budget_fraction=0.1"], out_dir=tmp_path / "x")
+    assert low["status"] == "ok", low.get("error")
+    least = low["plan_budget_raised_to_bytes"]
+    assert low["plan_budget_bytes"] == int(0.1 * low["plan_baseline_peak_bytes"]) < least
+    assert low["plan_peak_bytes"] <= least
+    assert re.search(rf"smallest feasible activation peak, {least} bytes .*planned at that "
+                     r"peak instead", caplog.text)
+    exact = api.run([*base, f"method.budget_bytes={least}"], out_dir=tmp_path / "y")
+    assert "plan_budget_raised_to_bytes" not in exact
+    assert (exact["plan_groups"], exact["plan_peak_bytes"]) == \
+        (low["plan_groups"], low["plan_peak_bytes"])
 
 
 def test_row_carries_predicted_and_measured_overhead_and_their_error(tmp_path):

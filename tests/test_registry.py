@@ -10,9 +10,13 @@
    columns on every other model.
 3. A walked case a method cannot run (walker.REFUSED: prune on a ResNet of basic blocks without
    prune_head) is refused up front in one line (ConfigError), the line the walker names.
+4. Every method at its defaults runs on every model (prepared, its plan made and its step
+   estimated) or refuses in one line with the reason the walker names (AT_DEFAULTS_REFUSED:
+   prune where it would prune nothing, offload without a GPU).
 """
 
 import pytest
+import torch
 import walker
 from walker import Case
 
@@ -86,3 +90,30 @@ def test_a_walked_case_a_method_cannot_run_is_refused_in_one_line(case):
         walker.run_refused(case)
     line = str(refused.value)
     assert "\n" not in line and walker.REFUSED[case] in line, line
+
+
+def test_the_walks_run_every_method_at_its_defaults_on_every_model():
+    """Claim 4's pairs: the measured and estimated walks (their tests assert status ok) and
+    the at-defaults cases below are every method (a stack on STACK_MODELS) on every model."""
+    every = {(m, model) for model in walker.MODELS for m in walker.METHODS
+             if "+" not in m or model in walker.STACK_MODELS}
+    rest = {(c.method, c.model) for c in walker.at_defaults_cases()}
+    assert walker.walked_at_defaults() | rest == every
+    assert not walker.walked_at_defaults() & rest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", walker.at_defaults_cases(), ids=lambda c: c.id)
+def test_every_method_at_its_defaults_runs_on_every_model_or_refuses_in_one_line(case):
+    why = walker.AT_DEFAULTS_REFUSED.get((case.method, case.model))
+    if case.method == "offload" and torch.cuda.is_available():
+        why = None
+    if why is None:
+        row = walker.estimated(case)
+        assert row["status"] == "ok", row.get("error")
+        assert "mem_estimate_error" not in row, row["mem_estimate_error"]
+        return
+    with pytest.raises(ConfigError) as refused:
+        walker.estimated(case)
+    line = str(refused.value)
+    assert "\n" not in line and why in line, line
