@@ -145,9 +145,12 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
   $(if $(RESULTS_NAME),--name $(RESULTS_NAME)) $(if $(DEADLINE),--deadline-s $(DEADLINE)) \
   $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
 
-.PHONY: results results-docs gpu-env
+.PHONY: results results-docs results-figures gpu-env
 results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RESULTS.md and docs/results/*.md again from the committed CSVs
 	$(RESULTS_PY) -m memtrain.study.docs
+
+results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
+	$(RESULTS_PY) -m memtrain.study.screens
 
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \

@@ -366,6 +366,7 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
 
     r = tmp_path / "r"
     measured = ("mem_peak_alloc_bytes", "mem_peak_act_bytes", "mem_act_saved_bytes",
+                "mem_peak_act_temp_bytes",
                 "throughput_samples_s", "step_time_s_median", "test_acc", "test_acc5",
                 "train_loss", "mem_peak_source")
     for name, method, peak, act, saved in (("n", "none", 400, 200, 150),
@@ -392,6 +393,10 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
     assert drawn.loc["checkpoint", "predicted_peak_bytes"] == 280 * MiB
     assert drawn.loc["quantize", "predicted_rel"] == pytest.approx(0.55)
     assert set(drawn["gpu_memory_bytes"]) == {0.25 * 2**30}
+    # a bar over the cap is the one that does not fit (hatched); nothing measured: no budget
+    assert drawn["fits"].to_dict() == {"none": False, "quantize": True, "checkpoint": False}
+    assert not (r / "figures" / "budget.png").exists()
+    assert "budget: not drawn (no measured method=checkpoint run" in md
 
 
 def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged(tmp_path):

@@ -119,16 +119,23 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
 ESTIMATES = ("mem_estimate_bytes", "mem_estimate_act_bytes", "mem_estimate_saved_bytes")
 
 
-def gpu_memory(g: pd.DataFrame) -> float:
-    """The GPU memory a prediction is set against: the cap asked for (trainer.gpu_memory_gb), else
-    the measuring device's (0 on the CPU: none), in bytes; NaN when neither is known."""
-    for col, scale in (("gpu_memory_cap_bytes", 1), ("trainer.gpu_memory_gb", 2**30),
-                       ("device_total_memory_bytes", 1)):
+def gpu_memory_named(g: pd.DataFrame) -> tuple[float, str]:
+    """(bytes, what it is) of the GPU memory a prediction is set against: the cap asked for
+    (`trainer.gpu_memory_gb`), else the measuring device's (0 on the CPU: none); NaN when
+    neither is known."""
+    for col, scale, what in (("gpu_memory_cap_bytes", 1, "trainer.gpu_memory_gb"),
+                             ("trainer.gpu_memory_gb", 2**30, "trainer.gpu_memory_gb"),
+                             ("device_total_memory_bytes", 1, "the GPU's memory")):
         v = pd.to_numeric(g.get(col, pd.Series(dtype=float)), errors="coerce") * scale
         v = v[v > 0]
         if len(v):
-            return float(v.max())
-    return float("nan")
+            return float(v.max()), what
+    return float("nan"), ""
+
+
+def gpu_memory(g: pd.DataFrame) -> float:
+    """The GPU memory a prediction is set against, in bytes (gpu_memory_named)."""
+    return gpu_memory_named(g)[0]
 
 
 def estimates_table(g: pd.DataFrame, baseline: str) -> str | None:

@@ -16,6 +16,7 @@ import textwrap
 import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from memtrain.report import derive, style
@@ -26,6 +27,7 @@ from memtrain.report.draw import (
     failed_lines,
     finish,
     hollow,
+    is_true,
     note,
     ok_rows,
     points,
@@ -351,14 +353,26 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
             ax.axhline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), zorder=0)
             ax.axvline(1.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":",
                        zorder=0)
-        note(top, failed_lines(g), panel=title)
+            ax.margins(x=0.08, y=0.08)  # a marker at the data's edge stays whole
+        # the baseline's own timing noisy: every overhead of the panel is in doubt, say so
+        noisy = [f"noisy timing: {r.label}" + (", the baseline of every overhead here"
+                                              if r.label == baseline else "")
+                 for r in ok.itertuples() if is_true(getattr(r, "timing_noisy", None))]
+        # settings at one place in the quality panel (an exact method on none's point)
+        same = coincident([d for d in drawn if d["panel"] == title and d["row"] != "overhead"])
+        note(top, failed_lines(g), (_blank(),) * len(same), tuple(same), panel=title)
+        if noisy:
+            note(bottom, [], (Line2D([], [], linestyle="none"),) * len(noisy), tuple(noisy),
+                 panel=f"{title}: overhead")
         top.set(title=title, ylabel=f"validation loss change\nvs {baseline}" if lm else
                 f"accuracy change\nvs {baseline} (points)")
         bottom.set(title=f"{title}: overhead", xlabel=mem.axis(baseline),
                    ylabel=f"step-time overhead\nvs {baseline} (%)")
     data = pd.DataFrame(drawn)
     extra = ()
-    if "did_not_learn" in data and data["did_not_learn"].fillna(False).astype(bool).any():
+    flagged = [c for c in ("did_not_learn", "timing_noisy")
+               if c in data and data[c].fillna(False).astype(bool).any()]
+    if flagged:  # a hollow marker is explained wherever one is drawn
         extra = ((Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                          **hollow({"color": "#666666"})), "hollow: a run did not learn (above) "
                   "or timed noisily (below)"),)
@@ -371,9 +385,11 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
 
 def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     """The GPU-free estimate's predicted peak per setting (`trainer.estimate=true`), one
-    horizontal bar each, against the GPU memory it is set against (the cap asked for, or the
-    measuring GPU's), drawn as a line: what fits before a GPU is rented."""
-    from memtrain.report.markdown import ESTIMATES, gpu_memory
+    horizontal bar each with its value, against the GPU memory it is set against (the cap asked
+    for, or the measuring GPU's), a dashed line named in the legend; a bar past it is hatched
+    (does not fit): what fits before a GPU is rented. The axis names the batch and image size
+    when a panel has one of each."""
+    from memtrain.report.markdown import ESTIMATES, gpu_memory_named
 
     col = ESTIMATES[0]
     if col not in agg or agg[col].notna().sum() == 0:
@@ -381,31 +397,44 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     div, unit = byte_unit(agg[col])
     styles, ps = setting_styles(agg), panels(agg, names)
     fig, axes = style.subplots(len(ps))
-    drawn = []
+    drawn, extra = [], {}
     for ax, (title, g) in zip(axes, ps):
         g = order_settings(g)
         g = g[g[col].notna()]
+        cap, what = gpu_memory_named(g)
         ys = list(range(len(g)))[::-1]
+        top = max([*(g[col] / div), cap / div if cap == cap else 0.0])
         for y, (_, r) in zip(ys, g.iterrows()):
-            ax.barh([y], [r[col] / div], color=styles[r["label"]]["color"], height=0.7)
+            v = r[col] / div
+            over = cap == cap and r[col] > cap
+            ax.barh([y], [v], color=styles[r["label"]]["color"], height=0.7,
+                    hatch="///" if over else None, edgecolor="white" if over else None,
+                    linewidth=0)
+            ax.annotate(f"{v:.3g}", (v, y), xytext=(2, 0), textcoords="offset points",
+                        va="center", ha="left", fontsize="small", zorder=4,
+                        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3,
+                              "alpha": 0.8})  # readable where the line crosses it
             drawn.append({"panel": title, "label": r["label"], "method": r["method"],
                           "predicted_peak_bytes": r[col],
-                          "predicted_rel": r.get("mem_estimate_rel")})
+                          "predicted_rel": r.get("mem_estimate_rel"),
+                          **({"gpu_memory_bytes": cap, "fits": not over} if cap == cap else {})})
         ax.set_yticks(ys, list(g["label"]))
-        cap = gpu_memory(g)
-        if cap == cap:
-            ax.axvline(cap / div, color="#c00000", linestyle="--",
-                       linewidth=style.line_width(0.8))
-            ax.annotate(f"GPU memory {cap / div:.3g} {unit}", (cap / div, ys[0] + 0.45 if ys
-                                                                 else 0),
-                        fontsize="small", color="#c00000", ha="right", va="bottom")
-            for d in drawn:
-                if d["panel"] == title:
-                    d["gpu_memory_bytes"] = cap
-        ax.set(title=title, xlabel=f"predicted peak of one training step ({unit})")
-        ax.set_xlim(left=0)
+        size = [f"{k} {g[c].iloc[0]:g}{u}".strip() for c, k, u in
+                (("trainer.batch_size", "batch", ""), ("dataset.image_size", "", " px"))
+                if c in g and g[c].nunique() == 1 and pd.notna(g[c].iloc[0])]
+        ax.set(title=title, xlabel=f"predicted peak of one training step ({unit})"
+               + (f"\n{', '.join(size)}" if size else ""))
+        if cap == cap:  # named in the legend under the figure: inside, it hid a bar
+            line = ax.axvline(cap / div, color="#c00000", linestyle="--",
+                              linewidth=style.line_width(0.8))
+            extra[f"{cap / div:.3g} {unit}: {what}"] = line
+            if any(d.get("fits") is False for d in drawn if d["panel"] == title):
+                extra["over it: does not fit"] = Patch(facecolor="#888888", hatch="///",
+                                                       edgecolor="white")
+        ax.set_xlim(0, top * 1.15)  # room for the values at the bars' ends
         ax.xaxis.set_major_locator(MaxNLocator(4))
-    fig.tight_layout(pad=0.3, h_pad=1.2)
+    # the settings are the bars' names: the legend holds only the line and the hatching
+    finish(fig, styles, [], tuple((h, text) for text, h in extra.items()))
     return Plot("estimates", fig, pd.DataFrame(drawn))
 
 
@@ -421,7 +450,7 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
         "curves": (lambda: curves(agg, metrics, names), "no setting evaluated twice or more"),
         "sequence": (lambda: sequence(agg, names), None),  # only when seq_len varies
         "budget": (lambda: budget(agg, mem, baseline, names),
-                   "no method=checkpoint runs with method.budget_fraction"),
+                   "no measured method=checkpoint run with a method.budget_fraction"),
         "failures": (lambda: failures(agg, names), "every run ended ok"),
         "estimates": (lambda: estimates(agg, names), None),  # only when estimated: no note
     }

@@ -213,7 +213,9 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
     if FRACTION not in agg:
         return None
     strategies, is_b = _budget_rows(agg)
-    if not (is_b & (agg["n_ok"] > 0)).any():  # failed settings: the failures figure
+    # failed settings: the failures figure; an estimate-only sweep measured nothing to draw
+    measured = agg[mem.rel].notna() if mem.rel in agg else pd.Series(False, index=agg.index)
+    if not (is_b & (agg["n_ok"] > 0) & measured).any():
         return None
     agg = agg.assign(overhead_pct=(agg["step_time_rel"] - 1) * 100,
                      overhead_pct_std=agg.get("step_time_rel_std", 0.0) * 100)

@@ -283,7 +283,7 @@ def capture(runs: Path, name: str, root: Path = ROOT) -> Path:
     from memtrain.report.build import make_report
 
     out = root / DATA / name
-    make_report([runs], out, figures=False)
+    make_report([runs], out, figures=False, html=False)
     (out / "summary.parquet").unlink(missing_ok=True)
     prefixes = {str(root.resolve()) + os.sep, str(Path.cwd().resolve()) + os.sep}
     for f in out.iterdir():

@@ -65,9 +65,10 @@ def report(dirs: list[Path], out: Path, env: dict,
     return "ok", [f for f in copied if f.suffix == ".png"]
 
 
-def stamp(png: Path, text: str) -> None:
+def stamp(png: Path, text: str, colors: int | None = 64) -> None:
     """Write `text` in a band under the figure (the report draws no device or date), then keep
-    64 colours (a third of the bytes; the figures are flat colours and text)."""
+    `colors` colours (64: a third of the bytes; the figures are flat colours and text; None:
+    all, where a palette of 64 lost small markers' colours, a green one drawn grey)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,8 +88,10 @@ def stamp(png: Path, text: str) -> None:
              color="0.25")
     fig.savefig(png, dpi=100)
     plt.close(fig)
+    if colors is None:
+        return
     with Image.open(png) as im:
-        small = im.convert("RGB").quantize(colors=64)
+        small = im.convert("RGB").quantize(colors=colors)
     small.save(png, optimize=True)
 
 

@@ -1,0 +1,15 @@
+"""The README's pictures of the report's figures (docs/figures/, `make results-figures`) are
+drawn from committed rows by the report's own figure functions: each draws again here, and the
+committed PNG is the figure of those rows (its drawn values are the rows' settings)."""
+
+import pytest
+
+from memtrain.study import screens
+
+
+@pytest.mark.parametrize("screen", screens.SCREENS, ids=lambda s: s.name)
+def test_each_picture_draws_again_from_its_committed_rows(screen, tmp_path):
+    png = screens.draw(screen, out=tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    committed = screens.ROOT / screens.OUT / png.name
+    assert committed.is_file(), f"{committed} is not committed: make results-figures"
