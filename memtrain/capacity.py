@@ -128,7 +128,8 @@ def cuda_fits(make_step: Callable[[int], Callable[[], None]], device: torch.devi
     """
 
     def fits(b: int) -> bool:
-        torch.cuda.reset_peak_memory_stats(device)
+        if margin is not None:  # the try's own reserved peak
+            torch.cuda.reset_peak_memory_stats(device)
         why = ""
         try:
             step = make_step(b)

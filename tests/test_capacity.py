@@ -40,6 +40,30 @@ def test_cuda_fits_frees_and_reports_oom_as_false(monkeypatch):
     assert capacity.find_max_batch(fits, 100) == 10
 
 
+def test_cuda_fits_holds_the_reserved_peak_and_the_measured_context_to_the_margin(monkeypatch):
+    """On CUDA a try fits when the allocator's reserved peak (here 100 b bytes) plus the
+    context, measured after the steps as the device's used memory less the allocator's
+    reserved (1000 bytes here), is within (1 - headroom) x cap: by hand, 100 b + 1000 <= 9000
+    -> 80; a context set instead of measured (2000) -> 70."""
+    state = {"b": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 100 * state["b"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 500)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (10**9 - 1500, 10**9))
+
+    def make_step(b):
+        state["b"] = b
+        return lambda: None
+
+    for context, want in ((None, 80), (2000, 70)):
+        m = capacity.Margin(10_000, 0.1, context, "measured" if context is None else "set")
+        fits = capacity.cuda_fits(make_step, torch.device("cpu"), margin=m)
+        assert capacity.find_max_batch(fits, 1000, start=8) == want
+        assert m.columns()["max_batch_context_bytes"] == (context or 1000)
+
+
 def test_gpu_cap_on_cpu_is_recorded_as_not_applied():
     assert capacity.apply_gpu_cap(torch.device("cpu"), 8) == {
         "gpu_memory_cap_bytes": 8 * 2**30, "gpu_memory_cap_applied": False}

@@ -7,6 +7,7 @@ import pytest
 from memtrain.study import screens
 
 
+@pytest.mark.slow  # the figure drawn and stamped: ~4 s
 @pytest.mark.parametrize("screen", screens.SCREENS, ids=lambda s: s.name)
 def test_each_picture_draws_again_from_its_committed_rows(screen, tmp_path):
     png = screens.draw(screen, out=tmp_path)
