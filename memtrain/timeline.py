@@ -101,7 +101,7 @@ def draw(ax, df: pd.DataFrame, unit: tuple[str, float] = ("MiB", 2**20), legend:
     ax.stackplot(w["event"], *(w[c] / scale for c in cats), labels=[LABELS[c] for c in cats],
                  colors=[COLORS[c] for c in cats], lw=0, zorder=1, step=None)
     parts = spans(w, "part")
-    for part, a, _ in parts[1:]:
+    for _part, a, _ in parts[1:]:
         ax.axvline(a - 0.5, color="k", lw=0.6, ls=":", zorder=2)
     p = peak(df)
     if p["event"] >= 0:

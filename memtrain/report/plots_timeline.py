@@ -70,7 +70,7 @@ def timelines(runs: pd.DataFrame, baseline: str = "none",
                       "peak_bytes": p["bytes"], "peak_phase": p["phase"],
                       "peak_module": p["module"], "baseline_peak_bytes": ref,
                       "events": int(df["event"].nunique())})
-    handles, labels = {}, {}
+    handles: dict = {}
     for ax in axes.flat[:n]:  # every category any panel drew, once, under the panels
         for h, lab in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(lab, h)
