@@ -134,6 +134,9 @@ COLUMNS: tuple[Column, ...] = (
          ("memory_timeline", "path", "the accounting step's memory timeline, relative to the run "
                                      "folder (`trainer.memory_timeline=true`; timeline.png/.pdf "
                                      "beside it)")),
+    *_of("status", "runner",
+         ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
+                                  "came first (the row's status and error are its)")),
     *_of("status", "train",
          ("resumed_at_step", "count", "the step a resumed run continued from (`trainer.resume`)")),
     *_of("status", "resume",
@@ -167,6 +170,10 @@ COLUMNS: tuple[Column, ...] = (
                                "(dataset=text: the Python version's standard library)"),
          ("data_source", "text", "where the corpus came from"),
          ("params", "count", "parameters of the model"),
+         ("world_size", "count", "ranks of a run under `trainer.strategy=ddp|fsdp` (as "
+                                 "launched; an estimate's `trainer.world_size`)", "ranks"),
+         ("local_batch_size", "count", "samples per rank and step: `trainer.batch_size` (the "
+                                       "global batch) / `world_size`", "local batch"),
          ("wall_s", "s", "time of the whole job"),
          (RUN_DIR, "path", "where the run's folder was written"),
          ("finished_at", "time", "when the row was written")),
@@ -225,8 +232,20 @@ COLUMNS: tuple[Column, ...] = (
           "backward temporaries): where methods differ", "", "",
           {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
            "act": "activations", "other": "other"})),
+    *_of("memory", "measure",
+         ("mem_comm_buffers_bytes", "bytes",
+          "`trainer.strategy=ddp`: DDP's gradient buckets, held from the wrap on beside every "
+          "step's tensors (in the peak, as other memory)")),
     *_of("memory", "train",
          ("mem_peak_rss_bytes", "bytes", "peak resident memory of the process")),
+    *_of("memory", "distributed",
+         ("mem_peak_rank", "count", "a run of several ranks: the rank with the highest "
+                                    "`mem_peak_alloc_bytes`, whose figures the row's memory "
+                                    "columns are (so its breakdown adds up)", "peak rank"),
+         ("rank_max.<column>", "as <column>", "a run of several ranks: the column's largest "
+                                              "value over the ranks"),
+         ("rank_mean.<column>", "as <column>", "a run of several ranks: the column's mean over "
+                                               "the ranks")),
     # ---- speed
     *_of("speed", "measure",
          (STEP_TIME, "s", "median time of a timed step"),
@@ -335,7 +354,7 @@ COLUMNS: tuple[Column, ...] = (
 
 # <column> is a declared column, never another phase's copy (part0.part1.steps)
 _PLACEHOLDERS = {"<option>": r"(?P<option>[^.\s][^\s]*)", "<j>": r"\d+",
-                 "<column>": r"(?!part\d+\.|recovery\.)(?P<column>[^\s]+)"}
+                 "<column>": r"(?!part\d+\.|recovery\.|rank_m)(?P<column>[^\s]+)"}
 
 
 def _regex(name: str) -> re.Pattern:

@@ -15,6 +15,7 @@ which peak a row reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import resource
@@ -46,8 +47,17 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     estimate) has no data pointer; its storage object's address tells storages apart instead."""
     from torch._subclasses.fake_tensor import is_fake
 
+    t = local(t)
     s = t.untyped_storage()
     return (str(t.device), s._cdata if is_fake(t) else s.data_ptr())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: a DTensor's local shard (FSDP's parameters, gradients and
+    optimizer state), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[torch.Tensor]:
@@ -69,8 +79,16 @@ class SavedBytes:
     autograd-saved path) to be seen here: that is the contract every method follows.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
+                 model: nn.Module | None = None):
+        exclude = list(exclude)
         self._exclude = {storage_key(t) for t in exclude}
+        # FSDP: the parameters a step gathers are made during the step, so no key before it
+        # names them; a saved tensor on a parameter's storage at pack time is one of them
+        from torch.distributed.tensor import DTensor
+
+        self._gathered = model if model is not None and any(
+            isinstance(t, DTensor) for t in exclude) else None
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx = None
         # a GPU run: saved storages in host memory (an offloader's) are counted apart
@@ -83,9 +101,15 @@ class SavedBytes:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not isinstance(t, nn.Parameter):
             key = storage_key(t)
-            if key not in self._exclude and key[1] != 0:
+            if key not in self._exclude and key[1] != 0 and not self._is_parameter(t):
                 self.record(key, t)
         return t
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        if self._gathered is None:
+            return False
+        own = local(t).untyped_storage()._cdata
+        return any(local(p).untyped_storage()._cdata == own for p in self._gathered.parameters())
 
     @property
     def bytes(self) -> int:
@@ -137,9 +161,21 @@ class PeakTracker:
         # the run's device only (host copies of an offloaded GPU run are not GPU memory)
         self._device = device
 
-        self._types = _MemRefType
-        self._mt = MemTracker()
-        self._mt.track_external(*external)
+        self._kinds = _kinds(external[0] if external else None)
+        if self._kinds is not None:  # FSDP2: its tracker tells shards from gathered copies
+            model, optimizer, *rest = external
+            self._mt = _fsdp_tracker()(model, optimizer)
+            self._mt.track_inputs(tuple(t for t in rest if isinstance(t, torch.Tensor)))
+        else:
+            self._kinds = {"params": [_MemRefType.PARAM], "buffers": [_MemRefType.BUFFER],
+                           "grads": [_MemRefType.GRAD], "optim": [_MemRefType.OPT],
+                           "act": [_MemRefType.ACT], "temp": [_MemRefType.TEMP],
+                           "other": [_MemRefType.OTH]}
+            self._mt = MemTracker()
+            self._mt.track_external(*external)
+        kinds = self._kinds
+        act_kinds, temp_kinds = kinds["act"], kinds["temp"]
+        grad_kinds = set(kinds["grads"])
         self.act_peak_bytes = 0
         self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
         self._act_temp: list[int] = []  # activations + temporaries after each update
@@ -151,8 +187,8 @@ class PeakTracker:
         # rows of memtrain.timeline.table), with the loop's `phase` and the innermost module
         self.events: list[tuple] | None = [] if timeline else None
         self.phase = "forward"
-        refs = [_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT, _MemRefType.GRAD,
-                _MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH]  # timeline.CATEGORIES
+        refs = [kinds[k] for k in ("params", "buffers", "optim", "grads", "act", "temp",
+                                   "other")]  # timeline.CATEGORIES
         self._t0 = time.perf_counter()
 
         # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
@@ -161,21 +197,47 @@ class PeakTracker:
         # (most of an accounting step's time on a few hundred modules under quantize's many
         # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
         # peak as MemTracker does, and the peak of the activation part alone with its moment.
+        # FSDP2's hooks (the all-gather before a unit's forward and backward, the reduce-scatter
+        # after its backward) make their buffers with `empty` and FSDP's tracker names them
+        # when the collective runs: until then they read as activations or temporaries. What
+        # those two grow by inside a hook is communication, filed as other (all-gather).
+        hooks, outside = hasattr(mt, "in_hook"), {}
+
+        def adjusted(dev, snap: dict) -> dict:
+            if not hooks:
+                return snap
+            parts = (sum(snap.get(k, 0) for k in act_kinds),
+                     sum(snap.get(k, 0) for k in temp_kinds))
+            if not mt.in_hook:
+                outside[dev] = parts
+                return snap
+            before = outside.get(dev, (0, 0))
+            more = [max(0, now - was) for now, was in zip(parts, before)]
+            if not any(more):
+                return snap
+            snap = dict(snap)
+            for k, extra in zip((act_kinds[0], temp_kinds[0]), more):
+                snap[k] -= extra
+            comm = kinds["other"][-1]
+            snap[comm] = snap.get(comm, 0) + sum(more)
+            return snap
+
         def update(state):
             now = 0
-            for dev, snap in mt._curr_mem_snap.items():
+            snaps = {dev: adjusted(dev, snap) for dev, snap in mt._curr_mem_snap.items()}
+            for dev, snap in snaps.items():
                 total = snap[_TOTAL]
                 if mt._peak_mem.get(dev, 0) < total:
                     mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
                 if not self._counts(dev):
                     continue
-                act = snap.get(_MemRefType.ACT, 0)
+                act = sum(snap.get(k, 0) for k in act_kinds)
                 if act > self.act_peak_bytes:
                     self.act_peak_bytes, self._act_snap = act, dict(snap)
-                now += act + snap.get(_MemRefType.TEMP, 0)
+                now += act + sum(snap.get(k, 0) for k in temp_kinds)
             self._act_temp.append(now)
             if self.events is not None:
-                self._record(mt, refs)
+                self._record(mt, snaps, refs)
 
         # A parameter's gradient is made in backward, so MemTracker files it as a temporary
         # until autograd hands it to the parameter (its grad hook retags it as a gradient, a
@@ -186,10 +248,14 @@ class PeakTracker:
             orig_update_snap(kind, winfo, **kw)
             if not self._counts(winfo.device):
                 return
-            if kind == _UpdateType.ADD and winfo.reftype == _MemRefType.TEMP:
+            if (kind == _UpdateType.REF and kw.get("old_reftype") in temp_kinds
+                    and winfo.device in outside):  # no longer a temporary: out of the baseline
+                a, t = outside[winfo.device]
+                outside[winfo.device] = (a, max(0, t - winfo.mem_consumed))
+            if kind == _UpdateType.ADD and winfo.reftype in temp_kinds:
                 self._made[id(winfo)] = len(self._act_temp)
-            elif (kind == _UpdateType.REF and kw.get("old_reftype") == _MemRefType.TEMP
-                  and winfo.reftype == _MemRefType.GRAD and id(winfo) in self._made):
+            elif (kind == _UpdateType.REF and kw.get("old_reftype") in temp_kinds
+                  and winfo.reftype in grad_kinds and id(winfo) in self._made):
                 self._to_grad.append((self._made.pop(id(winfo)), len(self._act_temp),
                                       winfo.mem_consumed))
 
@@ -197,16 +263,26 @@ class PeakTracker:
         mt._update_snap = update_snap
         mt._update_peak_stats = update
 
+    def gradients(self, grads: list[torch.Tensor]) -> None:
+        """The parameters' gradients, at the end of the update: any of them the tracker still
+        files as a temporary (FSDP2's sharded gradients, which its post-backward makes and its
+        tracker never retags) was gradient memory from the moment it was made."""
+        for g in grads:
+            info = self._mt._WINFO.get(local(g).untyped_storage(), (None, None))[0]
+            if info is not None and id(info) in self._made:
+                self._to_grad.append((self._made.pop(id(info)), len(self._act_temp),
+                                      info.mem_consumed))
+
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type
 
-    def _record(self, mt, refs) -> None:
+    def _record(self, mt, snaps: dict, refs) -> None:
         """One timeline event: the counted devices' bytes per category after this op."""
         values = [0] * len(refs)
-        for dev, snap in mt._curr_mem_snap.items():
+        for dev, snap in snaps.items():
             if self._counts(dev):
                 for i, r in enumerate(refs):
-                    values[i] += snap.get(r, 0)
+                    values[i] += sum(snap.get(k, 0) for k in r)
         # the innermost module: ModTracker's active modules are nested names ("Global" outside)
         module = max(mt._mod_tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
         self.events.append((time.perf_counter() - self._t0, self.phase,
@@ -219,7 +295,6 @@ class PeakTracker:
 
     def __exit__(self, *exc) -> None:
         self._mt.__exit__(*exc)
-        T = self._types
         diff = [0] * (len(self._act_temp) + 1)
         for a, b, nbytes in self._to_grad:
             diff[a] -= nbytes
@@ -241,19 +316,58 @@ class PeakTracker:
             for k, v in dev_snap.items():
                 snap[k] = snap.get(k, 0) + v
         self.peak_bytes = snap.get("Total", 0)
-        self.at_peak = {
-            "params": snap.get(T.PARAM, 0),
-            "buffers": snap.get(T.BUFFER, 0),
-            "grads": snap.get(T.GRAD, 0),
-            "optim": snap.get(T.OPT, 0),
-            "act": snap.get(T.ACT, 0) + snap.get(T.TEMP, 0),
-            "other": snap.get(T.OTH, 0),
-        }
+        part = {k: sum(snap.get(r, 0) for r in refs) for k, refs in self._kinds.items()}
+        self.at_peak = {"params": part["params"], "buffers": part["buffers"],
+                        "grads": part["grads"], "optim": part["optim"],
+                        "act": part["act"] + part["temp"], "other": part["other"]}
         # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
-        a = self._act_snap
-        self.at_act_peak = {"params": a.get(T.PARAM, 0), "grads": a.get(T.GRAD, 0),
-                            "optim": a.get(T.OPT, 0), "act": a.get(T.ACT, 0),
-                            "other": sum(a.get(k, 0) for k in (T.BUFFER, T.OTH, T.TEMP))}
+        a = {k: sum(self._act_snap.get(r, 0) for r in refs) for k, refs in self._kinds.items()}
+        self.at_act_peak = {"params": a["params"], "grads": a["grads"], "optim": a["optim"],
+                            "act": a["act"], "other": a["buffers"] + a["other"] + a["temp"]}
+
+
+def _kinds(model) -> dict[str, list] | None:
+    """The tracker's categories behind each part of a breakdown when `model` is sharded by
+    FSDP2 (its own shards and the copies a step gathers are parameters, gradients likewise; the
+    all-gather and reduce-scatter buffers and the step's inputs are other); None otherwise."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as F
+
+    return {"params": [F.SHARDED_PARAM, F.UNSHARDED_PARAM], "buffers": [F.BUFFER],
+            "grads": [F.SHARDED_GRAD, F.UNSHARDED_GRAD], "optim": [F.OPT], "act": [F.ACT],
+            "temp": [F.TEMP], "other": [F.INP, F.ALL_GATHER, F.REDUCE_SCATTER]}
+
+
+@functools.cache
+def _fsdp_tracker() -> type:
+    """torch's FSDPMemTracker, which also says when FSDP2's own hooks run (`in_hook`): the
+    unshard before a unit's forward and backward, the reshard after its forward, the
+    reduce-scatter after its backward."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    def hooked(make):
+        def instrument(self, fsdp_mod, orig):
+            inner = make(self, fsdp_mod, orig)
+
+            @functools.wraps(inner)
+            def run(*args, **kwargs):
+                self.in_hook += 1
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self.in_hook -= 1
+            return run
+        return instrument
+
+    names = ("_fsdp_state_pre_forward", "_fsdp_state_post_forward",
+             "_fsdp_param_group_pre_backward", "_fsdp_param_group_post_backward")
+    return type("HookedFSDPMemTracker", (FSDPMemTracker,),
+                {"in_hook": 0, **{n: hooked(getattr(FSDPMemTracker, n)) for n in names}})
 
 
 class TimelineRecorder:
@@ -290,10 +404,11 @@ class TimelineRecorder:
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' storages, each once (a DTensor: its local shard's)."""
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if t is not None and t.device.type != "meta":
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = local(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -379,15 +494,19 @@ class Measurement:
 
     def __init__(self, device: torch.device, total_steps: int, warmup_steps: int,
                  account_memory: bool, summary: dict, resident: Iterable[nn.Module] = (),
-                 part: str = ""):
+                 part: str = "", settle: int = 0):
         self.device, self.account, self.summary = device, account_memory, summary
         self.part = part  # a method's phase that this loop trains (synthetic's part<j>)
         self._tracker: PeakTracker | None = None
         # modules whose tensors stay where they are beside the trained one (synthetic: the
         # partitions not in training): the tracker counts those on the run's device
         self.resident = tuple(resident)
-        # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
-        self.warmup = min(warmup_steps, max(0, total_steps - 2))
+        # Short runs shrink the warm-up so that at least one step is accounted and one is timed;
+        # `settle`: the steps a strategy needs before its steps are alike (DDP rebuilds its
+        # gradient buckets in its second step): warm-up at least, even at the cost of the timed
+        # step in a very short run (the accounting step must be one like the others)
+        self.warmup = max(min(warmup_steps, max(0, total_steps - 2)),
+                          min(settle, max(0, total_steps - 1)))
         self.timer = StepTimer(device)
         self.peak_cuda = {PEAK: 0, RESERVED: 0}
         self._saved: SavedBytes | None = None
@@ -400,10 +519,13 @@ class Measurement:
         """Around one whole training step: times it, or accounts it (tracker and saved bytes)."""
         accounting = self.account and step == self.warmup
         timed = step >= self.warmup and not accounting
-        self._saved = SavedBytes(alive_before_step(model, x, y), self.device) \
+        self._saved = SavedBytes(alive_before_step(model, x, y), self.device, model) \
             if accounting else None
         recorder = TimelineRecorder.active
-        tracker = PeakTracker(model, optimizer, x, y, *self.resident, device=self.device,
+        from memtrain.distributed import comm_buffers
+
+        comm = comm_buffers(model) if accounting else []
+        tracker = PeakTracker(model, optimizer, x, y, *self.resident, *comm, device=self.device,
                               timeline=recorder is not None) if accounting else None
         self._tracker = tracker
         if timed:
@@ -420,6 +542,8 @@ class Measurement:
             other = resident_bytes(self.resident, model, self.device)
             if other:
                 self.summary["mem_resident_other_bytes"] = other
+            if comm:  # DDP's buckets: resident, tracked from the step's start (other)
+                self.summary["mem_comm_buffers_bytes"] = tensor_bytes(comm)
             self._saved = None
         if step == self.warmup:  # the CUDA peak window opens after the accounting step
             reset_cuda_peak(self.device)
@@ -445,8 +569,10 @@ class Measurement:
     def update_done(self, model: nn.Module) -> None:
         """After the optimizer step, before the gradients are freed: their bytes, once."""
         if self._saved is not None:
-            self.summary["mem_grads_bytes"] = tensor_bytes(
-                p.grad for p in model.parameters() if p.grad is not None)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            self.summary["mem_grads_bytes"] = tensor_bytes(grads)
+            if self._tracker is not None:
+                self._tracker.gradients(grads)
 
     @contextlib.contextmanager
     def outside_window(self):

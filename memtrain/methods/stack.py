@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,15 +79,24 @@ class Stack:
             if hasattr(m, "check_device"):
                 m.check_device(device)
 
+    def check_strategy(self, strategy: str) -> None:
+        for m in self.members:
+            if hasattr(m, "check_strategy"):
+                m.check_strategy(strategy)
+
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None,
+                sharding: tuple[str, int] | None = None) -> dict[str, Any]:
         """Every member's `prepare`, innermost first (checkpoint, the outermost, profiles the
-        model with the others in place); their summary columns together."""
+        model with the others in place); their summary columns together. `sharding`: a sharded
+        run's (strategy, world size), for the members that take it."""
         out: dict[str, Any] = {}
         for key, m in reversed(list(zip(self.keys, self.members, strict=True))):
             if hasattr(m, "prepare"):
+                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
+                    inspect.signature(m.prepare).parameters else {}
                 try:
-                    out.update(m.prepare(model, x, y, autocast, carry))
+                    out.update(m.prepare(model, x, y, autocast, carry, **extra))
                 except ConfigError as e:  # a member names its options as `method.<option>`
                     raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
         return out

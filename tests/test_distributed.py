@@ -1,0 +1,260 @@
+"""One run across processes (memtrain/distributed.py): DDP and FSDP2 on torchrun, per-rank memory.
+
+What one rank holds is counted in this process on torch's fake process group (one rank of N,
+collectives that move nothing); the two real 2-rank runs (torchrun, gloo) are marked `ranks`
+and run alone (tests/conftest.py), one per strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from memtrain import api, distributed, measure
+from memtrain.errors import ConfigError
+from memtrain.models.mlp import mlp6
+from memtrain.optim import build_optimizer
+
+TINY = ["model=mlp6", "trainer=smoke", "dataset.image_size=8", "model.widths=[64,64,64,64,64]"]
+
+
+def torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 600,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node RANKS -m memtrain ARGS`, as a user runs it."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={ranks}", "-m", "memtrain", *args], cwd=cwd,
+                          text=True, capture_output=True, timeout=timeout, env=full)
+
+
+def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int = 3) -> dict:
+    """One rank's accounting step of the run the overrides describe, as the runner prepares
+    and wraps it (the method prepared on the rank's batch, then DDP or FSDP's shards) and as
+    its loop measures it (measure.Measurement), on the fake process group of `ranks` ranks for
+    ddp and fsdp: the row's memory columns of that rank (single: one process on that batch)."""
+    import contextlib
+    import inspect
+
+    from memtrain import runner
+    from memtrain.train import autocast_factory
+
+    cfg, _ = api.compose(overrides)
+    t = runner.trainer_of(cfg)
+    cpu = torch.device("cpu")
+    _, model, method = runner.build(cfg, t)
+    torch.manual_seed(0)
+    x = torch.randn(t.batch_size // ranks, 3, cfg.dataset.image_size, cfg.dataset.image_size)
+    y = torch.randint(0, 10, (x.shape[0],))
+    if hasattr(method, "prepare"):
+        extra = {"sharding": (strategy, ranks)} if strategy != "single" and "sharding" in \
+            inspect.signature(method.prepare).parameters else {}
+        method.prepare(model, x, y, autocast_factory("cpu", "fp32"), {}, **extra)
+    session = distributed.fake_session(strategy, ranks) if strategy != "single" else \
+        contextlib.nullcontext(distributed.World())
+    with session as world:
+        model = distributed.wrap(model, world, cpu)
+        opt = build_optimizer(model, **runner._kwargs(cfg.optim))
+        summary: dict = {}
+        meas = measure.Measurement(cpu, steps, 1, True, summary,
+                                   settle=distributed.settle_steps(model))
+        for step in range(steps):
+            with meas.step(step, model, opt, x, y):
+                with meas.forward():
+                    loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                meas.updating()
+                opt.step()
+                meas.update_done(model)
+                opt.zero_grad(set_to_none=True)
+        return summary
+
+
+def _steps(strategy: str, optim: str, ranks: int = 2) -> dict:
+    """`_rank_step` of TINY's mlp6 with `optim` (no weight decay: its state is what ZeRO counts)
+    on the local batch of `ranks` ranks (one process: the same batch)."""
+    return _rank_step([*TINY, f"optim={optim}", "optim.weight_decay=0.0"], strategy, ranks)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("optim,k", [("sgd", 4), ("adamw", 8)])
+def test_model_state_per_rank_follows_zero(optim, k):
+    """Rajbhandari et al.'s accounting, fp32: parameters (4 bytes each) + gradients (4) +
+    optimizer state (K: SGD's momentum 4, AdamW's two moments 8), divided by N under stage 3
+    (FSDP), whole on every rank under DDP (stage 0), counted from the model's parameter count,
+    not from a run; each rank's measured columns within 5%."""
+    psi = sum(p.numel() for p in mlp6(10, (3, 8, 8), widths=[64] * 5).parameters())
+    assert psi == 29642  # 192*64 + 64 + 4 * (64*64 + 64) + 64*10 + 10: the model counted
+    for strategy, ranks, share in (("single", 1, 1), ("ddp", 2, 1), ("fsdp", 2, 2),
+                                   ("fsdp", 4, 4)):
+        row = _steps(strategy, optim, ranks)
+        state = row["mem_params_bytes"] + row["mem_grads_bytes"] + row["mem_optim_bytes"]
+        assert state == pytest.approx((4 + 4 + k) * psi / share, rel=0.05), (strategy, ranks)
+        assert row["mem_params_bytes"] == pytest.approx(4 * psi / share, rel=0.05)
+        # DDP's reducer holds a second copy of every gradient, as its buckets: in the peak
+        assert row.get("mem_comm_buffers_bytes", 0) == (4 * psi if strategy == "ddp" else 0)
+
+
+@pytest.mark.compat
+def test_sharding_changes_no_activation():
+    """The activation figures of a rank's step are its local batch's, whatever holds the
+    parameters: FSDP's gathered copies and its all-gather buffers are no activation memory."""
+    rows = {s: _steps(s, "sgd") for s in ("single", "ddp", "fsdp")}
+    for s in ("ddp", "fsdp"):
+        assert rows[s]["mem_act_saved_bytes"] == rows["single"]["mem_act_saved_bytes"]
+        assert rows[s]["mem_peak_act_bytes"] == pytest.approx(
+            rows["single"]["mem_peak_act_bytes"], rel=0.02), s
+        assert rows[s]["mem_peak_act_temp_bytes"] == pytest.approx(
+            rows["single"]["mem_peak_act_temp_bytes"], rel=0.02), s
+
+
+RESNET = ["model=resnet18", "dataset.image_size=16", "trainer=smoke", "trainer.max_steps=3",
+          "dataset.train_size=24"]
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_checkpoint_under_fsdp_lowers_each_ranks_activation_peak():
+    """checkpoint under fsdp on resnet18 at 2 ranks: its plan (whole groups, the parameters a
+    recompute gathers again in the budget) lowers one rank's activation peak below none's under
+    fsdp, and each rank still holds half the model state (planned on the rank's batch of 4)."""
+    none = _rank_step(RESNET, "fsdp")
+    ckpt = _rank_step([*RESNET, "method=checkpoint"], "fsdp")
+    assert ckpt["mem_peak_act_bytes"] < 0.6 * none["mem_peak_act_bytes"]
+    assert ckpt["mem_act_saved_bytes"] < none["mem_act_saved_bytes"]
+    assert ckpt["mem_params_bytes"] == none["mem_params_bytes"]
+
+
+@pytest.mark.slow
+def test_checkpoint_under_fsdp_changes_no_gradient(in_tmp):
+    """The same plan's gradients are none's: resnet18 under fsdp on a real (gloo) group of one
+    rank in this process, FSDP's hooks and checkpoint's recompute in place (the two ranks'
+    collectives under checkpointing: test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them)."""
+    args = [*RESNET, "trainer.save_weights=true", "trainer.strategy=fsdp"]
+    none = api.run(args, out_dir=in_tmp / "none")
+    ckpt = api.run([*args, "method=checkpoint"], out_dir=in_tmp / "ckpt")
+    assert ckpt["plan_granularity"] == "block" and ckpt["plan_groups"]
+    assert ckpt["mem_peak_act_bytes"] < none["mem_peak_act_bytes"]
+    assert ckpt["train_loss"] == pytest.approx(none["train_loss"], rel=1e-5)
+    _assert_same_updates(in_tmp / "ckpt", in_tmp / "none", _initial_weights(RESNET))
+
+
+def test_bad_launches_are_one_line(in_tmp, monkeypatch):
+    """What cannot run refuses before anything is built, in one line naming the fix."""
+    with pytest.raises(ConfigError, match="trainer.strategy=ddp or fsdp|strategy=single"):
+        api.run([*TINY, "trainer.world_size=2"], out_dir=in_tmp / "a")
+    with pytest.raises(ConfigError, match="launch it with torchrun --nproc-per-node 2"):
+        api.run([*TINY, "trainer.strategy=ddp", "trainer.world_size=2"], out_dir=in_tmp / "b")
+    with pytest.raises(ConfigError, match="must be one of single, ddp, fsdp"):
+        api.run([*TINY, "trainer.strategy=zero3"], out_dir=in_tmp / "c")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="strategy=single in one of 2 ranks"):
+        api.run(TINY, out_dir=in_tmp / "d")
+
+
+def test_multirun_under_torchrun_is_refused(cli_checks, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    out = cli_checks("-m", "model=mlp6", "trainer.strategy=ddp")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "under torchrun" in out.stderr and "hydra/launcher=slurm" in out.stderr
+
+
+def _initial_weights(args: list[str]) -> dict[str, torch.Tensor]:
+    _, model, _ = api.build(args)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _row(run: Path) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def _assert_same_updates(a: Path, b: Path, start: dict[str, torch.Tensor]) -> None:
+    """Every weight's change over the run (learning rate x the gradients' sum, through the
+    optimizer) equal within summation order (rtol 1e-5)."""
+    wa = torch.load(a / "weights.pt", weights_only=True)
+    wb = torch.load(b / "weights.pt", weights_only=True)
+    assert wa.keys() == wb.keys() == start.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k] - start[k], wb[k] - start[k], rtol=1e-5, atol=1e-7,
+                                   msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.xdist_group("ranks")
+def test_ddp_on_two_ranks_equals_one_process(in_tmp):
+    """`torchrun --nproc-per-node 2 -m memtrain ... trainer.strategy=ddp`: one ok row, written
+    by rank 0 alone, the global batch split in two; its loss and every weight's update (the
+    gradients, averaged over the ranks) those of one process on the same global batch."""
+    args = [*TINY, "trainer.save_weights=true"]
+    p = torchrun(*args, "trainer.strategy=ddp", f"hydra.run.dir={in_tmp / 'ddp'}", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = _row(in_tmp / "ddp")
+    assert row["status"] == "ok" and row["world_size"] == 2 and row["local_batch_size"] == 4
+    assert row["trainer.strategy"] == "ddp" and row["mem_peak_rank"] in (0, 1)
+    assert sorted(p.name for p in in_tmp.iterdir()) == ["ddp"]  # no folder of rank 1's
+    one = api.run(args, out_dir=in_tmp / "one")
+    assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert row["test_acc"] == one["test_acc"]
+    _assert_same_updates(in_tmp / "ddp", in_tmp / "one", _initial_weights(args))
+    # each rank holds the whole model state, and DDP's buckets beside it
+    assert row["rank_max.mem_params_bytes"] == row["rank_mean.mem_params_bytes"] == \
+        one["mem_params_bytes"]
+    assert row["mem_comm_buffers_bytes"] == one["mem_params_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.xdist_group("ranks")
+def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
+    """`... trainer.strategy=fsdp`: one ok row; each rank holds half the parameters, gradients
+    and optimizer state; loss and updates those of one process. Then SIGTERM to rank 1 of the
+    same run under checkpointing (groups of two segments: the pass-through calls of FSDP units
+    and their recompute): every rank stops at the same step and saves its shards together
+    (torch.distributed.checkpoint), the row says interrupted, and the continue command it
+    prints ends at the uninterrupted run's loss and weights."""
+    args = [*TINY, "trainer.save_weights=true", "trainer.strategy=fsdp"]
+    run = in_tmp / "fsdp"
+    p = torchrun(*args, f"hydra.run.dir={run}", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = _row(run)
+    assert row["status"] == "ok" and row["world_size"] == 2
+    single = [a for a in args if a != "trainer.strategy=fsdp"]
+    one = api.run(single, out_dir=in_tmp / "one")
+    for col in ("mem_params_bytes", "mem_grads_bytes", "mem_optim_bytes"):
+        for agg in ("rank_max", "rank_mean"):
+            assert row[f"{agg}.{col}"] == pytest.approx(one[col] / 2, rel=0.05), (agg, col)
+    assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    _assert_same_updates(run, in_tmp / "one", _initial_weights(single))
+
+    stopped = in_tmp / "stopped"
+    fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",
+             "trainer.fault=sigterm", "trainer.fault_rank=1", "trainer.fault_step=1"]
+    p = torchrun(*fault, f"hydra.run.dir={stopped}", cwd=in_tmp)
+    assert p.returncode != 0
+    cut = _row(stopped)
+    assert cut["status"] == "interrupted" and cut["signal"] == "SIGTERM", cut.get("error")
+    assert cut["failed_step"] == 2 and cut["plan_groups"] == "0-1;2-3;4-4"
+    shards = sorted(f.name for f in (stopped / "resume.dcp.2").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"]
+    line = next(ln for ln in p.stderr.splitlines() if "continue with: " in ln)
+    command = shlex.split(line.split("continue with: ", 1)[1])
+    assert command[:3] == ["torchrun", "--nproc-per-node=2", "-m"]
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            *command[1:]], cwd=in_tmp, text=True, capture_output=True,
+                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = _row(stopped)
+    assert done["status"] == "ok" and done["resumed_at_step"] == 2
+    assert not list(stopped.glob("resume*"))  # a finished run keeps no checkpoint
+    # recomputation changes no gradient, and the resumed run continues as if never stopped
+    assert done["train_loss"] == pytest.approx(row["train_loss"], rel=1e-5)
+    _assert_same_updates(stopped, run, _initial_weights(single))
