@@ -100,7 +100,9 @@ def _as_rank(overrides: list[str]) -> list[str]:
 
     scratch = tempfile.mkdtemp(prefix=f"memtrain-rank{rank}-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    return [*[o for o in overrides if not o.startswith("hydra.run.dir=")],
+    ours = ("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=",
+            "hydra.job_logging.")
+    return [*[o for o in overrides if not o.startswith(ours)],
             f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=stdout",
             "hydra.job_logging.root.level=WARNING"]
 

@@ -76,6 +76,7 @@ class World:
     backend: str = ""  # gloo, nccl, fake; "" without a process group
     owned: bool = False  # this job initialised the group (and tears it down)
     failed_store: Any = field(default=None, repr=False)  # kept when a failure left the group
+    _mesh: Any = field(default=None, repr=False)
 
     active: ClassVar[World | None] = None  # the job in progress in this process
 
@@ -116,6 +117,17 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def mesh(self, device: torch.device):
+        """The one-dimensional device mesh of the ranks, FSDP's (made outside any fake tensor
+        mode: the estimate shards a fake model, and a mesh is made of real tensors)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self._mesh is None:
+            with unset_fake_temporarily(), torch.device("cpu"):
+                self._mesh = init_device_mesh(device.type, (self.size,))
+        return self._mesh
+
     def store(self):
         import torch.distributed as dist
 
@@ -149,14 +161,15 @@ def session(trainer: Any) -> Iterator[World]:
                           f"tasks): each rank would train its own copy; set "
                           f"trainer.strategy=ddp or trainer.strategy=fsdp")
     world = World(strategy, rank, size, local)
-    if world.sharded and not dist.is_initialized():
+    probes_only = trainer.get("max_steps") == 0  # the estimate of N ranks needs none of them
+    if world.sharded and not dist.is_initialized() and not probes_only:
         backend = _backend(str(trainer.get("device", "auto")))
         if size > 1:
             dist.init_process_group(backend)  # env:// from the launcher
         else:  # no launcher: a group of one in this process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         world.backend, world.owned = backend, True
-    elif world.sharded:
+    elif world.sharded and dist.is_initialized():
         world.backend = dist.get_backend()
     ok = False
     World.active = world
@@ -233,10 +246,14 @@ def check(world: World, trainer: Any, world_size: int | None) -> None:
         raise ConfigError(f"trainer.compile=true with trainer.strategy={world.strategy}: "
                           f"compiling a DDP or FSDP model is not supported here yet; use "
                           f"trainer.compile=false")
-    if world.size > 1 and (trainer.estimate or trainer.find_max_batch):
-        raise ConfigError("trainer.estimate and trainer.find_max_batch run without the ranks: "
-                          "one process with trainer.world_size=N trainer.max_steps=0, not "
-                          "under torchrun")
+    if trainer.find_max_batch:
+        raise ConfigError(f"trainer.find_max_batch with trainer.strategy={world.strategy} is not "
+                          f"supported yet: estimate one rank's peak at a batch instead "
+                          f"(trainer.estimate=true trainer.world_size=N trainer.max_steps=0)")
+    if trainer.estimate and (world.size > 1 or trainer.max_steps != 0):
+        raise ConfigError(f"trainer.estimate with trainer.strategy={world.strategy} estimates one "
+                          f"of trainer.world_size ranks without the ranks: run it in one process "
+                          f"with trainer.max_steps=0 (not under torchrun, not before training)")
 
 
 def check_method(method: Any, world: World) -> None:
@@ -271,26 +288,28 @@ def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
     """The model as the strategy trains it: itself (single), DDP around it, or FSDP2's
     `fully_shard` on each block of its chain and then on the root (in place: the parameters
     become DTensors holding this rank's shard)."""
+    if world.sharded and any(p.device != device for p in model.parameters()):
+        model.to(device)  # (an estimate's fake model is made on its device: no move)
     if world.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model.to(device)
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        index = device.index if device.index is not None else torch.cuda.current_device() \
+            if device.type == "cuda" else None
+        ddp = DDP(model, device_ids=[index] if device.type == "cuda" else None)
         ddp._memtrain_buckets = _Buckets(fake=world.backend == "fake")
         ddp.register_comm_hook(ddp._memtrain_buckets, _bucket_hook)
         return ddp
     if world.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        model.to(device)
         for block in blocks_of(model):
             # a unit per block of one module (a residual block, a transformer layer); a run
             # of modules (resnet's stem: conv, norm, in-place ReLU, pool) stays with the root:
             # FSDP2 wraps each module's input and output in views, which an in-place ReLU
             # after the norm would modify, and the root holds the little that is left
             if len(block) == 1 and any(p.requires_grad for p in block[0].parameters()):
-                fully_shard(block[0])
-        fully_shard(model)
+                fully_shard(block[0], mesh=world.mesh(device))
+        fully_shard(model, mesh=world.mesh(device))
     return model
 
 
@@ -505,8 +524,14 @@ def failed(world: World, status: str, error: str, step: int | None) -> None:
         return
     world.failed_store = store  # kept: the group goes, the store stays reachable
     if status not in ("diverged", "interrupted") and dist.is_initialized():
+        # aborted, not only destroyed: the exception's frames still hold the model (DDP's
+        # reducer holds the group), and a group merely destroyed kept gloo's connections open,
+        # the other ranks waiting in their collective for good
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            dist.distributed_c10d._abort_process_group()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 def root_failure(world: World) -> dict[str, Any] | None:

@@ -199,14 +199,15 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
 
 def _not_started(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
                  e: Exception) -> Outcome:
-    """The row of a job whose ranks could not even start (this process writes it: there is no
-    rank 0 to tell apart)."""
+    """The row of a job whose ranks could not even start (no process group: the launcher's
+    rank 0 writes it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = identity(cfg, choices, resolve=False)
     error = e if isinstance(e, ConfigError) else ConfigError(
         f"{type(e).__name__}: {e}".splitlines()[0])
     summary.update(status="error", error=str(error))
-    return _finish(run_dir, summary, [], error)
+    rank = distributed.launched()[0]
+    return _finish(run_dir, summary, [], error, distributed.World(rank=rank))
 
 
 def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Path | None,

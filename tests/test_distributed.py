@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -146,6 +147,137 @@ def test_checkpoint_under_fsdp_changes_no_gradient(in_tmp):
     _assert_same_updates(in_tmp / "ckpt", in_tmp / "none", _initial_weights(RESNET))
 
 
+# every method under ddp and fsdp: saved for backward exactly what one process saves on the
+# rank's batch (their plans and packing see one rank's batch; FSDP's gathered parameters are no
+# activation), or, where that is not what it does, refused in one line with the reason
+SHARDED_AS_ONE = ("none", "pool", "prune", "quantize")
+SHARDED_REFUSED = {"synthetic": "synthetic trains its partitions one phase at a time",
+                   "offload": "nothing to offload to (use trainer.device=cuda)"}
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_every_method_runs_sharded_or_refuses_in_one_line(in_tmp):
+    """Under fsdp (DDP only wraps the model: a method sees the same module and batch as
+    under FSDP, whose units and hooks are what could change what a method saves)."""
+    import re
+
+    from conftest import conf_options
+
+    strategy = "fsdp"
+    methods = conf_options("method")
+    assert set(SHARDED_AS_ONE) | set(SHARDED_REFUSED) | {"checkpoint", "checkpoint+quantize"} \
+        == set(methods)
+    # prune's blocks of 32 rows need a rank's batch of 32 (mlp6's Linear inputs)
+    size = ["trainer.batch_size=64", "model.widths=[64,64,64,64,64]", "model=mlp6",
+            "dataset.image_size=8", "trainer=smoke"]
+    none = _rank_step(size, strategy)
+    for method in methods:
+        args = [*size, f"method={method}"]
+        if method in SHARDED_REFUSED:
+            with pytest.raises(ConfigError, match=re.escape(SHARDED_REFUSED[method])) as e:
+                api.run([*args, f"trainer.strategy={strategy}"], out_dir=in_tmp / method)
+            assert "\n" not in str(e.value)
+            continue
+        row = _rank_step(args, strategy)
+        if method in SHARDED_AS_ONE:
+            alone = _rank_step(args, "single")
+            assert row["mem_act_saved_bytes"] == alone["mem_act_saved_bytes"], method
+            assert row["mem_peak_act_bytes"] == pytest.approx(alone["mem_peak_act_bytes"],
+                                                              rel=0.02), method
+        else:  # checkpoint's own plan under fsdp (whole groups, gathered parameters counted)
+            assert row["mem_peak_act_bytes"] <= none["mem_peak_act_bytes"], method
+
+
+def _estimate(args: list[str], strategy: str, ranks: int | None, out: Path) -> dict:
+    """One rank's GPU-free estimate of a run of `ranks` ranks, in this process."""
+    extra = ["trainer.estimate=true", "trainer.max_steps=0", f"trainer.strategy={strategy}",
+             *([f"trainer.world_size={ranks}"] if ranks else [])]
+    return api.run([*args, *extra], out_dir=out)
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+def test_estimate_of_n_ranks_and_the_figure_against_ranks(in_tmp):
+    """`trainer.estimate=true trainer.world_size=N trainer.strategy=...` in one process: one
+    rank's peak, without the ranks, as a rank measures it (on the fake group, a real step's
+    tensors: within 2%); FSDP's falls with N, DDP's holds the whole model state and its buckets.
+    The report draws them against the number of ranks, one line per method and strategy."""
+    from memtrain.report.build import make_report
+
+    sweep = in_tmp / "sweep"
+    points = [("single", None, "none"), ("fsdp", 1, "none"), ("fsdp", 2, "none"),
+              ("fsdp", 4, "none"), ("ddp", 2, "none"), ("fsdp", 2, "quantize"),
+              ("fsdp", 4, "quantize")]
+    rows = {(s, n, m): _estimate([*TINY, f"method={m}"], s, n, sweep / str(i))
+            for i, (s, n, m) in enumerate(points)}
+    for (s, n, m), row in rows.items():
+        assert row["status"] == "ok" and "mem_estimate_error" not in row, (s, n, m, row)
+        if n:
+            assert row["world_size"] == n and row["local_batch_size"] == 8 // n
+    for strategy in ("ddp", "fsdp"):
+        measured = _rank_step(TINY, strategy, 2, steps=4)
+        est = rows[(strategy, 2, "none")]
+        assert est["mem_estimate_bytes"] == pytest.approx(measured["mem_tracker_peak_bytes"],
+                                                          rel=0.02), strategy
+        assert est["mem_estimate_act_bytes"] == pytest.approx(measured["mem_peak_act_bytes"],
+                                                              rel=0.02), strategy
+    fsdp = [rows[("fsdp", n, "none")]["mem_estimate_bytes"] for n in (1, 2, 4)]
+    assert fsdp[0] > fsdp[1] > fsdp[2]
+    assert rows[("ddp", 2, "none")]["mem_estimate_bytes"] > fsdp[1]
+    make_report([sweep], in_tmp / "report", formats=("png",))
+    drawn = pd.read_csv(in_tmp / "report" / "figures" / "sharding.csv")
+    lines = {label: sorted(g["ranks"]) for label, g in drawn.groupby("label")}
+    assert lines == {"none strategy=fsdp": [1, 2, 4], "none strategy=ddp": [2],
+                     "none strategy=single": [1], "quantize strategy=fsdp": [2, 4]}, lines
+
+
+@pytest.mark.parametrize("overrides,tasks", [
+    ([], 1), (["trainer.strategy=fsdp"], 4), (["trainer.strategy=ddp", "trainer.world_size=2"], 2),
+])
+def test_slurm_runs_one_task_per_gpu(monkeypatch, overrides, tasks):
+    """hydra/launcher=slurm: a sharded run's job has one task per rank (trainer.world_size, or
+    one per GPU of the node), a run of one process one task."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from memtrain import config
+
+    monkeypatch.setenv("MEMTRAIN_SLURM_GPUS_PER_NODE", "4")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", *overrides],
+                      return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    assert cfg.hydra.launcher.tasks_per_node == tasks
+    assert cfg.hydra.launcher.gpus_per_node == 4
+
+
+def test_a_slurm_task_of_several_is_a_rank(monkeypatch):
+    """In a SLURM task of a job of two (submitit's environment): torch's env:// variables for
+    its rank, every GPU of the node left visible (the rank takes its local one), and for the
+    second task Hydra kept out of the job's folder."""
+    from hydra_plugins.memtrain_launcher import as_rank
+
+    for k, v in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "2",
+                 "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu3",
+                 "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT"):  # what the export sets: removed again after the test
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    out = as_rank(["method=none"])
+    assert out[0] == "method=none" and "hydra.output_subdir=null" in out
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == \
+        ("1", "2", "1")
+    assert os.environ["MASTER_ADDR"] == "gpu3" and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert distributed.launched() == (1, 2, 1)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_LOCALID", "0")
+    assert as_rank(["method=none"]) == ["method=none"]  # rank 0 writes what a job writes
+
+
 def test_bad_launches_are_one_line(in_tmp, monkeypatch):
     """What cannot run refuses before anything is built, in one line naming the fix."""
     with pytest.raises(ConfigError, match="trainer.strategy=ddp or fsdp|strategy=single"):
@@ -209,6 +341,20 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp):
     assert row["rank_max.mem_params_bytes"] == row["rank_mean.mem_params_bytes"] == \
         one["mem_params_bytes"]
     assert row["mem_comm_buffers_bytes"] == one["mem_params_bytes"]
+    # one rank's estimate, without the ranks, against the ranks measured
+    est = _estimate(TINY, "ddp", 2, in_tmp / "estimate")
+    assert est["mem_estimate_bytes"] == pytest.approx(row["rank_max.mem_tracker_peak_bytes"],
+                                                      rel=0.05)
+    # a failure on one rank is the row's: rank 1 raises at step 2 while rank 0 waits for its
+    # gradients; rank 0 is released (rank 1 left the group) and writes rank 1's failure
+    failed = in_tmp / "failed"
+    p = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=error", "trainer.fault_rank=1",
+                 "trainer.fault_step=2", f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
+    assert p.returncode != 0
+    bad = _row(failed)
+    assert bad["status"] == "error" and bad["failed_rank"] == 1, bad
+    assert bad["error"].startswith("rank 1: RuntimeError: injected failure"), bad["error"]
+    assert "run ended with status=error: rank 1: RuntimeError" in p.stderr
 
 
 @pytest.mark.slow
@@ -234,6 +380,9 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
             assert row[f"{agg}.{col}"] == pytest.approx(one[col] / 2, rel=0.05), (agg, col)
     assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
     _assert_same_updates(run, in_tmp / "one", _initial_weights(single))
+    est = _estimate(TINY, "fsdp", 2, in_tmp / "estimate")
+    assert est["mem_estimate_bytes"] == pytest.approx(row["rank_max.mem_tracker_peak_bytes"],
+                                                      rel=0.05)
 
     stopped = in_tmp / "stopped"
     fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",

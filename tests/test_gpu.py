@@ -155,3 +155,22 @@ def test_cuda_memory_series_end_at_the_rows_peak(in_tmp):
     assert [s for s, _ in peak] == list(range(2, 6))  # warm-up 0-1 outside the window
     assert peak[-1][1] == row["mem_peak_alloc_bytes"]
     assert named("mem_peak_reserved_bytes")[-1][1] == row["mem_peak_reserved_bytes"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_gpu_row_of_each_strategy(in_tmp, strategy):
+    """trainer.strategy=ddp|fsdp on one GPU without a launcher (nccl, a group of one): an ok
+    row whose loss is one process's, the CUDA peak beside the tracker's breakdown, the whole
+    model state on the one rank; offload (CUDA only) composes with the strategy."""
+    over = [*TINY, "model=resnet18", "trainer.batch_size=16", "trainer.save_weights=true"]
+    one = api.run(over, out_dir=in_tmp / "one")
+    row = api.run([*over, f"trainer.strategy={strategy}"], out_dir=in_tmp / strategy)
+    assert row["status"] == "ok" and row["mem_peak_source"] == "cuda", row.get("error")
+    assert row["world_size"] == 1 and row["local_batch_size"] == 16
+    assert row["mem_params_bytes"] == one["mem_params_bytes"]
+    assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-4)
+    off = api.run([*over, f"trainer.strategy={strategy}", "method=offload"],
+                  out_dir=in_tmp / "offload")
+    assert off["status"] == "ok", off.get("error")
+    assert off["mem_act_saved_host_bytes"] > 0
+    assert off["mem_peak_act_bytes"] < row["mem_peak_act_bytes"]

@@ -102,12 +102,16 @@ class Stack:
         return out
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list[ProbeStep]:
+                    num_classes: int,
+                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
         """The member's own probe steps (checkpoint: its plan applied to the stacked model),
         else the one step of the stacked model."""
         for m in self.members:  # at most one member has them (_check)
             if hasattr(m, "probe_steps"):
-                return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes)
+                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
+                    inspect.signature(m.probe_steps).parameters else {}
+                return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes,
+                                     **extra)
         return [ProbeStep(model, x, y)]
 
 

@@ -201,13 +201,7 @@ class CheckpointMethod:
         memory a plan brings back. FSDP's hooks run ops of their own inside a recomputed
         forward, where op plans check the op sequence: plans there are of whole groups
         (`plan_granularity=block`, a warning)."""
-        if sharding is not None and sharding[0] == "fsdp" and self.by_op:
-            log.warning("checkpoint granularity=op under trainer.strategy=fsdp: FSDP's hooks run "
-                        "ops of their own inside a recomputed forward, where an op plan checks "
-                        "the sequence of ops; planning whole groups (granularity block, the "
-                        "row's plan_granularity)")
-            self.by_op = False
-        self.sharding = sharding
+        self._shard(sharding)
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -413,6 +407,16 @@ class CheckpointMethod:
             cache.save(cache_dir, k, self.profile, ops)
         self.ops = ops if self.by_op else None
 
+    def _shard(self, sharding: tuple[str, int] | None) -> None:
+        """A sharded run's (strategy, world size), before anything is planned (`prepare`)."""
+        if sharding is not None and sharding[0] == "fsdp" and self.by_op:
+            log.warning("checkpoint granularity=op under trainer.strategy=fsdp: FSDP's hooks run "
+                        "ops of their own inside a recomputed forward, where an op plan checks "
+                        "the sequence of ops; planning whole groups (granularity block, the "
+                        "row's plan_granularity)")
+            self.by_op = False
+        self.sharding = sharding
+
     def _gathered(self) -> list[int]:
         """Per segment, the parameter bytes an FSDP rank gathers beyond its shard to run the
         segment's forward (N - 1 of N parts); [] unless sharded by FSDP."""
@@ -423,13 +427,15 @@ class CheckpointMethod:
                 * (n - 1) // n for seg in self.segments]
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list[ProbeStep]:
+                    num_classes: int,
+                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
         """For the probes (`estimate.probe_steps`): the step a run measures, the plan that
         `prepare` would choose on this batch applied (profiled on the probe's own batch: on fake
         tensors bytes and FLOPs are exact, times meaningless: block plans minimise FLOPs, op
         plans the roofline there, where a run's op plans minimise measured times; both hold
         the same budget, so the estimate's plan peaks where the run's does, not always by the
-        same ops)."""
+        same ops). `sharding`: one rank of a sharded run, planned as its `prepare` plans."""
+        self._shard(sharding)
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
             self._apply(model)
