@@ -100,7 +100,8 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     trainer.precision=bf16-true both are made with bf16 as the default dtype (Lightning's
     bf16-true does the same): every parameter and buffer is created in bf16, nothing converted
     afterwards (a conversion of tied weights cannot run on the estimate's fake tensors)."""
-    with default_dtype(param_dtype(str(cfg.trainer.get("precision", "fp32")))):
+    precision = OmegaConf.select(cfg, "trainer.precision", default="fp32")  # a bare cfg: fp32
+    with default_dtype(param_dtype(str(precision))):
         try:
             model = _target(cfg.model, "model")(num_classes=data.num_classes,
                                                 input_shape=data.input_shape,
