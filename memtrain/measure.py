@@ -378,27 +378,28 @@ class TimelineRecorder:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.tables: list = []
+        self.steps: list[tuple] = []  # (events, part, categories) of each recorded step
         self.saved: list[tuple] = []  # (part, module, bytes, host bytes, storages)
         self.source = "tracker"
         self.columns: dict = {}  # the row's columns of the recorded steps (CUDA: their peak)
 
     def add(self, tracker: PeakTracker, saved: SavedByModule | None, part: str,
             history=None) -> None:
+        """A recorded step's events, kept as they are: the tables are made after training
+        (`table`), outside every step."""
         from memtrain import timeline
 
-        first = sum(int(t["event"].max()) + 1 for t in self.tables if len(t))
         if history is not None and history.lost:  # the tracker's events instead, said so
             self.columns["mem_timeline_note"] = history.lost
         if history is None or history.lost:
-            self.tables.append(timeline.table(tracker.events, part, first))
+            self.steps.append((tracker.events, part, timeline.TRACKED))
         else:
             start = dict(tracker.start_storages)
             blocks = [(a, n, start.get(a, "untracked")) for a, n in history.blocks]
             marks = [e[:4] for e in tracker.events]
             events = timeline.from_allocator(history.entries, blocks, tracker.births(), marks,
                                              tracker.wall0)
-            self.tables.append(timeline.table(events, part, first, timeline.CATEGORIES))
+            self.steps.append((events, part, timeline.CATEGORIES))
             self.source = "cuda"
             peak = self.columns.get("mem_timeline_alloc_peak_bytes", 0)
             self.columns["mem_timeline_alloc_peak_bytes"] = max(peak, history.peak_bytes)
@@ -406,9 +407,16 @@ class TimelineRecorder:
             self.saved += [(part, *row) for row in saved.by_module()]
 
     def table(self):
+        """The recorded steps end to end (memtrain/timeline.py's tidy table), or None."""
         import pandas as pd
 
-        return pd.concat(self.tables, ignore_index=True) if self.tables else None
+        from memtrain import timeline
+
+        tables, first = [], 0
+        for events, part, cats in self.steps:
+            tables.append(timeline.table(events, part, first, cats))
+            first += len(events)
+        return pd.concat(tables, ignore_index=True) if tables else None
 
     def __enter__(self) -> TimelineRecorder:
         if self.enabled:

@@ -154,10 +154,10 @@ def draw(ax, df: pd.DataFrame, unit: tuple[str, float] = ("MiB", 2**20), legend:
                  colors=[COLORS[c] for c in cats], lw=0, zorder=1)
     for _part, a, _ in spans(w, "part")[1:]:
         ax.axvline(edge(a), color="k", lw=0.6, ls=":", zorder=2)
-    for rec, a, b in spans(w, "recompute"):
-        if rec:
-            ax.axvspan(edge(a), edge(b + 1), ymin=0.96, ymax=1.0, color=RECOMPUTE_COLOR, lw=0,
-                       zorder=3, label="forward recomputed in backward")
+    recomputed = [(a, b) for rec, a, b in spans(w, "recompute") if rec]
+    for i, (a, b) in enumerate(recomputed):
+        ax.axvspan(edge(a), edge(b + 1), ymin=0.96, ymax=1.0, color=RECOMPUTE_COLOR, lw=0,
+                   zorder=3, label="_" if i else "forward recomputed in backward")
     p = peak(w)
     if p["event"] >= 0:
         ax.plot([edge(p["event"]) + 0.5 / n], [p["bytes"] / scale], "v", color="k", ms=3,

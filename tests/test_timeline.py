@@ -24,6 +24,7 @@ def _run(tmp_path, *extra):
     return row, df
 
 
+@pytest.mark.slow  # a run, then its figure drawn (PNG and PDF): ~3-4 s
 def test_timeline_peak_is_the_rows_tracked_peak_and_files_are_written(tmp_path):
     row, df = _run(tmp_path)
     assert list(df.columns) == timeline.COLUMNS
