@@ -196,8 +196,14 @@ class PeakTracker:
         # the modules whose forward runs now, innermost last (None: a module outside the
         # tracked models, such as checkpoint's wrapper of a group's first forward): in backward
         # MemTracker's module tracker also lists the modules whose backward runs, so a forward
-        # recomputed there is named from this stack
-        self._tree = {id(m) for e in external if isinstance(e, nn.Module) for m in e.modules()}
+        # recomputed there is named from this stack. Names as MemTracker's module tracker gives
+        # them (the root's class name, then the path), the resident models' over the trained
+        # one's: a synthetic partition's layers keep their names in the whole model
+        self._names: dict[int, str] = {}
+        for root in [e for e in external if isinstance(e, nn.Module)]:
+            for n, m in root.named_modules():
+                self._names[id(m)] = f"{type(root).__name__}.{n}" if n else type(root).__name__
+        self._by_fqn: dict[str, nn.Module] = {}
         self._forwards: list[str | None] = []
         self._hooks: list = []
 
@@ -277,13 +283,17 @@ class PeakTracker:
         if named:
             return named[-1]
         # ModTracker's active modules are nested names ("Global" outside every module)
-        module = max(self._mt._mod_tracker.parents,
-                     key=lambda n: (n != "Global", n.count("."), n))
-        return "" if module == "Global" else module
+        tracker = self._mt._mod_tracker
+        fqn = max(tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
+        if fqn == "Global":
+            return ""
+        if fqn not in self._by_fqn:  # the module it names, named as the forwards are
+            self._by_fqn = {v: k for k, v in tracker._known_modules.items()}
+        module = self._by_fqn.get(fqn)
+        return self._names.get(id(module), fqn) if module is not None else fqn
 
     def _enter_forward(self, module: nn.Module, args) -> None:
-        name = self._mt._mod_tracker.get_known_fqn(module) if id(module) in self._tree else None
-        self._forwards.append(name)
+        self._forwards.append(self._names.get(id(module)))
 
     def _leave_forward(self, module: nn.Module, args, out) -> None:
         if self._forwards:

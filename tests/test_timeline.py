@@ -149,6 +149,10 @@ def test_synthetic_timeline_shows_its_phases(tmp_path):
     saved = layers.read(tmp_path / "r", row["saved_by_module"])
     for p in parts:  # each phase's modules add up to its own saved bytes
         assert saved.loc[saved["part"] == p, "bytes"].sum() == row[f"{p}.{SAVED}"]
+    # a partition's layers keep their names in the whole model (mlp6's blocks 1..5), so they
+    # line up with none's in the report's per-module table
+    assert set(saved["module"]) - {""} <= {f"Partitioned.{i}.{j}" for i in range(1, 6)
+                                           for j in (0, 1)}
 
 
 def test_timeline_off_writes_nothing(tmp_path):
