@@ -115,6 +115,10 @@ transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scal
 	mkdir -p docs/results/transformer_study_cpu && cp runs/transformer_study_cpu/report/figures/sequence.* \
 	  runs/transformer_study_cpu/report/figures/tradeoff.* docs/results/transformer_study_cpu/
 
+.PHONY: bench-timeline
+bench-timeline: $(STAMP) ## trainer.memory_timeline's cost: the accounting step and the run with and without it (CPU) -> docs/results/rows/timeline_cost_cpu.csv
+	$(BIN)/python -m memtrain.bench.timeline --csv docs/results/rows/timeline_cost_cpu.csv $(ARGS)
+
 .PHONY: bench-pool
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
 	$(BIN)/python -m memtrain.bench.pool $(ARGS)
@@ -151,6 +155,19 @@ results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RES
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
 	$(RESULTS_PY) -m memtrain.study.screens
+
+# The step-anatomy pictures from a real sweep (trainer.memory_timeline=true): the issue's
+# command at batch 64, so activations show beside parameters and optimizer state; the rows and
+# each run's step files are committed (docs/results/rows/timeline_resnet18_cpu/), then every
+# picture of docs/figures/ is drawn again from committed rows
+TIMELINE_DIR ?= runs/timeline_docs
+.PHONY: timeline-figures
+timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline (CPU, 5-10 min) -> docs/figures/{timeline,layers,anatomy}.png
+	rm -rf $(TIMELINE_DIR)
+	$(BIN)/memtrain -m method=none,checkpoint,quantize,pool model=resnet18 trainer=smoke \
+	  trainer.batch_size=64 trainer.device=cpu trainer.memory_timeline=true \
+	  hydra.sweep.dir=$(TIMELINE_DIR) +hydra.callbacks.report.enabled=false $(ARGS)
+	$(BIN)/python -m memtrain.study.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
 
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \

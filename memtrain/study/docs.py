@@ -226,6 +226,7 @@ BLOCKS = [
     Block("synthetic-accuracy", "docs/RESULTS.md", synthetic_accuracy),
     Block("quantize-accuracy", "README.md", quantize_accuracy),
     Block("quantize-saved-minmax", "README.md", _bench_table("quantize_saved_minmax_cpu.csv")),
+    Block("timeline-cost", "README.md", _bench_table("timeline_cost_cpu.csv")),
     Block("pool", "docs/results/pool_cpu.md", _bench_table("pool_cpu.csv")),
     Block("overhead", "docs/results/overhead_cpu.md", _bench_table("overhead_cpu.csv")),
     Block("prune-e2e", "docs/results/prune_e2e_cpu.md", _bench_table("prune_e2e_cpu.csv")),

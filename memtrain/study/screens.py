@@ -3,12 +3,17 @@ committed rows, so a picture in docs/ is what memtrain-report draws from those r
 hand-made one.
 
     python -m memtrain.study.screens          # docs/figures/<name>.png, each from its rows
+    python -m memtrain.study.screens --capture-timeline RUNS NAME   # first commit a sweep's
+                                              # rows and step files as docs/results/rows/NAME/
 
 Each entry of SCREENS names a folder under docs/results/rows/ holding memtrain-report's
 summary.csv of a sweep (every run's row as memtrain wrote it) and the figure to draw from it:
 the rows go through the report's own pipeline (report.build.analyse: derived columns, baselines,
 labels, seeds aggregated), the report's figure function draws them in the paper look, and the
 PNG is stamped with the rows' device, date and the file they came from (study.view.stamp).
+The step-anatomy figures (`trainer.memory_timeline`: timeline, layers, anatomy) also read the
+files each run wrote beside itself; `capture_timeline` commits them in a folder per run
+(`make timeline-figures`: a real resnet18 sweep on the CPU, then these pictures).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtrain.report import plots, style
+from memtrain.report import plots, plots_timeline, style
 from memtrain.report import tables as report_tables
 from memtrain.report.build import analyse
 from memtrain.study import view
@@ -35,23 +40,70 @@ class Screen:
     rows: str  # folder under docs/results/rows/ with memtrain-report's summary.csv
 
 
-# the report's figure functions (report.plots.all_plots draws the same)
-FIGURES = {"cost": lambda settings, mem: plots.cost(settings, mem),
-           "estimates": lambda settings, mem: plots.estimates(settings)}
+# the report's figure functions (report.plots.all_plots and report.build draw the same), on
+# (runs, settings, memory metric)
+FIGURES = {"cost": lambda runs, settings, mem: plots.cost(settings, mem),
+           "estimates": lambda runs, settings, mem: plots.estimates(settings),
+           "timeline": lambda runs, settings, mem: plots_timeline.timelines(runs),
+           "layers": lambda runs, settings, mem: plots_timeline.layers_figure(runs),
+           "anatomy": lambda runs, settings, mem: plots_timeline.anatomy(runs)}
+TIMELINE_ROWS = "timeline_resnet18_cpu"
 SCREENS = (
     Screen("cost", "cost_mlp6_fmnist_cpu"),
     Screen("estimates", "estimates_resnet50_224_cpu"),
+    Screen("timeline", TIMELINE_ROWS),
+    Screen("layers", TIMELINE_ROWS),
+    Screen("anatomy", TIMELINE_ROWS),
 )
+# what a run wrote beside itself that the step-anatomy figures read (summary.csv's columns)
+STEP_FILES = ("memory_timeline", "saved_by_module", "plan_table")
+
+
+def capture_timeline(runs: Path, name: str, root: Path = ROOT) -> Path:
+    """The rows of the sweep below `runs` (study.docs.capture: summary.csv, settings.csv,
+    report.md) and, in a folder per run under docs/results/rows/NAME/, the files each run wrote
+    for `trainer.memory_timeline` (the timeline as `timeline.wide` without its clock, in
+    zstd: what the figures draw, a fifth of the bytes); summary.csv's `run_dir` points there."""
+    import shutil
+
+    import pandas as pd
+
+    from memtrain import timeline
+    from memtrain.study.docs import capture
+
+    out = capture(runs, name, root)
+    csv = out / "summary.csv"
+    df = pd.read_csv(csv, low_memory=False)
+    dirs = []
+    for _, r in df.iterrows():
+        src = Path(r["run_dir"]) if Path(r["run_dir"]).is_absolute() else root / r["run_dir"]
+        dst = out / Path(str(r["run_dir"])).name
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        for col in STEP_FILES:
+            f = r.get(col)
+            if not isinstance(f, str) or not (src / f).is_file():
+                continue
+            if f.endswith(".parquet"):
+                wide = timeline.wide(pd.read_parquet(src / f)).drop(columns="time_s")
+                wide.to_parquet(dst / f, index=False, compression="zstd")
+            else:
+                shutil.copyfile(src / f, dst / f)
+        dirs.append(dst.relative_to(root).as_posix())
+    df["run_dir"] = dirs
+    df.to_csv(csv, index=False)
+    return out
 
 
 def draw(screen: Screen, root: Path = ROOT, out: Path | None = None) -> Path:
     """The figure of `screen` from its committed rows -> `out/<name>.png` (stamped)."""
     rows = root / ROWS / screen.rows / "summary.csv"
     raw = report_tables.load_summary_csv(rows)
+    raw["run_dir"] = raw["run_dir"].map(lambda d: str(root / d))  # a run's files, committed
     runs, settings, _ = analyse(raw)
     mem = style.memory_metric(runs, "auto")
     with style.using("paper"):
-        fig = FIGURES[screen.name](settings, mem)
+        fig = FIGURES[screen.name](runs, settings, mem)
     if fig is None:
         raise ValueError(f"{rows}: its rows give no {screen.name} figure")
     out = Path(out or root / OUT)
@@ -70,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memtrain.study.screens", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help=f"where the PNGs go (default: {OUT})")
+    ap.add_argument("--capture-timeline", nargs=2, metavar=("RUNS", "NAME"),
+                    help="first commit the rows and step files of the sweep below RUNS as "
+                         "docs/results/rows/NAME/")
     args = ap.parse_args(argv)
+    if args.capture_timeline:
+        print(capture_timeline(Path(args.capture_timeline[0]), args.capture_timeline[1]))
     for s in SCREENS:
         print(draw(s, out=Path(args.out) if args.out else None))
     return 0

@@ -465,6 +465,40 @@ class CheckpointMethod:
                if self.by_op else {}),
         }
 
+    def plan_rows(self, model: nn.Module) -> list[dict[str, Any]]:
+        """The plan in place, one row per segment (memtrain/layers.py's plan.csv): its modules
+        (as `model.named_modules()` names them), kept or recomputed and in which group, and at
+        op granularity the ops of a recomputed segment whose outputs the plan keeps (and their
+        bytes) and a kept segment's compaction. `selective`: every segment recomputed as a
+        group of its own, matmul and convolution outputs kept; `compile` has no plan (torch
+        decides inside the compiled graph): no rows."""
+        if self.strategy == "compile" or not self.segments:
+            return []
+        names = {id(m): n for n, m in model.named_modules()}
+        if self.strategy == "selective":
+            groups, keep, ops = [(i, i) for i in range(len(self.segments))], set(), None
+        elif self.plan is not None:
+            groups, ops = self.plan.groups, self.ops
+            keep = set(self.plan.extra.get("keep", ())) if self.by_op else set()
+        else:
+            return []
+        group_of = {i: g for g in groups for i in range(g[0], g[1] + 1)}
+        compact = set(self.plan.extra.get("compact", ())) if self.plan is not None else set()
+        rows = []
+        for i, seg in enumerate(self.segments):
+            g = group_of.get(i)
+            row: dict[str, Any] = {
+                "segment": i, "name": seg.name,
+                "modules": " ".join(names.get(id(m), seg.name) for m in seg.modules()),
+                "decision": "keep" if g is None else "recompute",
+                "group": "" if g is None else f"{g[0]}-{g[1]}", "compact": i in compact}
+            if ops is not None and g is not None:
+                kept = [o for j, o in enumerate(ops.ops[i]) if (i, j) in keep]
+                row.update(ops=len(ops.ops[i]), kept_ops=len(kept),
+                           kept_bytes=sum(o.nbytes for o in kept))
+            rows.append(row)
+        return rows
+
     def _compacted(self) -> list[opplan.Compact]:
         chosen = set(self.plan.extra.get("compact", []))
         return [c for c in self.ops.compact if c.seg in chosen]
