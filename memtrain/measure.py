@@ -710,12 +710,17 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
     }
 
 
-def _git_commit() -> str:
-    here = Path(__file__).resolve().parent.parent
+def _git_commit(here: Path | None = None) -> str:
+    """The checkout's commit, `-dirty` when tracked files differ. Read without git's optional
+    locks: `git status` otherwise refreshes the index under .git/index.lock, and a status cut
+    off by the timeout (a loaded machine) leaves that lock behind, blocking the user's next
+    commit."""
+    here = here or Path(__file__).resolve().parent.parent
+    git = ["git", "--no-optional-locks"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+        out = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], cwd=here,
                              capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
