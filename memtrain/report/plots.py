@@ -61,12 +61,12 @@ def pareto_front(x: pd.Series, y: pd.Series) -> list[int]:
     return front
 
 
-@style.styled
 def language_model(g: pd.DataFrame) -> bool:
     """A panel of language models: their rows' metric is the validation loss (lower better)."""
     return bool("metric" in g and g["metric"].eq("test_loss").any())
 
 
+@style.styled
 def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
              names: Names = DEFAULT_NAMES) -> Plot | None:
     """Memory relative to the baseline against test accuracy, one panel per model and dataset,
