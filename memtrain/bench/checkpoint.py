@@ -10,9 +10,9 @@ With `--csv`, any model (a language model's `--size` is its sequence length; `--
 model options) and every op cost of `--costs`, the overhead also in FLOPs, as CSV rows for
 `make results-docs` (docs/results/transformer_checkpoint_cpu.md):
 
-    python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 --batch 1 \\
-      --profile-batch 1 --device cpu --threads 1 --costs time,flops --budgets 0.25,0.3,0.35,0.4,0.5 \\
-      --csv docs/results/rows/transformer_checkpoint_cpu.csv
+    python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 \\
+      --batch 1 --profile-batch 1 --device cpu --threads 1 --costs time,flops \\
+      --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
 
 On CUDA the batch is the largest power-of-two-then-bisected batch the baseline fits (unless
 --batch), the peak is `max_memory_allocated` over the timed steps and times come from
