@@ -37,10 +37,12 @@ class Screen:
 
 # the report's figure functions (report.plots.all_plots draws the same)
 FIGURES = {"cost": lambda settings, mem: plots.cost(settings, mem),
-           "estimates": lambda settings, mem: plots.estimates(settings)}
+           "estimates": lambda settings, mem: plots.estimates(settings),
+           "sequence": lambda settings, mem: plots.sequence(settings)}
 SCREENS = (
     Screen("cost", "cost_mlp6_fmnist_cpu"),
     Screen("estimates", "estimates_resnet50_224_cpu"),
+    Screen("sequence", "transformer_study_cpu"),  # issue 34: make transformer-study-cpu
 )
 
 
