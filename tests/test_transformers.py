@@ -283,7 +283,7 @@ def test_the_cuda_estimate_of_gpt2_small_keeps_one_byte_masks():
 @pytest.mark.slow
 def test_gpt_nano_learns_real_text(tmp_path):
     """The Python standard library as bytes: a short run ends below the corpus' byte unigram
-    loss (the longer run is in docs/results/transformer_text_cpu)."""
+    loss (the full model, a few hundred steps: docs/results/transformer_text_cpu.md)."""
     row = api.run(["model=gpt_nano", "model.layers=1", "dataset=text", "dataset.seq_len=64",
                    "trainer.batch_size=16", "trainer.max_steps=50", "trainer.warmup_steps=1",
                    "trainer.eval_max_batches=8", "trainer.account_memory=false",

@@ -312,6 +312,30 @@ def transformer_checkpoint_ops(root: Path, doc_dir: Path) -> list[str]:
             f"layer."]
 
 
+TEXT = DATA / "transformer_text_cpu" / "summary.csv"
+TEXT_COMMAND = ("memtrain model=gpt_nano dataset=text trainer.max_steps=300 "
+                "trainer.batch_size=32 trainer.eval_max_batches=32 trainer.threads=1 "
+                "trainer.device=cpu")
+
+
+def transformer_text(root: Path, doc_dir: Path) -> list[str]:
+    """gpt_nano on the Python standard library's bytes: its validation loss against the
+    corpus' byte unigram loss (the context-free model's), from the run's committed row."""
+    d = report.load_summary_csv(root / TEXT)
+    head = _study_provenance(root, doc_dir, TEXT, d, TEXT_COMMAND)
+    return [head, "", *tables.table(d, {
+        "model": lambda r: r["model"], "layers x width": lambda r:
+            f"{int(r['model.layers'])} x {int(r['model.width'])}",
+        "corpus": lambda r: r["data_source"], "hash": lambda r: r["data_hash"],
+        "tokens per sequence": lambda r: int(r["dataset.seq_len"]),
+        "steps x batch": lambda r: f"{int(r['trainer.max_steps'])} x "
+                                   f"{int(r['trainer.batch_size'])}",
+        "validation loss (nats/byte)": lambda r: tables.fmt(r["test_loss"], 4),
+        "perplexity": lambda r: tables.fmt(r["test_ppl"], 2),
+        "unigram loss": lambda r: tables.fmt(r["unigram_loss"], 4),
+        "below the unigram loss": lambda r: "yes" if r["learned"] in (True, "True") else "no"})]
+
+
 def transformer_headlines(root: Path, doc_dir: Path) -> list[str]:
     """README's transformer figures, each from its committed rows: the decoder layer against the
     formula (in a model and term by term), sdpa's bytes per s*b*h, and gpt2_small's op against
@@ -381,6 +405,7 @@ BLOCKS = [
     Block("transformer-checkpoint-ops", "docs/results/transformer_checkpoint_cpu.md",
           transformer_checkpoint_ops),
     Block("transformer-headlines", "README.md", transformer_headlines),
+    Block("transformer-text", "docs/results/transformer_text_cpu.md", transformer_text),
 ]
 
 

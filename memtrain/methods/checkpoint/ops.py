@@ -3,10 +3,12 @@ group, each op whose output autograd would hold is a decision: keep its output (
 checkpointing caches it, `CheckpointPolicy.MUST_SAVE`) or recompute it in backward.
 
 The profile (`OpTimer`, a TorchDispatchMode over one instrumented forward) lists every aten op of
-every segment in forward order with its fresh output bytes, its forward time and a cost: the
-time (scaled per segment to the segment's measured forward, `calibrate`; `plan_on_times`), or
-on a probe's fake tensors, where no clock means anything, a roofline of its FLOPs and the bytes
-it reads and writes. A sweep plans every budget on one cached profile (`cache.py`), so its
+every segment in forward order with its fresh output bytes, its forward time (scaled per
+segment to the segment's measured forward, `calibrate`), its FLOPs and the bytes it reads and
+writes; its cost, what the program minimises, is priced from those (`price`, `method.cost`):
+the time, a roofline of FLOPs and bytes (what the time falls back to on a probe's fake tensors,
+where no clock means anything), or the FLOPs. A sweep plans every budget on one cached profile
+(`cache.py`), so its
 plans do not move with the clock from job to job. The 0-1 program is the segment
 program of `plan.py` plus one variable y_o per keepable op: y_o <= 1 - kept_i (only ops of
 recomputed segments), the kept bytes are held from the forward until the group is recomputed
