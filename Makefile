@@ -106,14 +106,20 @@ bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table)
 	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
 .PHONY: transformer-study-cpu
-transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/transformer_study_cpu/
+transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/rows/transformer_study_cpu/, docs/figures/sequence.png
 	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \
 	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
 	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
 	$(BIN)/python -m memtrain.study.docs --capture runs/transformer_study_cpu transformer_study_cpu
-	$(BIN)/memtrain-report runs/transformer_study_cpu --out runs/transformer_study_cpu/report
-	mkdir -p docs/results/transformer_study_cpu && cp runs/transformer_study_cpu/report/figures/sequence.* \
-	  runs/transformer_study_cpu/report/figures/tradeoff.* docs/results/transformer_study_cpu/
+	$(BIN)/python -m memtrain.study.screens
+
+.PHONY: bench-transformer
+bench-transformer: $(STAMP) ## the decoder layer against Korthikanti's formula, and gpt2_small's op vs block checkpoint plans (CPU profile) -> docs/results/rows/transformer_*_cpu*.csv; then make results-docs
+	$(BIN)/python -m memtrain.bench.transformer
+	$(BIN)/python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 --batch 1 \
+	  --profile-batch 1 --device cpu --threads 1 --costs time,flops,roofline \
+	  --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
+	$(BIN)/python -m memtrain.study.docs
 
 .PHONY: bench-timeline
 bench-timeline: $(STAMP) ## trainer.memory_timeline's cost: the accounting step and the run with and without it (CPU) -> docs/results/rows/timeline_cost_cpu.csv

@@ -98,7 +98,7 @@ OPTION_LABELS = {
     "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
     "prune_head": "head", "prune_shared": "shared",
     "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
-    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
+    "cost": "cost", "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
     "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
     "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
     "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",

@@ -219,6 +219,8 @@ LATER_OPTIONS: dict[str, Any] = {
     # find_max_batch's margin (issue 33): at these values it searches as it did before them
     "trainer.max_batch_headroom": 0.0, "trainer.max_batch_multiple": 1,
     "trainer.cuda_context_gb": 0.0,
+    # what a checkpoint op plan minimises (issue 34): measured times, as before the option
+    "method.cost": "time", "method.checkpoint.cost": "time",
 }
 # Trainer options that only tune a probe, left out of run_id while that probe is off: they
 # change nothing else a run computes (the margin of find_max_batch on a run without it).

@@ -8,13 +8,27 @@ import shlex
 
 import pytest
 import yaml
-from conftest import CONF, conf_options
+from conftest import CONF, conf_options, language_model
 
 from memtrain import api
 
 TINY = ["trainer=smoke", "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.batch_size=4",
         "trainer.eval_max_batches=1", "dataset=synthetic", "dataset.image_size=32",
         "dataset.train_size=16", "dataset.test_size=8", "trainer.epochs=1"]
+# A language model's preset (transformer_study) keeps its token data and its point's sequence
+# length; the decoder shrinks to one narrow layer (its options, not its code, are what the
+# preset sets) and the batch to two.
+TINY_LM = [*(o for o in TINY if not o.startswith("dataset")), "trainer.batch_size=2",
+           "dataset.train_size=4", "dataset.test_size=2", "model.layers=1", "model.width=32",
+           "model.heads=2"]
+
+
+def tiny(exp: str) -> list[str]:
+    """TINY, or TINY_LM where the preset's model reads tokens."""
+    defaults = yaml.safe_load((CONF / "experiment" / f"{exp}.yaml").read_text())["defaults"]
+    model = next((d["override /model"] for d in defaults
+                  if isinstance(d, dict) and "override /model" in d), None)
+    return TINY_LM if model and language_model(model) else TINY
 
 
 def last_point(exp: str) -> list[str]:
@@ -42,7 +56,7 @@ def test_every_preset_is_covered():
 @pytest.mark.slow
 @pytest.mark.parametrize("exp,point", CASES, ids=[f"{e}-{'-'.join(p)}" for e, p in CASES])
 def test_every_preset_smoke_runs(exp, point, tmp_path):
-    row = api.run([f"experiment={exp}", *point, *TINY], out_dir=tmp_path)
+    row = api.run([f"experiment={exp}", *point, *tiny(exp)], out_dir=tmp_path)
     assert row["status"] == "ok", row.get("error")
     assert row["mem_act_saved_bytes"] > 0
 

@@ -155,3 +155,23 @@ def test_cuda_memory_series_end_at_the_rows_peak(in_tmp):
     assert [s for s, _ in peak] == list(range(2, 6))  # warm-up 0-1 outside the window
     assert peak[-1][1] == row["mem_peak_alloc_bytes"]
     assert named("mem_peak_reserved_bytes")[-1][1] == row["mem_peak_reserved_bytes"]
+
+
+def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
+    """issue 34: the estimate of gpt2_small (1024 tokens, batch 8, bf16-true, math attention,
+    dropout 0.1) for CUDA, backward included: its saved bytes are 12 layers of Korthikanti's
+    s*b*h*(34 + 5*a*s/h) (CUDA's 1-byte dropout masks) within 5%."""
+    from memtrain import estimate, runner, tokens
+
+    cfg, _ = api.compose(["model=gpt2_small", "model.dropout=0.1", "dataset.seq_len=1024",
+                          "dataset.train_size=8", "dataset.test_size=8",
+                          "trainer.precision=bf16-true", "trainer.device=cuda"])
+    data = tokens.tokens(seq_len=1024, train_size=8, test_size=8)
+    out = estimate.estimate_peak(lambda: runner.make_model(cfg, data),
+                                 lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                 data.input_shape, data.num_classes, 8, "bf16-true", "cuda",
+                                 "lm")
+    s, b, h, a = 1024, 8, 768, 12
+    assert out["mem_estimate_device"] == "cuda"
+    assert out["mem_estimate_saved_bytes"] == pytest.approx(12 * s * b * h * (34 + 5 * a * s / h),
+                                                            rel=0.05)

@@ -6,6 +6,13 @@
 
 `--frontier`: the planner alone (no training): one profile, then op- and block-granularity plans
 at every budget on it, modelled peak, predicted overhead and solve time (MONeT's comparison).
+With `--csv`, any model (a language model's `--size` is its sequence length; `--set` passes
+model options) and every op cost of `--costs`, the overhead also in FLOPs, as CSV rows for
+`make results-docs` (docs/results/transformer_checkpoint_cpu.md):
+
+    python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 \\
+      --batch 1 --profile-batch 1 --device cpu --threads 1 --costs time,flops \\
+      --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
 
 On CUDA the batch is the largest power-of-two-then-bisected batch the baseline fits (unless
 --batch), the peak is `max_memory_allocated` over the timed steps and times come from
@@ -17,11 +24,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from memtrain import api, bench, measure
+from memtrain.losses import cross_entropy
+from memtrain.methods.checkpoint import CheckpointMethod
 
 BUDGETS = (0.25, 0.3, 0.4, 0.5, 0.6, 0.8)
 FRONTIER = (0.25, 0.3, 0.33, 0.4, 0.5, 0.6, 0.8)
@@ -116,25 +127,94 @@ def table(rows: list[dict], device: torch.device) -> str:
     return "\n".join(out)
 
 
-def frontier(model_name: str, size: int, batch: int, profile_batch: int,
-             device: torch.device) -> str:
-    """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
+def language_model(model_name: str, extra: Sequence[str] = ()) -> bool:
+    """Does the model read token sequences (its conf picks token data)?"""
+    cfg, _ = api.compose([f"model={model_name}", *(o for o in extra if o.startswith("model."))])
+    return cfg.dataset._target_.startswith("memtrain.tokens")
+
+
+def profiled(model_name: str, size: int, batch: int, profile_batch: int, device: torch.device,
+             extra: Sequence[str] = ()) -> tuple[CheckpointMethod, float, float]:
+    """(method, profile seconds, step FLOPs): `model_name` built with the `extra` overrides, a
+    checkpoint dry run profiled on `profile_batch` samples of a random batch of `batch` (an
+    image model's at `size` px, a language model's of `size` tokens) and scaled to the batch;
+    the step's FLOPs (torch.utils.flop_counter: forward + backward of the plain model),
+    counted on the profiled slice and scaled alike."""
     import time
 
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memtrain.estimate import random_batch
+
+    lm = language_model(model_name, extra)
+    data, model, method = api.build([
+        f"model={model_name}", f"dataset.{'seq_len' if lm else 'image_size'}={size}",
+        *(["dataset.train_size=2", "dataset.test_size=2"] if lm else []), "method=checkpoint",
+        "method.dry_run=true", f"method.profile_batch={profile_batch}", *extra])
+    model.to(device).train()
+    precision = [o.split("=", 1)[1] for o in extra if o.startswith("trainer.precision=")]
+    torch.manual_seed(0)
+    x, y = random_batch(batch, data.input_shape, data.num_classes, device, data.task,
+                        (precision or ["fp32"])[-1])
+    t0 = time.perf_counter()
+    method.prepare(model, x, y)
+    seconds = time.perf_counter() - t0
+    scale, xs, ys = method._profile_slice(x, y)
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(model(xs).float(), ys).backward()
+    model.zero_grad(set_to_none=True)
+    return method, seconds, counter.get_total_flops() * scale
+
+
+def frontier_rows(method: CheckpointMethod, step_flops: float, device: torch.device,
+                  budgets: Sequence[float] = FRONTIER,
+                  costs: Sequence[str] = ("time",)) -> list[dict]:
+    """At every cost (`ops.price`) and budget, the op- and block-granularity plans on the
+    method's one profile: modelled peak / the baseline's, predicted overhead (recomputed
+    forward time / the baseline's step time: the profile's clock), the same in FLOPs
+    (recomputed forward FLOPs / the step's), solve time, and what FLOP-carrying ops the op
+    plan recomputes."""
     import memtrain.methods.checkpoint.ops as opplan
     import memtrain.methods.checkpoint.plan as planner
 
-    _, model, method = api.build([f"model={model_name}", f"dataset.image_size={size}",
-                                  "method=checkpoint", "method.dry_run=true",
-                                  f"method.profile_batch={profile_batch}"])
-    model.to(device).train()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 3, size, size, generator=g).to(device)
-    y = torch.randint(0, 10, (batch,), generator=g).to(device)
-    t0 = time.perf_counter()
-    method.prepare(model, x, y)
     p, ops = method.profile, method.ops
-    out = [f"profiled in {time.perf_counter() - t0:.0f} s on {min(batch, profile_batch)} "
+    base = p.baseline_peak
+    rows = []
+    for cost in costs:
+        opplan.price(ops, cost, device.type)
+        for f in budgets:
+            row: dict = {"cost": cost, "budget": f}
+            for by_op, g in ((True, "op"), (False, "block")):
+                try:
+                    pl = opplan.plan_budget(p, ops, f * base, ops=by_op)
+                except planner.Infeasible as e:
+                    row[f"{g}_peak"] = f"infeasible (least {e.min_peak / base:.3f})"
+                    continue
+                keep = set(pl.extra.get("keep", []))
+                row.update({f"{g}_peak": round(pl.peak / base, 3),
+                            f"{g}_overhead": round(pl.overhead, 4),
+                            f"{g}_flops_overhead": round(
+                                opplan.recompute_flops(ops, pl.groups, keep) / step_flops, 4),
+                            f"{g}_solve_s": round(pl.extra["solve_s"], 2)})
+                if by_op:
+                    row["op_recomputes"] = opplan.recomputed_matmuls(ops, pl.groups, keep)
+            for k in ("overhead", "flops_overhead"):
+                if row.get(f"block_{k}"):
+                    row[f"op_vs_block_{k}"] = round(row[f"op_{k}"] / row[f"block_{k}"], 3)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def frontier(model_name: str, size: int, batch: int, profile_batch: int,
+             device: torch.device) -> str:
+    """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
+    import memtrain.methods.checkpoint.ops as opplan
+    import memtrain.methods.checkpoint.plan as planner
+
+    method, seconds, _ = profiled(model_name, size, batch, profile_batch, device)
+    p, ops = method.profile, method.ops
+    out = [f"profiled in {seconds:.0f} s on {min(batch, profile_batch)} "
            f"samples, scaled to {batch}; {p.n} segments, {sum(map(len, ops.ops))} ops, "
            f"{len(ops.keys())} keepable; baseline activation peak {p.baseline_peak / 2**30:.2f} "
            f"GiB, step {p.step_time:.1f} s", "",
@@ -167,6 +247,39 @@ def frontier(model_name: str, size: int, batch: int, profile_batch: int,
     return "\n".join(out)
 
 
+def layer_ops(method: CheckpointMethod, seg: int) -> list[dict]:
+    """One segment's profiled ops that make a fresh output (views and in-place writes make
+    none), in forward order: output MiB, forward ms (calibrated to the segment's measured
+    forward), GFLOP, and the share of the segment's forward time."""
+    import memtrain.methods.checkpoint.ops as opplan
+
+    ops = method.ops.ops[seg]
+    total = sum(o.time for o in ops)
+    rows = [{"op": j, "name": opplan.short(o.name), "out_mib": round(o.nbytes / 2**20, 2),
+             "fwd_ms": round(o.time * 1e3, 2), "gflop": round(o.flops / 1e9, 3),
+             "time_share": round(o.time / total, 3)}
+            for j, o in enumerate(ops) if o.nbytes > 0]
+    rest = total - sum(o.time for o in ops if o.nbytes > 0)
+    rows.append({"op": "-", "name": "views and in-place (no fresh output)", "out_mib": 0,
+                 "fwd_ms": round(rest * 1e3, 2), "gflop": 0, "time_share": round(rest / total, 3)})
+    return rows
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    import csv
+    import io
+
+    from memtrain.record import atomic_write
+
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(Path(path), buf.getvalue())
+    print(f"wrote {path}")
+
+
 def _least(p, ops, by_op: bool) -> int:
     import memtrain.methods.checkpoint.ops as opplan
     import memtrain.methods.checkpoint.plan as planner
@@ -190,10 +303,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     ap.add_argument("--frontier", action="store_true", help="the planner's frontier only")
     ap.add_argument("--profile-batch", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
+                    help="--frontier: a config override of the model (model.attention=math)")
+    ap.add_argument("--costs", default="time",
+                    help="--frontier with --csv: the op costs planned on (ops.price: time, "
+                         "roofline, flops), comma-separated")
+    ap.add_argument("--budgets", default=",".join(map(str, FRONTIER)))
+    ap.add_argument("--csv", default=None,
+                    help="--frontier: write the rows as CSV here (and the profiled layer's ops "
+                         "beside it, *_ops.csv) instead of a markdown table")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.frontier and args.csv:
+        batch = args.batch or 184
+        method, seconds, step_flops = profiled(args.model, args.size, batch, args.profile_batch,
+                                               device, args.set)
+        rows = frontier_rows(method, step_flops, device,
+                             [float(b) for b in args.budgets.split(",")],
+                             args.costs.split(","))
+        p = method.profile
+        for r in rows:  # the profile's figures on every row
+            r.update(profile_s=round(seconds, 1), baseline_peak_mib=round(
+                p.baseline_peak / 2**20, 1), step_s=round(p.step_time, 3),
+                step_gflop=round(step_flops / 1e9, 2))
+        write_csv(args.csv, rows)
+        write_csv(str(args.csv).removesuffix(".csv") + "_ops.csv", layer_ops(method, 1))
+        return
     if args.frontier:
         batch = args.batch or 184
         text = (f"# checkpoint planner frontier: {args.model}, {args.size} px, batch {batch}\n\n"

@@ -219,6 +219,164 @@ def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
     return lines
 
 
+def _bench_head(root: Path, doc_dir: Path, csv: str) -> str:
+    src = sources(root).set_index("csv").loc[csv]
+    return provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
+                      seeds=src["seeds"], steps=src["steps"], command=src["command"],
+                      origin=src["origin"])
+
+
+FORMULA = "transformer_formula_cpu.csv"
+FORMULA_TERMS = "transformer_formula_terms_cpu.csv"
+CKPT = "transformer_checkpoint_cpu.csv"
+CKPT_OPS = "transformer_checkpoint_cpu_ops.csv"
+
+
+def formula_terms(root: Path, doc_dir: Path) -> list[str]:
+    """One decoder layer's saved bytes by Korthikanti's term: measured on the CPU beside the
+    formula with the CPU's 2-byte dropout masks and with CUDA's 1-byte ones."""
+    df = pd.read_csv(root / DATA / FORMULA_TERMS, dtype=str, keep_default_na=False)
+    kib = lambda v: f"{int(v) / 1024:,.0f}"  # noqa: E731
+    return [_bench_head(root, doc_dir, FORMULA_TERMS), "", *tables.table(df, {
+        "term": lambda r: r["term"], "block": lambda r: r["block"],
+        "measured KiB": lambda r: kib(r["measured_bytes"]),
+        "formula KiB (CPU masks, m=2)": lambda r: kib(r["formula_cpu_bytes"]),
+        "measured / formula": lambda r: tables.fmt(report.ratio(
+            float(r["measured_bytes"]), float(r["formula_cpu_bytes"])), 4),
+        "formula KiB (CUDA masks, m=1)": lambda r: kib(r["formula_cuda_bytes"])})]
+
+
+def _ratio_cell(v: str) -> str:
+    return v if v else "-"
+
+
+def transformer_checkpoint(root: Path, doc_dir: Path) -> list[str]:
+    """gpt2_small's op- vs block-granularity checkpoint plans on one CPU profile, per op cost
+    (`method.cost`), and the acceptance line: at 0.35x of none's activation peak, the op plan's
+    predicted overhead against half the block plan's."""
+    df = pd.read_csv(root / DATA / CKPT, dtype=str, keep_default_na=False)
+    first = df.iloc[0]
+    pct = lambda v: f"+{100 * float(v):.1f}%" if v else "-"  # noqa: E731
+    lines = [_bench_head(root, doc_dir, CKPT), "",
+             f"One profile: {first['profile_s']} s; none's modelled activation peak "
+             f"{first['baseline_peak_mib']} MiB; a step {first['step_s']} s and "
+             f"{first['step_gflop']} GFLOP (forward + backward). Overheads: recomputed forward "
+             f"time / the profiled step's (\"time\", the CPU's clock) and recomputed forward "
+             f"FLOPs / the step's (\"FLOPs\").", "",
+             *tables.table(df, {
+                 "cost": lambda r: r["cost"], "budget": lambda r: r["budget"],
+                 "op peak": lambda r: r["op_peak"],
+                 "op overhead time": lambda r: pct(r.get("op_overhead")),
+                 "op overhead FLOPs": lambda r: pct(r.get("op_flops_overhead")),
+                 "op recomputes": lambda r: r.get("op_recomputes", ""),
+                 "op solve s": lambda r: r.get("op_solve_s", ""),
+                 "block peak": lambda r: r["block_peak"],
+                 "block overhead time": lambda r: pct(r.get("block_overhead")),
+                 "block overhead FLOPs": lambda r: pct(r.get("block_flops_overhead")),
+                 "block solve s": lambda r: r.get("block_solve_s", ""),
+                 "op / block, time": lambda r: _ratio_cell(r.get("op_vs_block_overhead")),
+                 "op / block, FLOPs": lambda r: _ratio_cell(
+                     r.get("op_vs_block_flops_overhead"))}), ""]
+    for cost, unit, col in (("flops", "FLOPs", "op_vs_block_flops_overhead"),
+                            ("time", "the CPU's clock", "op_vs_block_overhead")):
+        r = df[(df["cost"] == cost) & (df["budget"].astype(float) == 0.35)]
+        if r.empty or not r.iloc[0].get(col):
+            continue
+        r = r.iloc[0]
+        ratio = float(r[col])
+        lines.append(f"- cost={cost}, budget 0.35x, overhead in {unit}: op plan at "
+                     f"{r['op_peak']}x of none's activation peak, "
+                     f"{pct(r['op_flops_overhead' if cost == 'flops' else 'op_overhead'])} "
+                     f"against the block plan's "
+                     f"{pct(r['block_flops_overhead' if cost == 'flops' else 'block_overhead'])}"
+                     f": **{ratio:.2f}x** ({'within' if ratio <= 0.5 else 'above'} the "
+                     f"acceptance's 0.5); solved in {r['op_solve_s']} s (block "
+                     f"{r['block_solve_s']} s).")
+    return lines
+
+
+def transformer_checkpoint_ops(root: Path, doc_dir: Path) -> list[str]:
+    """The profiled layer's ops that make a fresh output: what each costs on the CPU."""
+    df = pd.read_csv(root / DATA / CKPT_OPS, dtype=str, keep_default_na=False)
+    num = df.assign(out=df["out_mib"].astype(float), share=df["time_share"].astype(float))
+    core = (num["name"] == "bmm") | (num["out"] >= num["out"].max() / 2)  # the s x s outputs
+    linear = num["name"] == "addmm"
+    pct = lambda rows, col="share": tables.fmt(  # noqa: E731
+        100 * num.loc[rows, col].astype(float).sum() / num[col].astype(float).sum(), 1)
+    return [_bench_head(root, doc_dir, CKPT_OPS), "",
+            *tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns}), "",
+            f"The attention core (QK^T and attention x V, and the ops with an s x s output) "
+            f"takes {pct(core)}% of the layer's forward time here "
+            f"({pct(core & (num['name'] != 'bmm'))}% in its FLOP-free ops), the four linears "
+            f"{pct(linear)}%; in FLOPs the attention core is {pct(core, 'gflop')}% of the "
+            f"layer."]
+
+
+TEXT = DATA / "transformer_text_cpu" / "summary.csv"
+TEXT_COMMAND = ("memtrain model=gpt_nano dataset=text trainer.max_steps=300 "
+                "trainer.batch_size=32 trainer.eval_max_batches=32 trainer.threads=1 "
+                "trainer.device=cpu")
+
+
+def transformer_text(root: Path, doc_dir: Path) -> list[str]:
+    """gpt_nano on the Python standard library's bytes: its validation loss against the
+    corpus' byte unigram loss (the context-free model's), from the run's committed row."""
+    d = report.load_summary_csv(root / TEXT)
+    head = _study_provenance(root, doc_dir, TEXT, d, TEXT_COMMAND)
+    return [head, "", *tables.table(d, {
+        "model": lambda r: r["model"], "layers x width": lambda r:
+            f"{int(r['model.layers'])} x {int(r['model.width'])}",
+        "corpus": lambda r: r["data_source"], "hash": lambda r: r["data_hash"],
+        "tokens per sequence": lambda r: int(r["dataset.seq_len"]),
+        "steps x batch": lambda r: f"{int(r['trainer.max_steps'])} x "
+                                   f"{int(r['trainer.batch_size'])}",
+        "validation loss (nats/byte)": lambda r: tables.fmt(r["test_loss"], 4),
+        "perplexity": lambda r: tables.fmt(r["test_ppl"], 2),
+        "unigram loss": lambda r: tables.fmt(r["unigram_loss"], 4),
+        "below the unigram loss": lambda r: "yes" if r["learned"] in (True, "True") else "no"})]
+
+
+def transformer_headlines(root: Path, doc_dir: Path) -> list[str]:
+    """README's transformer figures, each from its committed rows: the decoder layer against the
+    formula (in a model and term by term), sdpa's bytes per s*b*h, and gpt2_small's op against
+    block checkpoint plans at 0.35x."""
+    f = pd.read_csv(root / DATA / FORMULA, dtype=str, keep_default_na=False)
+    terms = pd.read_csv(root / DATA / FORMULA_TERMS, dtype=str, keep_default_na=False)
+    ck = pd.read_csv(root / DATA / CKPT, dtype=str, keep_default_na=False)
+    math = f[(f["attention"] == "math") & (f["dtype"] == "bfloat16") & (f["dropout"] != "0.0")]
+    sdpa = f[f["attention"] == "sdpa"]
+    named = terms[~terms["term"].isin(["total", terms["term"].iloc[-2]])]
+    exact = (named["measured_bytes"] == named["formula_cpu_bytes"]).sum()
+
+    def at(cost: str) -> pd.Series:
+        return ck[(ck["cost"] == cost) & (ck["budget"].astype(float) == 0.35)].iloc[0]
+
+    fl, tm = at("flops"), at("time")
+    rows = [
+        ("a bf16 decoder layer with dropout 0.1 (s = "
+         f"{', '.join(math['seq_len'])}), measured / s\\*b\\*h\\*(36 + 6\\*a\\*s/h)",
+         " / ".join(math["measured_vs_formula"]), FORMULA),
+        (f"the formula's terms measured exactly (s=256), of {len(named)}",
+         f"{exact}", FORMULA_TERMS),
+        (f"sdpa without dropout: bytes per s\\*b\\*h at s = {', '.join(sdpa['seq_len'])}",
+         " / ".join(sdpa["measured_per_sbh"]), FORMULA),
+        ("gpt2_small, 1024 tokens, math: checkpoint op / block predicted overhead at 0.35x, "
+         "method.cost=flops (in FLOPs)",
+         f"{float(fl['op_vs_block_flops_overhead']):.2f} (op plan solved in {fl['op_solve_s']} s)",
+         CKPT),
+        ("the same, method.cost=time (on the CPU's clock)",
+         f"{float(tm['op_vs_block_overhead']):.2f} (op plan solved in {tm['op_solve_s']} s)",
+         CKPT)]
+    src = sources(root).set_index("csv")
+    head = provenance(root, doc_dir, DATA / FORMULA, device=src.loc[FORMULA, "device"],
+                      date=src.loc[CKPT, "date"], seeds="0", steps="one forward (bytes); one "
+                      "profile (plans)", command="make bench-transformer",
+                      origin="with " + ", ".join(_link(root, doc_dir, DATA / c)
+                                                 for c in (FORMULA_TERMS, CKPT)))
+    return [head, "", "| figure | value | rows |", "| --- | --- | --- |",
+            *(f"| {a} | {b} | {_link(root, doc_dir, DATA / c)} |" for a, b, c in rows)]
+
+
 BLOCKS = [
     Block("study-ratios", "docs/RESULTS.md", study_ratios),
     Block("estimate", "docs/RESULTS.md", estimate_vs_measured),
@@ -240,6 +398,15 @@ BLOCKS = [
     Block("quantize-accuracy", "docs/results/quantize_accuracy_cpu.md", quantize_accuracy),
     Block("synthetic-accuracy", "docs/results/synthetic_study_fmnist_cpu_2026-11-23.md",
           synthetic_accuracy),
+    Block("transformer-formula", "docs/results/transformer_formula_cpu.md",
+          _bench_table(FORMULA)),
+    Block("transformer-formula-terms", "docs/results/transformer_formula_cpu.md", formula_terms),
+    Block("transformer-checkpoint", "docs/results/transformer_checkpoint_cpu.md",
+          transformer_checkpoint),
+    Block("transformer-checkpoint-ops", "docs/results/transformer_checkpoint_cpu.md",
+          transformer_checkpoint_ops),
+    Block("transformer-headlines", "README.md", transformer_headlines),
+    Block("transformer-text", "docs/results/transformer_text_cpu.md", transformer_text),
 ]
 
 

@@ -44,6 +44,7 @@ class Screen:
 # (runs, settings, memory metric)
 FIGURES = {"cost": lambda runs, settings, mem: plots.cost(settings, mem),
            "estimates": lambda runs, settings, mem: plots.estimates(settings),
+           "sequence": lambda runs, settings, mem: plots.sequence(settings),
            "timeline": lambda runs, settings, mem: plots_timeline.timelines(runs),
            "layers": lambda runs, settings, mem: plots_timeline.layers_figure(runs),
            "anatomy": lambda runs, settings, mem: plots_timeline.anatomy(runs)}
@@ -51,6 +52,7 @@ TIMELINE_ROWS = "timeline_resnet18_cpu"
 SCREENS = (
     Screen("cost", "cost_mlp6_fmnist_cpu"),
     Screen("estimates", "estimates_resnet50_224_cpu"),
+    Screen("sequence", "transformer_study_cpu"),  # issue 34: make transformer-study-cpu
     Screen("timeline", TIMELINE_ROWS),
     Screen("layers", TIMELINE_ROWS),
     Screen("anatomy", TIMELINE_ROWS),
