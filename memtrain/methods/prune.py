@@ -471,14 +471,13 @@ class PruneMethod:
                     f"kept by another op for backward, are the batch or would take no less as "
                     f"blocks, so the run would be "
                     f"method=none")
-            head = "" if self.prune_head else "method.prune_head=true, "
             raise ConfigError(
                 f"method=prune prunes nothing in {type(model).__name__}: none of its "
                 f"{len(self.pruned)} prunable layers' inputs could be freed (another op keeps "
                 f"it for backward, it is the batch, or its {self.spec.block_size}x"
                 f"{self.spec.block_size} blocks would take no less; method.relu_mask="
-                f"{self.relu_mask}), so the run would be method=none; try {head}a smaller "
-                f"method.block_size (16, 32, 64) or a larger batch")
+                f"{self.relu_mask}), so the run would be method=none; where blocks are the "
+                f"reason, try a smaller method.block_size (16, 32, 64) or a larger batch")
         return {"prune_layer_calls": layers, "prune_relu_masked": masked}
 
 
