@@ -22,10 +22,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install memtrain with its dev tools
 
-run: $(STAMP) ## run the default study (every method, synthetic data, CPU, ~3 min) and print its table
+run: $(STAMP) ## the smoke study: every method a few steps on synthetic data (CPU, ~3 min), and its table
 	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) \
 	  +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
+	@echo "make run: a smoke study (40 steps of synthetic data per method: every method runs and" \
+	  "saves memory; accuracies after 40 steps are no measure of a method's cost). The multi-seed" \
+	  "study on real data is README's first figure (make headline)."
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 

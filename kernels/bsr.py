@@ -115,36 +115,51 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def strip_rows(m: int, k: int, b: int, nnz: int) -> int:
-    """Block rows per strip of grad_weight_torch: a strip's dense copy [rows * b, b] stays
-    within half of what the blocks save against the dense input (m x k), one block at least, so
-    backward's transient never takes back what the forward saved."""
+    """The b x b blocks a strip of grad_weight_torch may hold: its dense copy stays within half
+    of what the blocks save against the dense input (m x k), one block at least, so backward's
+    transient never takes back what the forward saved."""
     saved = m * k - nnz * b * b
-    return max(1, min(math.ceil(m / b), saved // 2 // (b * b)))
+    return max(1, saved // 2 // (b * b))
 
 
 def grad_weight_torch(g: torch.Tensor, bs: BlockSparse) -> torch.Tensor:
-    """G^T @ A_pruned, one block column at a time: the column's kept blocks scattered into a
-    dense strip (zero elsewhere; `strip_rows` block rows at a time), one addmm into the
-    column's slice of the result. The transient is a strip, never the dense matrix A (which
-    would take back in backward what the blocks saved in forward: mlp6's activation +
-    temporaries peak read 1.14x none's when this densified A whole)."""
+    """G^T @ A_pruned a strip at a time: kept blocks scattered into a dense strip (zero
+    elsewhere), one addmm into the strip's columns of the result. A strip holds `strip_rows`
+    block rows' worth of blocks: as many whole block columns as fit, or one column's rows a
+    part at a time. The transient is a strip, never the dense matrix A (which would take back
+    in backward what the blocks saved in forward: mlp6's activation + temporaries peak read
+    1.14x none's when this densified A whole)."""
     (m, k), b = bs.shape, bs.block
     nbr, nbc = math.ceil(m / b), bs.col_ptr.numel() - 1
     per = strip_rows(m, k, b, bs.values.shape[0])
-    # strips of a column add up in fp32 when G is half precision (one rounding, as one mm)
-    low = g.dtype in (torch.float16, torch.bfloat16) and per < nbr
+    # strips add up in fp32 when G is half precision (one rounding, as one mm)
+    low = g.dtype in (torch.float16, torch.bfloat16) and per < nbr  # a column in parts
     out = g.new_zeros(g.shape[1], nbc * b, dtype=torch.float32 if low else g.dtype)
+    group = min(nbc, per // nbr)  # whole block columns per strip (0: a column in parts)
     if _is_fake(g) or _is_fake(bs.values):  # the estimate: no data to index by; one strip's
-        strip = bs.values.new_zeros(min(per, nbr) * b, b)  # allocation, as below
+        strip = bs.values.new_zeros(nbr * b * group * b if group else per * b * b)  # as below
         del strip
         return (out.to(g.dtype) if low else out)[:, :k]
     ptr, rows = bs.col_ptr.tolist(), bs.rows.long()
-    for c in range(nbc):
+    if group:  # whole block columns, `group` of them a strip
+        cols = torch.repeat_interleave(torch.arange(nbc, device=g.device),
+                                       (bs.col_ptr[1:] - bs.col_ptr[:-1]).long())
+        for c0 in range(0, nbc, group):
+            c1 = min(nbc, c0 + group)
+            lo, hi = ptr[c0], ptr[c1]
+            if lo == hi:
+                continue
+            strip = bs.values.new_zeros(nbr, b, c1 - c0, b, dtype=out.dtype)
+            strip[rows[lo:hi], :, cols[lo:hi] - c0, :] = bs.values[lo:hi].to(out.dtype)
+            out[:, c0 * b:c1 * b].addmm_(g.t().to(out.dtype),
+                                         strip.view(nbr * b, (c1 - c0) * b)[:m])
+        return out[:, :k]
+    for c in range(nbc):  # one block column, `per` block rows a strip
         if ptr[c] == ptr[c + 1]:
             continue
         r_c, v_c = rows[ptr[c]:ptr[c + 1]], bs.values[ptr[c]:ptr[c + 1]]  # rows ascending
-        cuts = (torch.searchsorted(r_c, torch.arange(0, nbr + per, per, device=r_c.device))
-                .tolist() if per < nbr else [0, r_c.numel()])
+        cuts = torch.searchsorted(r_c, torch.arange(0, nbr + per, per, device=r_c.device))
+        cuts = cuts.tolist()
         for i, ra in enumerate(range(0, nbr, per)):
             lo, hi = cuts[i], cuts[i + 1]
             if lo == hi:

@@ -3,27 +3,37 @@ committed CSVs.
 
     python -m memtrain.study.docs            # rewrite the blocks in place
     python -m memtrain.study.docs --check    # exit 1 and name each block whose text differs
+    python -m memtrain.study.docs --sweep NAME   # run a committed sweep again, commit its rows
 
 A block sits between `<!-- generated:NAME begin -->` and `<!-- generated:NAME end -->` in
 README.md, docs/RESULTS.md or docs/results/*.md; everything between the markers is this module's
-output and is overwritten. Each block opens with one provenance line (the CSV, device, date,
-seeds, steps and the command that made the rows; single-seed figures say so), then its table.
+output and is overwritten: tables, and the sentences that quote a measured number (a measured
+number in the documents lives in a block, nowhere else: tests/test_results_docs.py). Each block
+opens with one provenance line (the CSV, device, date, seeds, steps and the command that made
+the rows; single-seed figures say so), or, for a block drawn from several sources, a line
+naming them and one provenance line per source under it.
 
-Sources, all committed:
-- a study's `docs/results/<name>/summary.csv` and the folders under `docs/results/rows/` that
-  hold memtrain-report's summary.csv of a sweep: rows as memtrain wrote them (report.tables
-  .load_summary_csv), ratios through report.tables.ratio / study.tables.add_ratios, labels through
-  study.tables.setting, numbers through study.tables.fmt (report.markdown.number);
-- `docs/results/rows/<table>.csv`: a benchmark's table as it printed it (raw output not kept),
-  with its device, date, seeds, steps, command and origin in `docs/results/rows/sources.csv`;
-  rendered cell for cell.
+Sources, all committed under docs/results/rows/:
+- `<name>/summary.csv`: memtrain-report's summary of a sweep (`--capture RUNS NAME`, run folders
+  relative; `SWEEPS` names the command of each, `--sweep NAME` runs it again): rows as memtrain
+  wrote them (report.tables.load_summary_csv), ratios through report.tables.ratio /
+  study.tables.add_ratios or the report's own analysis (report.build.analyse: the figures'
+  numbers), labels through study.tables.setting, numbers through study.tables.fmt;
+- `<table>.csv` that a benchmark wrote (`--csv`, memtrain/bench): each row with the device, torch,
+  commit, date and command that made it; rendered by the benchmark's own `table()`;
+- `<table>.csv` copied from a benchmark's printed table where the raw output was not kept and a
+  run again costs more than this CPU gives (its device, date, seeds, steps, command and why in
+  `sources.csv`); rendered cell for cell;
+- `papers.csv`: the published figures the results are set beside, each with its source.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain import bench
 from memtrain.columns import ACT_PEAK, ESTIMATE, ESTIMATE_ACT, PEAK
 from memtrain.report import markdown
 from memtrain.report import tables as report
@@ -73,15 +84,37 @@ def provenance(root: Path, doc_dir: Path, rel: Path, *, device: str, date: str, 
             f"steps {steps}; command `{command}`.")
 
 
-def _bench_table(csv: str) -> Callable[[Path, Path], list[str]]:
-    """A benchmark's table as printed, from docs/results/rows/<csv> and its sources.csv row."""
+def _bench_source(root: Path, csv: str) -> tuple[list[dict], dict[str, str]]:
+    """A benchmark CSV's rows and its provenance: from the rows themselves where the benchmark
+    wrote them (`--csv`: bench.PROVENANCE columns), else from sources.csv."""
+    rows = bench.read_rows(root / DATA / csv)
+    if rows and all(k in rows[0] for k in bench.PROVENANCE):
+        def uniq(key: str, sep: str = "; ") -> str:
+            return sep.join(dict.fromkeys(str(r[key]) for r in rows))
+
+        dates = sorted({str(r["date"]) for r in rows})
+        return rows, {"device": f"{uniq('device')}, torch {uniq('torch', ', ')}",
+                      "date": dates[0] if len(dates) == 1 else f"{dates[0]}..{dates[-1]}",
+                      "command": uniq("command"), "origin": "", "seeds": "", "steps": ""}
+    return rows, dict(sources(root).set_index("csv").loc[csv])
+
+
+def _bench_table(csv: str, table: Callable[[list[dict]], str] | None = None, seeds: str = "0",
+                 steps: str = "", select: Callable[[dict], bool] | None = None
+                 ) -> Callable[[Path, Path], list[str]]:
+    """A benchmark's table from docs/results/rows/<csv>: the rows it wrote, through its own
+    `table` (seeds and steps: its protocol), or a printed table copied to CSV (sources.csv),
+    cell for cell. `select`: the rows this block shows."""
 
     def render(root: Path, doc_dir: Path) -> list[str]:
-        src = sources(root).set_index("csv").loc[csv]
-        df = pd.read_csv(root / DATA / csv, dtype=str, keep_default_na=False)
+        rows, src = _bench_source(root, csv)
+        rows = [r for r in rows if select is None or select(r)]
         head = provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                          seeds=src["seeds"], steps=src["steps"], command=src["command"],
-                          origin=src["origin"])
+                          seeds=src["seeds"] or seeds, steps=src["steps"] or steps,
+                          command=src["command"], origin=src["origin"])
+        if table is not None:
+            return [head, "", *table(rows).rstrip("\n").splitlines()]
+        df = pd.read_csv(root / DATA / csv, dtype=str, keep_default_na=False)
         return [head, "", *tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns})]
 
     return render
@@ -103,6 +136,11 @@ def _study_provenance(root: Path, doc_dir: Path, rel: Path, d: pd.DataFrame,
     p = prov(d)
     seeds = ",".join(sorted({str(int(s)) for s in d["trainer.seed"].dropna()}))
     steps = ",".join(sorted({str(int(s)) for s in d["trainer.max_steps"].dropna()}, key=int))
+    if "trainer.epochs" in d and d["trainer.max_steps"].isna().any():  # trained by epochs
+        epochs = d.loc[d["trainer.max_steps"].isna(), "trainer.epochs"].dropna()
+        steps = "; ".join([*([steps] if steps else []),
+                           *(f"{int(e)} epoch{'s' if e != 1 else ''}"
+                             for e in sorted(set(epochs)))])
     return provenance(root, doc_dir, rel, device=f"{p['device']}, torch {p['torch']}",
                       date=p["date"], seeds=seeds, steps=steps, command=command)
 
@@ -132,20 +170,98 @@ def _estimate_rows(root: Path, rel: Path) -> pd.DataFrame:
     return df.assign(_label=report.add_labels(df)["label"])
 
 
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep whose rows are committed as docs/results/rows/<name>/ (memtrain-report's
+    summary.csv): memtrain's argv after `memtrain`, run into runs/docs/<name> by --sweep NAME,
+    or made by `make`'s target (`make`), which runs it and captures the rows itself."""
+
+    argv: tuple[str, ...]
+    make: str = ""
+
+    @property
+    def command(self) -> str:
+        cmd = shlex.join(["memtrain", *self.argv])
+        return f"make {self.make} ({cmd})" if self.make else cmd
+
+
+CPU1 = ("trainer.device=cpu", "trainer.threads=1")
+SWEEPS: dict[str, Sweep] = {
+    # README's first figure and table (make headline; conf/experiment/headline.yaml)
+    "headline_fmnist_cpu": Sweep(("-m", "experiment=headline", "hydra/launcher=parallel",
+                                  *CPU1), make="headline"),
+    # the fake-tensor estimate beside the tracker's peak of the same step
+    "estimate_resnet18_cpu": Sweep((
+        "-m", "model=resnet18", "method=none,pool,prune,checkpoint,synthetic,quantize",
+        "dataset.image_size=16", "trainer.batch_size=2", "trainer.estimate=true",
+        "trainer.max_steps=4", "trainer.warmup_steps=1", *CPU1)),
+    # quantize's estimate against GACT's published figure (no training step)
+    "estimate_resnet50_b64_cpu": Sweep((
+        "-m", "hydra/sweeper=variants", "model=resnet50", "dataset.image_size=224",
+        "trainer.batch_size=64", "trainer.estimate=true", "trainer.max_steps=0", *CPU1,
+        'hydra.sweeper.variants=["method=none","method=quantize method.bits=4,2"]')),
+    # README's estimates figure: one ResNet-50 step per method against an 8 GiB cap
+    "estimates_resnet50_224_cpu": Sweep((
+        "-m", "method=none,pool,prune,checkpoint,quantize,synthetic", "model=resnet50",
+        "dataset.image_size=224", "dataset.train_size=256", "dataset.test_size=64",
+        "trainer.batch_size=128", "trainer.estimate=true", "trainer.max_steps=0",
+        "trainer.gpu_memory_gb=8", *CPU1)),
+    # README: the least feasible checkpoint budget per model at the trainer's defaults (the
+    # plan of a budget of 0.01, raised to the least feasible peak), why the default is 0.5
+    "checkpoint_least_cpu": Sweep((
+        "-m", "method=checkpoint", "method.budget_fraction=0.01",
+        "model=mlp6,resnet18,resnet34,resnet50,efficientnet_b0,resmlp12,resmlp24",
+        "trainer.estimate=true", "trainer.max_steps=0", *CPU1)),
+    # README's pool table: the exact add-ons, pooling without them, pooling, at two sizes
+    "pool_sizes_cpu": Sweep((
+        "-m", "hydra/sweeper=variants", "model=resnet18,resnet50", "dataset.image_size=32,224",
+        "dataset.train_size=8", "dataset.test_size=2", "trainer=smoke", "trainer.batch_size=2",
+        "trainer.max_steps=2", "trainer.eval_max_batches=1", *CPU1,
+        'hydra.sweeper.variants=["method=none","method=pool method.kernel_size=1",'
+        '"method=pool method.relu_mask=none","method=pool","method=pool method.targets=conv+bn"]')),
+    # README's stack table: checkpoint, quantize and both, one tracked step
+    "stacks_resnet50_cpu": Sweep((
+        "-m", "hydra/sweeper=variants", "model=resnet50", "dataset.image_size=64",
+        "dataset.train_size=8", "dataset.test_size=4", "trainer=smoke", "trainer.batch_size=4",
+        "trainer.max_steps=2", "trainer.eval_max_batches=1", *CPU1,
+        'hydra.sweeper.variants=["method=none","method=checkpoint method.budget_fraction=0.5",'
+        '"method=quantize","method=checkpoint+quantize '
+        'method.checkpoint.budget_fraction=0.5,0.75"]')),
+}
+
+
+def sweep_rows(root: Path, name: str) -> pd.DataFrame:
+    """A committed sweep's rows with the study's ratios against each run's none."""
+    df = report.load_summary_csv(root / DATA / name / "summary.csv")
+    df = tables.prepare(df.copy().assign(part=name, step=name))
+    return df.assign(_label=report.add_labels(df)["label"])
+
+
+def _sweep_head(root: Path, doc_dir: Path, name: str, d: pd.DataFrame | None = None) -> str:
+    d = sweep_rows(root, name) if d is None else d
+    return _study_provenance(root, doc_dir, DATA / name / "summary.csv", d, SWEEPS[name].command)
+
+
+def run_sweep(name: str, root: Path = ROOT) -> Path:
+    """Run SWEEPS[name] into runs/docs/<name> (a fresh folder) and commit its rows."""
+    import shutil
+    import subprocess
+
+    runs = Path("runs/docs") / name
+    shutil.rmtree(root / runs, ignore_errors=True)
+    argv = [sys.executable, "-m", "memtrain", *SWEEPS[name].argv, f"hydra.sweep.dir={runs}"]
+    subprocess.run(argv, cwd=root, check=True)
+    return capture(root / runs, name, root)
+
+
 ESTIMATE_R18 = DATA / "estimate_resnet18_cpu" / "summary.csv"
 ESTIMATE_R50 = DATA / "estimate_resnet50_b64_cpu" / "summary.csv"
-R18_COMMAND = ("memtrain -m model=resnet18 method=none,pool,prune,checkpoint,synthetic "
-               "dataset.image_size=16 trainer.batch_size=2 trainer.estimate=true "
-               "trainer.max_steps=4 trainer.warmup_steps=1 trainer.device=cpu trainer.threads=1")
-R50_COMMAND = ("memtrain -m method=none,quantize model=resnet50 dataset.image_size=224 "
-               "trainer.batch_size=64 trainer.estimate=true trainer.max_steps=0 "
-               "trainer.device=cpu (and method.bits=2)")
 
 
 def estimate_vs_measured(root: Path, doc_dir: Path) -> list[str]:
     """The fake-tensor estimate beside the tracker's measured peak of the same job."""
     d = tables._order(_estimate_rows(root, ESTIMATE_R18), "model")
-    head = _study_provenance(root, doc_dir, ESTIMATE_R18, d, R18_COMMAND)
+    head = _sweep_head(root, doc_dir, "estimate_resnet18_cpu", d)
     return [head, "", *tables.table(d, {
         "setting": lambda r: r["_label"], "status": tables.status,
         "estimate / measured peak": lambda r: tables.fmt(report.ratio(r[ESTIMATE], r[PEAK])),
@@ -160,7 +276,7 @@ def quantize_estimate(root: Path, doc_dir: Path) -> list[str]:
     d = tables._order(_estimate_rows(root, ESTIMATE_R50), "model")
     base = d[d["method"] == "none"].iloc[0]
     unit, div = tables.unit_of(d["mem_estimate_saved_bytes"])
-    head = _study_provenance(root, doc_dir, ESTIMATE_R50, d, R50_COMMAND)
+    head = _sweep_head(root, doc_dir, "estimate_resnet50_b64_cpu", d)
     return [head, "", *tables.table(d, {
         "setting": lambda r: r["_label"], "status": tables.status,
         f"estimated saved {unit}": lambda r: tables.fmt(r["mem_estimate_saved_bytes"] / div, 2),
@@ -200,6 +316,31 @@ def quantize_accuracy(root: Path, doc_dir: Path) -> list[str]:
     return lines
 
 
+def quantize_accuracy_reading(root: Path, doc_dir: Path) -> list[str]:
+    """The five-seed suite against its acceptance line (bits=4 within 1 point of none, bits=2
+    within 3), on the mean and seed by seed, with none's own spread beside it."""
+    csv = "quantize_accuracy_5seeds_cpu.csv"
+    src = sources(root).set_index("csv").loc[csv]
+    wide, _ = _seed_table(root, csv, "test_acc_pct", "setting")
+    lines = [provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
+                        seeds=src["seeds"], steps=src["steps"], command=src["command"],
+                        origin=src["origin"]), ""]
+    said = []
+    for bits, line in ((4, 1.0), (2, 3.0)):
+        d = wide[f"quantize bits={bits}"] - wide["none"]
+        within = int((d.abs() <= line).sum())
+        said.append(f"bits={bits} (line {line:g} point{'s' if line != 1 else ''}): mean "
+                    f"{d.mean():+.2f} points, {'met' if abs(d.mean()) <= line else 'missed'} on "
+                    f"the mean; seed by seed {d.min():+.2f} to {d.max():+.2f}, within the line "
+                    f"on {within} of {len(d)} seeds")
+    none = wide["none"]
+    lines.append("Against the line: " + "; ".join(said) + f". none's own spread between seeds "
+                 f"(std {none.std():.1f} points) is of the order of the 1-point line, so a single "
+                 f"seed cannot resolve it either way; the mean's standard error is "
+                 f"{none.std() / math.sqrt(len(none)):.1f} points.")
+    return lines
+
+
 def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
     """mlp6 on Fashion-MNIST, K=2: per seed and the mean, composed synthetic against none."""
     csv = "synthetic_fmnist_cpu_2026-11-24.csv"
@@ -219,26 +360,469 @@ def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- the headline study
+
+
+HEADLINE = "headline_fmnist_cpu"
+FRONTIER_CSV = "checkpoint_frontier_cpu.csv"
+
+
+def headline_settings(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The headline study's runs and its settings aggregated over seeds, by the report's own
+    analysis (the numbers its figure draws)."""
+    from memtrain.report.build import analyse
+
+    raw = report.load_summary_csv(root / DATA / HEADLINE / "summary.csv")
+    runs, settings, _ = analyse(raw)
+    return runs, settings
+
+
+def _training(runs: pd.DataFrame) -> str:
+    """Each model's training, from its rows: epochs or steps, batch, image size."""
+    parts = []
+    for model, g in runs.groupby("model", sort=False):
+        r = g.iloc[0]
+        steps = r.get("trainer.max_steps")
+        epochs = int(r["trainer.epochs"])
+        length = (f"{int(steps)} steps" if not names_isna(steps)
+                  else f"{epochs} epoch{'s' if epochs != 1 else ''}")
+        px = r.get("dataset.image_size")
+        size = f"{int(px)} px" if not names_isna(px) else "28 px"
+        parts.append(f"{model} {size}, batch {int(r['trainer.batch_size'])}, {length}")
+    return "; ".join(parts)
+
+
+def names_isna(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v == ""
+
+
+def headline_provenance(root: Path, doc_dir: Path) -> str:
+    runs, _ = headline_settings(root)
+    return _study_provenance(root, doc_dir, DATA / HEADLINE / "summary.csv", runs,
+                             SWEEPS[HEADLINE].command)
+
+
+def headline_caption(root: Path, doc_dir: Path) -> list[str]:
+    """README's first figure with its caption: what was run, where, when, by what command."""
+    runs, settings = headline_settings(root)
+    seeds = sorted({int(s) for s in runs["trainer.seed"].dropna()})
+    models = ", ".join(dict.fromkeys(runs["model"]))
+    img = Path(os.path.relpath(root / "docs/figures/headline.png", doc_dir)).as_posix()
+    return [headline_provenance(root, doc_dir), "",
+            f"![Every method at its defaults against none on Fashion-MNIST ({models}), "
+            f"{len(seeds)} seeds: activation memory against the change in test accuracy and "
+            f"in step time]({img})", "",
+            f"Trained: {_training(runs)}. "
+            f"Memory (x: activations + backward temporaries at their peak, relative to none on "
+            f"the same model and seed; the CPU's live-tensor tracker) against the change in test "
+            f"accuracy (above) and in step time (below), mean and standard deviation over seeds "
+            f"{', '.join(map(str, seeds))} ({len(seeds)} runs per point), on this project's CPU "
+            f"(a shared machine: the step times are noisy, the memory exact); every setting's "
+            f"figures are in the table below and in [its rows]"
+            f"({_rel(root, doc_dir, DATA / HEADLINE / 'report.md')})."]
+
+
+def _rel(root: Path, doc_dir: Path, rel: Path) -> str:
+    return Path(os.path.relpath(root / rel, doc_dir)).as_posix()
+
+
+def _pm(mean, std, digits: int = 3, scale: float = 1.0, sign: bool = False) -> str:
+    return markdown.pm(mean, std, digits, scale, sign=sign)
+
+
+def headline_table(root: Path, doc_dir: Path) -> list[str]:
+    """Every setting of the headline study: memory ratios, accuracy and its change, step time,
+    status (a refusal says why), mean ± std over seeds."""
+    from memtrain.report.style import order_settings
+
+    runs, st = headline_settings(root)
+    models = list(dict.fromkeys(runs["model"]))
+    st = pd.concat([order_settings(st[st["model"] == m]) for m in models])
+
+    def status(r: pd.Series) -> str:
+        if r.get("status") == "ok":
+            return "ok"
+        why = str(r.get("error_short", ""))
+        return f"{r.get('status')}: {why[:120]}"
+
+    def cell(col: str, digits: int = 3, scale: float = 1.0, sign: bool = False):
+        return lambda r: (_pm(r.get(col), r.get(f"{col}_std"), digits, scale, sign)
+                          if r.get("status") == "ok" else "–")
+
+    return [headline_provenance(root, doc_dir), "", *tables.table(st, {
+        "model": lambda r: r["model"], "method": lambda r: r["label"],
+        "act.+temp. peak x none": cell("mem_act_temp_rel"),
+        "saved x none": cell("mem_saved_rel"),
+        "test acc %": cell("test_acc", 1, 100),
+        "Δ acc vs none (pts)": cell("test_acc_delta", 1, 100, sign=True),
+        "step time x none": cell("step_time_rel", 2),
+        "status": status})]
+
+
+def headline_fragment(method: str, model: str, what: str) -> Callable[[Path, Path], list[str]]:
+    """One method's line of the headline study, quoted where a section speaks of it."""
+
+    def render(root: Path, doc_dir: Path) -> list[str]:
+        _, st = headline_settings(root)
+        r = st[(st["method"] == method) & (st["model"] == model)].iloc[0]
+        if r["status"] != "ok":
+            return [headline_provenance(root, doc_dir), "",
+                    f"{what} on {model}: {r['status']} ({str(r.get('error_short', ''))[:160]})."]
+        return [headline_provenance(root, doc_dir), "",
+                f"{what} on {model} in the headline study: saved activations "
+                f"{_pm(r['mem_saved_rel'], r['mem_saved_rel_std'])} of none's, activations + "
+                f"backward temporaries at their peak "
+                f"{_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}, test accuracy "
+                f"{_pm(r['test_acc_delta'], r['test_acc_delta_std'], 1, 100, sign=True)} points "
+                f"against none's (mean ± std over {int(r['n_ok'])} seeds)."]
+
+    return render
+
+
+def checkpoint_overhead(root: Path, doc_dir: Path) -> list[str]:
+    """The planner's predicted overhead beside the measured one, from the headline study's
+    checkpoint rows (each model at the method's defaults)."""
+    runs, _ = headline_settings(root)
+    d = runs[(runs["method"] == "checkpoint") & (runs["status"] == "ok")]
+    lines = [headline_provenance(root, doc_dir), "",
+             "| model | plan_overhead (predicted) | plan_measured_overhead | "
+             "plan_overhead_error | seeds |", "| --- | --- | --- | --- | --- |"]
+    for model, g in d.groupby("model", sort=False):
+        cols = ("plan_overhead", "plan_measured_overhead", "plan_overhead_error")
+        lines.append(f"| {model} | " + " | ".join(
+            _pm(g[c].mean(), g[c].std(), 3, sign=c.endswith("error")) for c in cols)
+            + f" | {len(g)} |")
+    return lines
+
+
+def checkpoint_least(root: Path, doc_dir: Path) -> list[str]:
+    """The least feasible budget fraction per model (a budget of 0.01 raised to the least
+    feasible plan's peak, relative to the modelled baseline's)."""
+    d = sweep_rows(root, "checkpoint_least_cpu")
+    cells = []
+    for _, r in d.iterrows():
+        raised = r.get("plan_budget_raised_to_bytes")
+        least = report.ratio(raised if not names_isna(raised) else r.get("plan_budget_bytes"),
+                             r.get("plan_baseline_peak_bytes"))
+        cells.append(f"{r['model']} {tables.fmt(least)}"
+                     + ("" if not names_isna(raised) else " (the asked 0.01 itself)"))
+    r = d.iloc[0]
+    return [_sweep_head(root, doc_dir, "checkpoint_least_cpu", d), "",
+            f"The least feasible fractions at the trainer's defaults (batch "
+            f"{int(r['trainer.batch_size'])}, {int(r['dataset.image_size'])} px synthetic data, "
+            f"op granularity; the plan of a budget of 0.01, raised, on fake tensors): "
+            + ", ".join(cells) + "."]
+
+
+# ---------------------------------------------------------------- README's method tables
+
+
+def _ratio_cells(r: pd.Series) -> str:
+    return f"{tables.fmt(r['x_saved'])} / {tables.fmt(r['x_act_only'])} / {tables.fmt(r['x_act'])}"
+
+
+def pool_sizes(root: Path, doc_dir: Path) -> list[str]:
+    """pool's exact add-ons, pooling without them, and pooling, per model and size: saved /
+    activation peak / activations + temporaries peak, each x none."""
+    d = sweep_rows(root, "pool_sizes_cpu")
+    d = d[d["method"] == "pool"]
+    kinds = {"compaction only (k=1)": lambda r: r.get("method.kernel_size") == 1,
+             "k=2, relu_mask=none": lambda r: r.get("method.relu_mask") == "none",
+             "k=2 conv": lambda r: (r.get("method.kernel_size") == 2
+                                    and r.get("method.relu_mask") == "bits"
+                                    and r.get("method.targets") == "conv"),
+             "k=2 conv+bn": lambda r: r.get("method.targets") == "conv+bn"}
+    lines = [_sweep_head(root, doc_dir, "pool_sizes_cpu", d), "",
+             "| model | px | batch | " + " | ".join(kinds) + " |",
+             "|" + " --- |" * (3 + len(kinds))]
+    keys = d[["model", "dataset.image_size", "trainer.batch_size"]].drop_duplicates()
+    keys = keys.sort_values(["dataset.image_size", "model"], ascending=[False, True])
+    for _, k in keys.iterrows():
+        g = d[(d["model"] == k["model"]) & (d["dataset.image_size"] == k["dataset.image_size"])]
+        cells = []
+        for test in kinds.values():
+            m = g[g.apply(test, axis=1)]
+            cells.append(_ratio_cells(m.iloc[0]) if len(m) else "-")
+        lines.append(f"| {k['model']} | {int(k['dataset.image_size'])} | "
+                     f"{int(k['trainer.batch_size'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def stacks(root: Path, doc_dir: Path) -> list[str]:
+    """checkpoint, quantize and the stack: saved bytes, the activation peak and the plan's."""
+    d = tables._order(sweep_rows(root, "stacks_resnet50_cpu"), "model")
+    unit, div = tables.unit_of(d["mem_act_saved_bytes"])
+
+    def both(col: str, x: str):
+        return lambda r: f"{tables.fmt(r[col] / div, 2)} ({tables.fmt(r[x])})"
+
+    return [_sweep_head(root, doc_dir, "stacks_resnet50_cpu", d), "", *tables.table(d, {
+        "method": lambda r: r["_label"], "status": tables.status,
+        f"saved {unit} (x none)": both("mem_act_saved_bytes", "x_saved"),
+        f"act. peak {unit} (x none)": both("mem_peak_act_bytes", "x_act_only"),
+        f"act.+temp. peak {unit} (x none)": both("mem_peak_act_temp_bytes", "x_act"),
+        f"plan's modelled peak {unit}": lambda r: tables.fmt(r.get("plan_peak_bytes") / div, 2),
+        f"plan's measured peak {unit}":
+            lambda r: tables.fmt(r.get("plan_measured_peak_bytes") / div, 2)})]
+
+
+def _prune_e2e_table(rows: list[dict]) -> str:
+    """resmlp24 rows of the end-to-end benchmark: memory against none."""
+    lines = ["| setting | saved x none | act. peak x none | act.+temp. peak x none | "
+             "samples/s x none |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['act_saved_x_none']:.3f} | {r['act_peak_x_none']:.3f} "
+                     f"| {r['act_temp_peak_x_none']:.3f} | {r['throughput_x_none']:.2f} |")
+    return "\n".join(lines)
+
+
+def _checkpoint_table(model: str) -> Callable[[list[dict]], str]:
+    def table(rows: list[dict]) -> str:
+        import torch
+
+        from memtrain.bench import checkpoint
+
+        return checkpoint.table([r for r in rows if r.get("model") == model],
+                                torch.device("cpu"))
+    return table
+
+
+def _frontier(model: str) -> Callable[[list[dict]], str]:
+    def table(rows: list[dict]) -> str:
+        from memtrain.bench import checkpoint
+
+        rows = [r for r in rows if r["model"] == model]
+        above, below = checkpoint.frontier_summary(rows[0])
+        return f"{above}\n\n{checkpoint.frontier_table(rows)}\n\n{below}"
+    return table
+
+
+# ---------------------------------------------------------------- RESULTS.md's headline table
+
+
+PAPERS = DATA / "papers.csv"
+
+
+def papers(root: Path) -> pd.DataFrame:
+    return pd.read_csv(root / PAPERS, dtype=str, keep_default_na=False).set_index("key")
+
+
+def published(p: pd.Series) -> str:
+    """A published figure's sentence with its value, and the source."""
+    text = p["text"].replace("{v}", p["value"]) if p["value"] else p["text"]
+    return f"{text} ({p['source']})"
+
+
+class Sources:
+    """The provenance lines of a block drawn from several sources, in order of first use; each
+    use returns the source's number, as a cell cites it."""
+
+    def __init__(self, root: Path, doc_dir: Path):
+        self.root, self.doc_dir, self.lines = root, doc_dir, {}
+
+    def cite(self, key: str, line: Callable[[], str]) -> str:
+        if key not in self.lines:
+            self.lines[key] = line().removeprefix("Generated by `make results-docs` from ")
+        return f"[{list(self.lines).index(key) + 1}]"
+
+
+def _setting(d: pd.DataFrame, part: str, name: str) -> pd.Series:
+    m = d[(d["part"] == part) & (d["_set"] == name)]
+    return m.iloc[0] if len(m) else pd.Series(dtype=object)
+
+
+def results_headlines(root: Path, doc_dir: Path) -> list[str]:
+    """RESULTS.md's first table: each paper's (or peer's) published figure beside memtrain's
+    measured CPU figures for the same question, every cell from committed rows, each citing its
+    source by number (the list under the table: device, date, seeds, steps, command)."""
+    src, pub = Sources(root, doc_dir), papers(root)
+    study = study_rows(root)
+    study = study.assign(_set=study.apply(tables.setting, axis=1))
+    runs, hl = headline_settings(root)
+    e2e, _ = _bench_source(root, "prune_e2e_cpu.csv")
+    over, _ = _bench_source(root, "overhead_cpu.csv")
+    fmnist = pd.read_csv(root / DATA / "synthetic_fmnist_cpu_2026-11-24.csv")
+    r18, r50 = _estimate_rows(root, ESTIMATE_R18), _estimate_rows(root, ESTIMATE_R50)
+    frontier, _ = _bench_source(root, FRONTIER_CSV)
+
+    def s_study() -> str:
+        return src.cite("study", lambda: study_ratios(root, doc_dir)[0])
+
+    def s_head() -> str:
+        return src.cite("headline", lambda: headline_provenance(root, doc_dir))
+
+    def s_bench(csv: str, seeds: str = "0", steps: str = "") -> str:
+        return src.cite(csv, lambda: _bench_table(csv, lambda rows: "", seeds, steps)(
+            root, doc_dir)[0])
+
+    def s_sweep(name: str) -> str:
+        return src.cite(name, lambda: _sweep_head(root, doc_dir, name))
+
+    def s_fmnist() -> str:
+        return src.cite("fmnist", lambda: synthetic_accuracy(root, doc_dir)[0])
+
+    def x(r: pd.Series, col: str = "x_act") -> str:
+        return tables.fmt(r.get(col)) + "x"
+
+    def hl_cell(method: str) -> str:
+        cells = []
+        for model, g in hl[hl["method"] == method].groupby("model", sort=False):
+            r = g.iloc[0]
+            if r["status"] != "ok":
+                cells.append(f"{model}: refused ({str(r.get('error_short', ''))[:70]}...)")
+                continue
+            cells.append(
+                f"{model}: act.+temp. peak {_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}"
+                f"x, Δ acc {_pm(r['test_acc_delta'], r['test_acc_delta_std'], 1, 100, True)} pts")
+        return (f"Fashion-MNIST, {len(set(runs['trainer.seed']))} seeds {s_head()}: "
+                + "; ".join(cells))
+
+    def study_cells(part: str, names: list[str], what: str = "act. peak") -> str:
+        got = [(n, _setting(study, part, n)) for n in names]
+        return (f"resnet50 64 px b4, one seed {s_study()}: {what} "
+                + ", ".join(f"{n} {x(r)}" for n, r in got if len(r)))
+
+    rows: list[tuple[str, str, str]] = []  # (row, published, CPU)
+    # pool
+    rows.append((pub.loc["pool", "row"], published(pub.loc["pool"]), "<br>".join([
+        study_cells("pool", ["k=2 conv", "k=2 conv+bn", "compaction only (k=1)"]),
+        hl_cell("pool"),
+        "a CPU activation peak, not the whole GPU peak the paper measures"])))
+    # prune
+    e = {r["config"]: r for r in e2e}
+    rows.append((pub.loc["prune", "row"], published(pub.loc["prune"]), "<br>".join([
+        f"resmlp24 224 px b2 {s_bench('prune_e2e_cpu.csv', '0', '4 after warm-up')}: "
+        + ", ".join(f"{c.removeprefix('prune ')} act.+temp. peak {r['act_temp_peak_x_none']:.3f}x"
+                    for c, r in e.items() if c != "none"),
+        hl_cell("prune")])))
+    # checkpoint vs MONeT
+    f04 = [r for r in frontier if r["model"] == "resnet50" and r["budget"] == 0.4]
+    plan = (f"the planner alone at 0.40x of resnet50 224 px b184's modelled peak "
+            f"{s_bench(FRONTIER_CSV, '-', 'planner only')}: predicted recompute "
+            f"+{100 * f04[0]['op_overhead']:.1f}% (op) against +"
+            f"{100 * f04[0]['block_overhead']:.1f}% (whole blocks), a prediction, not a measured "
+            f"cost" if f04 else "")
+    rows.append((pub.loc["monet_none", "row"], published(pub.loc["monet_none"]) + "; "
+                 + published(pub.loc["monet_040"]), "<br>".join(c for c in [
+                     study_cells("checkpoint", [f"budget {b}" for b in (0.3, 0.4, 0.6, 0.8)]),
+                     plan, hl_cell("checkpoint")] if c)))
+    for key in ("sqrt", "uniform", "selective"):
+        rows.append((pub.loc[key, "row"], published(pub.loc[key]),
+                     study_cells("checkpoint", [key])))
+    rows.append((pub.loc["compile", "row"], published(pub.loc["compile"]),
+                 "not measurable on the CPU: the tracker runs compiled code eagerly"))
+    # synthetic
+    wide = fmnist.pivot(index="seed", columns="method", values="test_acc")
+    delta = 100 * (wide["synthetic"] - wide["none"])
+    rows.append((pub.loc["synthetic", "row"], published(pub.loc["synthetic"]), "<br>".join([
+        f"mlp6, Fashion-MNIST, K=2, 10 epochs {s_fmnist()}: every seed loses accuracy, "
+        f"{delta.max():+.2f} to {delta.min():+.2f} points (mean {delta.mean():+.2f})",
+        hl_cell("synthetic")])))
+    # quantize
+    base = r50[r50["method"] == "none"].iloc[0]
+    q = [(int(r["method.bits"]), report.ratio(r["mem_estimate_saved_bytes"],
+                                              base["mem_estimate_saved_bytes"]))
+         for _, r in r50[r50["method"] == "quantize"].iterrows()]
+    rows.append((pub.loc["quantize", "row"], published(pub.loc["quantize"]), "<br>".join([
+        f"resnet50 224 px b64, the estimate on fake tensors (no training step) "
+        f"{s_sweep('estimate_resnet50_b64_cpu')}: saved activations "
+        + ", ".join(f"{v:.3f}x at {b} bits" for b, v in sorted(q, reverse=True))
+        + " (uniform bits; GACT adapts them per tensor: see below)",
+        hl_cell("quantize")])))
+    rows.append(("reference beside the baseline", published(pub.loc["gact_act"]) + "; "
+                 + published(pub.loc["gact_peak"]), "no CPU counterpart: a CUDA measurement"))
+    # the project's own goals
+    rows.append((pub.loc["overhead", "row"], published(pub.loc["overhead"]),
+                 f"{s_bench('overhead_cpu.csv', '0', 'medians of alternating rounds')}: "
+                 + ", ".join(f"{r['model']} {r['image_size']} px b{r['batch_size']} "
+                             f"{r['ratio']:.3f}" for r in over)
+                 + " (step-time ratios on a shared CPU)"))
+    ratios = [report.ratio(r[ESTIMATE], r[PEAK]) for _, r in r18.iterrows() if r["status"] == "ok"]
+    acts = [report.ratio(r[ESTIMATE_ACT], r[ACT_PEAK]) for _, r in r18.iterrows()
+            if r["status"] == "ok"]
+    rows.append((pub.loc["estimate", "row"], published(pub.loc["estimate"]),
+                 f"resnet18 16 px b2, every method that runs {s_sweep('estimate_resnet18_cpu')}: "
+                 f"estimate / tracked peak {min(ratios):.3f}-{max(ratios):.3f}, activations "
+                 f"{min(acts):.3f}-{max(acts):.3f} (the CPU tracker's peak, not CUDA's)"))
+    rows.append((pub.loc["find_max_batch", "row"], published(pub.loc["find_max_batch"]),
+                 "not measured on the CPU"))
+    lines = [f"Generated by `make results-docs` from the sources numbered under the table "
+             f"(device, date, seeds, steps and command of each) and "
+             f"{_link(root, doc_dir, PAPERS)} (the published figures, each with its source).", "",
+             "| method | published (paper or peer) | memtrain, CPU (measured) | memtrain, GPU |",
+             "| --- | --- | --- | --- |"]
+    parts = {k: r["gpu_part"] for k, r in pub.iterrows()}
+    gpu = {r["row"]: parts[k] for k, r in pub.iterrows()}
+    for row, paper, cpu in rows:
+        part = gpu.get(row, "baseline")
+        lines.append(f"| {row} | {paper} | {cpu} | pending: no GPU measurement yet (`make "
+                     f"results`, part `{part}`) |")
+    lines += ["", "Sources:", ""]
+    lines += [f"{i}. {line}" for i, line in enumerate(src.lines.values(), 1)]
+    return lines
+
+
+def _bench(module: str) -> Callable[[list[dict]], str]:
+    """A benchmark module's own table function (imported when a block renders)."""
+    def table(rows: list[dict]) -> str:
+        import importlib
+
+        return importlib.import_module(f"memtrain.bench.{module}").table(rows)
+    return table
+
+
+FORWARD = "one forward (saved bytes), or one training step (peaks)"
 BLOCKS = [
+    # README: the headline study, then the methods' own tables
+    Block("headline", "README.md", headline_caption),
+    Block("headline-table", "README.md", headline_table),
+    Block("pool-sizes", "README.md", pool_sizes),
+    Block("prune-mlp6", "README.md", headline_fragment("prune", "mlp6", "prune at its defaults")),
+    Block("prune-resnet18", "README.md",
+          headline_fragment("prune", "resnet18", "prune at its defaults")),
+    Block("prune-resmlp24", "README.md",
+          _bench_table("prune_e2e_cpu.csv", _prune_e2e_table, "0", "4 after warm-up")),
+    Block("quantize-saved-minmax", "README.md",
+          _bench_table("quantize_saved_minmax_cpu.csv", _bench("quantize"), "0", "forward only")),
+    Block("quantize-accuracy", "README.md", quantize_accuracy),
+    Block("checkpoint-overhead", "README.md", checkpoint_overhead),
+    Block("checkpoint-least", "README.md", checkpoint_least),
+    Block("stacks", "README.md", stacks),
+    # RESULTS.md
+    Block("headlines", "docs/RESULTS.md", results_headlines),
     Block("study-ratios", "docs/RESULTS.md", study_ratios),
     Block("estimate", "docs/RESULTS.md", estimate_vs_measured),
     Block("quantize-estimate", "docs/RESULTS.md", quantize_estimate),
     Block("synthetic-accuracy", "docs/RESULTS.md", synthetic_accuracy),
-    Block("quantize-accuracy", "README.md", quantize_accuracy),
-    Block("quantize-saved-minmax", "README.md", _bench_table("quantize_saved_minmax_cpu.csv")),
-    Block("pool", "docs/results/pool_cpu.md", _bench_table("pool_cpu.csv")),
-    Block("overhead", "docs/results/overhead_cpu.md", _bench_table("overhead_cpu.csv")),
-    Block("prune-e2e", "docs/results/prune_e2e_cpu.md", _bench_table("prune_e2e_cpu.csv")),
+    # docs/results: each benchmark's table from the rows it wrote
+    Block("pool", "docs/results/pool_cpu.md",
+          _bench_table("pool_cpu.csv", _bench("pool"), "0", "median of 3 timed after 2 warm-up")),
+    Block("overhead", "docs/results/overhead_cpu.md",
+          _bench_table("overhead_cpu.csv", _bench("overhead"), "0",
+                       "median step time per round, median over 5 alternating rounds")),
+    Block("prune-e2e", "docs/results/prune_e2e_cpu.md",
+          _bench_table("prune_e2e_cpu.csv", _bench("prune"), "0", "4 after warm-up")),
     Block("prune-kernels", "docs/results/prune_kernels_cpu.md",
-          _bench_table("prune_kernels_cpu.csv")),
-    Block("synthetic", "docs/results/synthetic_cpu.md", _bench_table("synthetic_cpu.csv")),
+          _bench_table("prune_kernels_cpu.csv", _bench("kernels"), "-", "fastest of 25 runs")),
+    Block("synthetic", "docs/results/synthetic_cpu.md",
+          _bench_table("synthetic_cpu.csv", _bench("synthetic"), "0",
+                       "mlp6 2 epochs, resnet18 3 epochs")),
     Block("quantize-saved", "docs/results/quantize_saved_cpu.md",
-          _bench_table("quantize_saved_cpu.csv")),
+          _bench_table("quantize_saved_cpu.csv", _bench("quantize"), "0", FORWARD)),
     Block("quantize-saved-minmax", "docs/results/quantize_saved_cpu.md",
-          _bench_table("quantize_saved_minmax_cpu.csv")),
+          _bench_table("quantize_saved_minmax_cpu.csv", _bench("quantize"), "0", "forward only")),
     Block("quantize-accuracy", "docs/results/quantize_accuracy_cpu.md", quantize_accuracy),
+    Block("quantize-accuracy-reading", "docs/results/quantize_accuracy_cpu.md",
+          quantize_accuracy_reading),
     Block("synthetic-accuracy", "docs/results/synthetic_study_fmnist_cpu_2026-11-23.md",
           synthetic_accuracy),
+    Block("checkpoint-resnet50", "docs/results/checkpoint_cpu.md",
+          _bench_table("checkpoint_cpu.csv", _checkpoint_table("resnet50"), "0",
+                       "5 timed after 2 warm-up (median)")),
+    *(Block(f"frontier-{m}", "docs/results/checkpoint_frontier_cpu.md",
+            _bench_table(FRONTIER_CSV, _frontier(m), "-", "planner only (one profile)",
+                         select=lambda r, m=m: r["model"] == m))
+      for m in ("resnet50", "resmlp24", "efficientnet_b0")),
 ]
 
 
@@ -302,7 +886,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout (default: this one)")
     ap.add_argument("--capture", nargs=2, metavar=("RUNS", "NAME"),
                     help="first commit the rows of the runs below RUNS as docs/results/rows/NAME/")
+    ap.add_argument("--sweep", choices=sorted(SWEEPS),
+                    help="first run this committed sweep again (SWEEPS) and commit its rows")
     a = ap.parse_args(argv)
+    if a.sweep:
+        print(f"results-docs: rows in {run_sweep(a.sweep, a.root)}")
     if a.capture:
         print(f"results-docs: rows in {capture(Path(a.capture[0]), a.capture[1], a.root)}")
     try:
