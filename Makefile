@@ -92,11 +92,11 @@ report: $(STAMP) ## report.md, summary.csv/.parquet and figures of every run bel
 
 # README's first figure: every CPU-capable method at its defaults against none on Fashion-MNIST,
 # mlp6 (2 epochs) and resnet18 (16 px, 240 steps), seeds 0-2, two jobs at a time with one torch
-# thread each (~40 min of CPU; conf/experiment/headline.yaml says why these sizes); the rows are
-# committed as docs/results/rows/headline_fmnist_cpu/, the figure drawn from them by the report.
+# thread each (conf/experiment/headline.yaml says why these sizes); the rows are committed as
+# docs/results/rows/headline_fmnist_cpu/, the figure drawn from them by the report.
 HEADLINE_DIR := runs/headline/$(shell date +%Y-%m-%d_%H-%M-%S)
 .PHONY: headline
-headline: $(STAMP) ## README's first figure: every CPU method at its defaults, Fashion-MNIST, mlp6 + resnet18, 3 seeds (~40 min of CPU)
+headline: $(STAMP) ## README's first figure: every CPU method at its defaults, Fashion-MNIST, mlp6 + resnet18, 3 seeds (36 runs)
 	MEMTRAIN_PARALLEL_JOBS=2 $(BIN)/memtrain -m experiment=headline hydra/launcher=parallel \
 	  trainer.device=cpu trainer.threads=1 hydra.sweep.dir=$(HEADLINE_DIR) $(ARGS)
 	$(BIN)/python -m memtrain.study.docs --capture $(HEADLINE_DIR) headline_fmnist_cpu
