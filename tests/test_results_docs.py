@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from memtrain.study import docs
@@ -77,11 +78,15 @@ def _copy(tmp_path: Path) -> Path:
 def test_a_changed_csv_cell_is_a_difference_and_the_rewrite_restores_it(tmp_path):
     root = _copy(tmp_path)
     csv = root / docs.DATA / "overhead_cpu.csv"
-    csv.write_text(csv.read_text().replace("1.004", "1.040"))
-    assert docs.update(root, check=True) == ["docs/results/overhead_cpu.md: overhead"]
-    assert "| 1.004 |" in (root / "docs/results/overhead_cpu.md").read_text()  # check: no write
-    assert docs.update(root) == ["docs/results/overhead_cpu.md: overhead"]
-    assert "| 1.040 |" in (root / "docs/results/overhead_cpu.md").read_text()
+    rows = pd.read_csv(csv)
+    assert "| 9.750 |" not in (root / "docs/results/overhead_cpu.md").read_text()
+    rows.loc[0, "ratio"] = 9.75
+    rows.to_csv(csv, index=False)
+    changed = docs.update(root, check=True)  # RESULTS.md's first table cites the ratio too
+    assert "docs/results/overhead_cpu.md: overhead" in changed, changed
+    assert "| 9.750 |" not in (root / "docs/results/overhead_cpu.md").read_text()  # no write
+    assert docs.update(root) == changed
+    assert "| 9.750 |" in (root / "docs/results/overhead_cpu.md").read_text()
     assert docs.update(root, check=True) == []
 
 
