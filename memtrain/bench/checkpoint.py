@@ -3,6 +3,7 @@
     python -m memtrain.bench.checkpoint                      # GPU: resnet50 224 px, batch search
     python -m memtrain.bench.checkpoint --device cpu --size 64 --batch 8 --out docs/results/x.md
     python -m memtrain.bench.checkpoint --frontier --device cpu --batch 184 --profile-batch 8
+    python -m memtrain.bench.checkpoint ... --csv docs/results/rows/x.csv   # the rows, as CSV
 
 `--frontier`: the planner alone (no training): one profile, then op- and block-granularity plans
 at every budget on it, modelled peak, predicted overhead and solve time (MONeT's comparison).
@@ -206,45 +207,84 @@ def frontier_rows(method: CheckpointMethod, step_flops: float, device: torch.dev
     return rows
 
 
-def frontier(model_name: str, size: int, batch: int, profile_batch: int,
-             device: torch.device) -> str:
-    """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
+def budget_rows(model_name: str, size: int, batch: int, profile_batch: int,
+              device: torch.device) -> tuple[dict, list[dict]]:
+    """Op- and block-granularity plans at every budget of FRONTIER on one profile (the
+    profile's own clock): the profile's figures and one row per budget ("infeasible" with the
+    least modelled peak where a plan is)."""
     import memtrain.methods.checkpoint.ops as opplan
     import memtrain.methods.checkpoint.plan as planner
 
     method, seconds, _ = profiled(model_name, size, batch, profile_batch, device)
     p, ops = method.profile, method.ops
-    out = [f"profiled in {seconds:.0f} s on {min(batch, profile_batch)} "
-           f"samples, scaled to {batch}; {p.n} segments, {sum(map(len, ops.ops))} ops, "
-           f"{len(ops.keys())} keepable; baseline activation peak {p.baseline_peak / 2**30:.2f} "
-           f"GiB, step {p.step_time:.1f} s", "",
-           "| budget | op peak | op overhead | op solve s | op compacts | block peak | "
-           "block overhead | block solve s | op / block overhead |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    head = {"model": model_name, "size": size, "batch": batch,
+            "profile_s": seconds, "profile_samples": min(batch, profile_batch),
+            "segments": p.n, "ops": sum(map(len, ops.ops)), "keepable": len(ops.keys()),
+            "baseline_act_peak_bytes": p.baseline_peak, "baseline_step_s": p.step_time}
+    least = [_least(p, o, by_op) / p.baseline_peak
+             for o, by_op in ((ops, True), (opplan.OpProfile(ops.ops), True), (ops, False))]
+    head |= {"least_op": least[0], "least_op_no_compaction": least[1], "least_block": least[2],
+             "compaction_offered": "; ".join(f"{p.names[c.seg]} -{c.saves / 2**20:.0f} MiB "
+                                             f"({c.what})" for c in ops.compact) or "none"}
+    rows = []
     for f in FRONTIER:
-        cells, over = [], []
-        for by_op in (True, False):
+        row = {"budget": f}
+        for by_op, key in ((True, "op"), (False, "block")):
             try:
                 pl = opplan.plan_budget(p, ops, f * p.baseline_peak, ops=by_op)
             except planner.Infeasible as e:
-                cells += [f"infeasible (least {e.min_peak / p.baseline_peak:.3f})", "-", "-"]
-                cells += ["-"] * by_op
+                row[f"{key}_infeasible_least"] = e.min_peak / p.baseline_peak
                 continue
-            over.append(pl.overhead)
-            cells += [f"{pl.peak / p.baseline_peak:.3f}", f"+{100 * pl.overhead:.1f}%",
-                      f"{pl.extra['solve_s']:.1f}"]
+            row |= {f"{key}_peak": pl.peak / p.baseline_peak, f"{key}_overhead": pl.overhead,
+                    f"{key}_solve_s": pl.extra["solve_s"]}
             if by_op:  # the segments compacted (checkpoint/compact.py: lossless masks, offsets)
-                cells.append(", ".join(p.names[i] for i in pl.extra["compact"]) or "-")
-        ratio = f"{over[0] / over[1]:.2f}" if len(over) == 2 and over[1] > 0 else "-"
-        out.append(f"| {f} | " + " | ".join(cells) + f" | {ratio} |")
-        print(out[-1], flush=True)
-    least = [_least(p, o, by_op) / p.baseline_peak
-             for o, by_op in ((ops, True), (opplan.OpProfile(ops.ops), True), (ops, False))]
-    offered = ", ".join(f"{p.names[c.seg]} -{c.saves / 2**20:.0f} MiB ({c.what})"
-                        for c in ops.compact) or "none"
-    out += ["", f"least modelled peak: op {least[0]:.3f}x (without compaction {least[1]:.3f}x), "
-                f"block {least[2]:.3f}x; compaction choices: {offered}"]
+                row["op_compacts"] = ", ".join(p.names[i] for i in pl.extra["compact"]) or "-"
+        rows.append(row | head)
+        print(row, flush=True)
+    return head, rows
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """The frontier's markdown table (rows as measured, or read back from --csv)."""
+    out = ["| budget | op peak | op overhead | op solve s | op compacts | block peak | "
+           "block overhead | block solve s | op / block overhead |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for key in ("op", "block"):
+            if f"{key}_infeasible_least" in r:
+                cells += [f"infeasible (least {r[f'{key}_infeasible_least']:.3f})", "-", "-"]
+                cells += ["-"] * (key == "op")
+                continue
+            cells += [f"{r[f'{key}_peak']:.3f}", f"+{100 * r[f'{key}_overhead']:.1f}%",
+                      f"{r[f'{key}_solve_s']:.1f}"]
+            if key == "op":
+                cells.append(r.get("op_compacts", "-"))
+        both = "op_overhead" in r and "block_overhead" in r and r["block_overhead"] > 0
+        ratio = f"{r['op_overhead'] / r['block_overhead']:.2f}" if both else "-"
+        out.append(f"| {r['budget']} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(out)
+
+
+def frontier_summary(head: dict) -> tuple[str, str]:
+    """The lines above and below the frontier's table, from the profile's figures."""
+    above = (f"profiled in {head['profile_s']:.0f} s on {head['profile_samples']} samples, "
+             f"scaled to {head['batch']}; {head['segments']} segments, {head['ops']} ops, "
+             f"{head['keepable']} keepable; baseline activation peak "
+             f"{head['baseline_act_peak_bytes'] / 2**30:.2f} GiB, step "
+             f"{head['baseline_step_s']:.1f} s")
+    below = (f"least modelled peak: op {head['least_op']:.3f}x (without compaction "
+             f"{head['least_op_no_compaction']:.3f}x), block {head['least_block']:.3f}x; "
+             f"compaction choices: {head['compaction_offered']}")
+    return above, below
+
+
+def frontier(model_name: str, size: int, batch: int, profile_batch: int,
+             device: torch.device) -> str:
+    """Op- and block-granularity plans at every budget of FRONTIER on one profile."""
+    head, rows = budget_rows(model_name, size, batch, profile_batch, device)
+    above, below = frontier_summary(head)
+    return f"{above}\n\n{frontier_table(rows)}\n\n{below}"
 
 
 def layer_ops(method: CheckpointMethod, seg: int) -> list[dict]:
@@ -305,18 +345,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-batch", type=int, default=8)
     ap.add_argument("--set", action="append", default=[], metavar="OVERRIDE",
                     help="--frontier: a config override of the model (model.attention=math)")
-    ap.add_argument("--costs", default="time",
-                    help="--frontier with --csv: the op costs planned on (ops.price: time, "
-                         "roofline, flops), comma-separated")
+    ap.add_argument("--costs", default=None,
+                    help="--frontier: plan on these op costs (ops.price: time, roofline, "
+                         "flops; comma-separated) and write their rows to --csv (and the "
+                         "profiled layer's ops beside it, *_ops.csv); without it, the frontier "
+                         "table on the profile's clock (its rows to --csv, with provenance)")
     ap.add_argument("--budgets", default=",".join(map(str, FRONTIER)))
-    ap.add_argument("--csv", default=None,
-                    help="--frontier: write the rows as CSV here (and the profiled layer's ops "
-                         "beside it, *_ops.csv) instead of a markdown table")
+    ap.add_argument("--csv", default=None, help="write the rows here (CSV)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.frontier and args.csv:
+    if args.frontier and args.costs:
+        if not args.csv:
+            ap.error("--costs writes rows: name them with --csv")
         batch = args.batch or 184
         method, seconds, step_flops = profiled(args.model, args.size, batch, args.profile_batch,
                                                device, args.set)
@@ -333,22 +375,29 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.frontier:
         batch = args.batch or 184
+        head, rows = budget_rows(args.model, args.size, batch, args.profile_batch, device)
+        above, below = frontier_summary(head)
         text = (f"# checkpoint planner frontier: {args.model}, {args.size} px, batch {batch}\n\n"
-                f"Device: {bench.device_line(device)}\n\n"
-                f"{frontier(args.model, args.size, batch, args.profile_batch, device)}\n")
+                f"Device: {bench.device_line(device)}\n\n{above}\n\n{frontier_table(rows)}"
+                f"\n\n{below}\n")
         bench.publish(text, args.out)
+        bench.write_rows(rows, args.csv, device,
+                         bench.command("memtrain.bench.checkpoint", argv), append=True)
         return
     batch = args.batch or (largest_batch(args.model, args.size, device)
                            if device.type == "cuda" else 8)
     rows = []
     for label, ov in points(device):
         r = run_point(args.model, args.size, batch, ov, device, args.steps, args.warmup)
-        rows.append({"label": label, **r})
+        rows.append({"label": label, "model": args.model, "size": args.size, "batch": batch,
+                     **r})
         print(f"{label}: {r}", flush=True)
     text = (f"# checkpoint benchmark: {args.model}, {args.size} px, batch {batch}\n\n"
             f"Device: {bench.device_line(device)}; {args.steps} timed steps after {args.warmup} "
             f"warm-up, median.\n\n{table(rows, device)}\n")
     bench.publish(text, args.out)
+    bench.write_rows(rows, args.csv, device, bench.command("memtrain.bench.checkpoint", argv),
+                     append=True)
 
 
 if __name__ == "__main__":
