@@ -99,6 +99,15 @@ def _bench_source(root: Path, csv: str) -> tuple[list[dict], dict[str, str]]:
     return rows, dict(sources(root).set_index("csv").loc[csv])
 
 
+def _bench_head(root: Path, doc_dir: Path, csv: str, seeds: str = "0", steps: str = "") -> str:
+    """The provenance line of a benchmark CSV (`_bench_source`); `seeds` and `steps` where
+    the CSV does not say them."""
+    _, src = _bench_source(root, csv)
+    return provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
+                      seeds=src["seeds"] or seeds, steps=src["steps"] or steps,
+                      command=src["command"], origin=src["origin"])
+
+
 def _bench_table(csv: str, table: Callable[[list[dict]], str] | None = None, seeds: str = "0",
                  steps: str = "", select: Callable[[dict], bool] | None = None
                  ) -> Callable[[Path, Path], list[str]]:
@@ -107,11 +116,9 @@ def _bench_table(csv: str, table: Callable[[list[dict]], str] | None = None, see
     cell for cell. `select`: the rows this block shows."""
 
     def render(root: Path, doc_dir: Path) -> list[str]:
-        rows, src = _bench_source(root, csv)
+        rows, _ = _bench_source(root, csv)
         rows = [r for r in rows if select is None or select(r)]
-        head = provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                          seeds=src["seeds"] or seeds, steps=src["steps"] or steps,
-                          command=src["command"], origin=src["origin"])
+        head = _bench_head(root, doc_dir, csv, seeds, steps)
         if table is not None:
             return [head, "", *table(rows).rstrip("\n").splitlines()]
         df = pd.read_csv(root / DATA / csv, dtype=str, keep_default_na=False)
@@ -296,13 +303,10 @@ def quantize_accuracy(root: Path, doc_dir: Path) -> list[str]:
     seed (mean ± std), each seed's figure; beside them the memory ratios the report printed
     for those settings (a mean over the seeds: quantize_accuracy_5seeds_memory_cpu.csv)."""
     csv = "quantize_accuracy_5seeds_cpu.csv"
-    src = sources(root).set_index("csv").loc[csv]
     wide, order = _seed_table(root, csv, "test_acc_pct", "setting")
     mem = pd.read_csv(root / DATA / "quantize_accuracy_5seeds_memory_cpu.csv", dtype=str,
                       keep_default_na=False).set_index("setting")
-    lines = [provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                        seeds=src["seeds"], steps=src["steps"], command=src["command"],
-                        origin=src["origin"]), "",
+    lines = [_bench_head(root, doc_dir, csv), "",
              "| setting | seeds | act. peak / none | saved act. / none | test acc % (mean ± std) "
              "| Δ vs none, paired per seed (pts) | per seed |", "|" + " --- |" * 7]
     for s in order:
@@ -319,11 +323,8 @@ def quantize_accuracy_reading(root: Path, doc_dir: Path) -> list[str]:
     """The five-seed suite against its acceptance line (bits=4 within 1 point of none, bits=2
     within 3), on the mean and seed by seed, with none's own spread beside it."""
     csv = "quantize_accuracy_5seeds_cpu.csv"
-    src = sources(root).set_index("csv").loc[csv]
     wide, _ = _seed_table(root, csv, "test_acc_pct", "setting")
-    lines = [provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                        seeds=src["seeds"], steps=src["steps"], command=src["command"],
-                        origin=src["origin"]), ""]
+    lines = [_bench_head(root, doc_dir, csv), ""]
     said = []
     for bits, line in ((4, 1.0), (2, 3.0)):
         d = wide[f"quantize bits={bits}"] - wide["none"]
@@ -343,11 +344,8 @@ def quantize_accuracy_reading(root: Path, doc_dir: Path) -> list[str]:
 def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
     """mlp6 on Fashion-MNIST, K=2: per seed and the mean, composed synthetic against none."""
     csv = "synthetic_fmnist_cpu_2026-11-24.csv"
-    src = sources(root).set_index("csv").loc[csv]
     wide, _ = _seed_table(root, csv, "test_acc", "method")
-    lines = [provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                        seeds=src["seeds"], steps=src["steps"], command=src["command"],
-                        origin=src["origin"]), "",
+    lines = [_bench_head(root, doc_dir, csv), "",
              "| seed | none test acc | synthetic K=2 test acc | synthetic - none (points) |",
              "| --- | --- | --- | --- |"]
     for seed, r in wide.iterrows():
@@ -357,13 +355,6 @@ def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
     lines.append(f"| mean | {tables.fmt(m['none'], 4)} | {tables.fmt(m['synthetic'], 4)} | "
                  f"{markdown.number(m['synthetic'] - m['none'], 2, 100, sign=True)} |")
     return lines
-
-
-def _bench_head(root: Path, doc_dir: Path, csv: str) -> str:
-    src = sources(root).set_index("csv").loc[csv]
-    return provenance(root, doc_dir, DATA / csv, device=src["device"], date=src["date"],
-                      seeds=src["seeds"], steps=src["steps"], command=src["command"],
-                      origin=src["origin"])
 
 
 FORMULA = "transformer_formula_cpu.csv"
