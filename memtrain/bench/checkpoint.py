@@ -7,9 +7,9 @@
 
 `--frontier`: the planner alone (no training): one profile, then op- and block-granularity plans
 at every budget on it, modelled peak, predicted overhead and solve time (MONeT's comparison).
-With `--csv`, any model (a language model's `--size` is its sequence length; `--set` passes
-model options) and every op cost of `--costs`, the overhead also in FLOPs, as CSV rows for
-`make results-docs` (docs/results/transformer_checkpoint_cpu.md):
+With `--costs` (and `--csv`), any model (a language model's `--size` is its sequence length;
+`--set` passes model options) and every op cost of `--costs`, the overhead also in FLOPs, as
+rows for `make results-docs` (docs/results/transformer_checkpoint_cpu.md):
 
     python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 \\
       --batch 1 --profile-batch 1 --device cpu --threads 1 --costs time,flops \\
@@ -135,12 +135,13 @@ def language_model(model_name: str, extra: Sequence[str] = ()) -> bool:
 
 
 def profiled(model_name: str, size: int, batch: int, profile_batch: int, device: torch.device,
-             extra: Sequence[str] = ()) -> tuple[CheckpointMethod, float, float]:
+             extra: Sequence[str] = (), flops: bool = True
+             ) -> tuple[CheckpointMethod, float, float]:
     """(method, profile seconds, step FLOPs): `model_name` built with the `extra` overrides, a
     checkpoint dry run profiled on `profile_batch` samples of a random batch of `batch` (an
     image model's at `size` px, a language model's of `size` tokens) and scaled to the batch;
     the step's FLOPs (torch.utils.flop_counter: forward + backward of the plain model),
-    counted on the profiled slice and scaled alike."""
+    counted on the profiled slice and scaled alike (0 without `flops`: no extra step)."""
     import time
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -160,6 +161,8 @@ def profiled(model_name: str, size: int, batch: int, profile_batch: int, device:
     t0 = time.perf_counter()
     method.prepare(model, x, y)
     seconds = time.perf_counter() - t0
+    if not flops:
+        return method, seconds, 0.0
     scale, xs, ys = method._profile_slice(x, y)
     with FlopCounterMode(display=False) as counter:
         cross_entropy(model(xs).float(), ys).backward()
@@ -208,14 +211,14 @@ def frontier_rows(method: CheckpointMethod, step_flops: float, device: torch.dev
 
 
 def budget_rows(model_name: str, size: int, batch: int, profile_batch: int,
-              device: torch.device) -> tuple[dict, list[dict]]:
+                device: torch.device) -> tuple[dict, list[dict]]:
     """Op- and block-granularity plans at every budget of FRONTIER on one profile (the
     profile's own clock): the profile's figures and one row per budget ("infeasible" with the
     least modelled peak where a plan is)."""
     import memtrain.methods.checkpoint.ops as opplan
     import memtrain.methods.checkpoint.plan as planner
 
-    method, seconds, _ = profiled(model_name, size, batch, profile_batch, device)
+    method, seconds, _ = profiled(model_name, size, batch, profile_batch, device, flops=False)
     p, ops = method.profile, method.ops
     head = {"model": model_name, "size": size, "batch": batch,
             "profile_s": seconds, "profile_samples": min(batch, profile_batch),
