@@ -22,10 +22,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install memtrain with its dev tools
 
-run: $(STAMP) ## run the default study (every method, synthetic data, CPU, ~3 min) and print its table
+run: $(STAMP) ## the smoke study: every method a few steps on synthetic data (CPU, ~3 min), and its table
 	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) \
 	  +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
+	@echo "make run: a smoke study (40 steps of synthetic data per method: every method runs and" \
+	  "saves memory; accuracies after 40 steps are no measure of a method's cost). The multi-seed" \
+	  "study on real data is README's first figure (make headline)."
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
@@ -87,6 +90,18 @@ sweep: $(STAMP) ## run an experiment preset as a multirun: make sweep EXP=pool_s
 report: $(STAMP) ## report.md, summary.csv/.parquet and figures of every run below DIR: make report DIR=runs/multirun
 	$(BIN)/memtrain-report $(DIR) $(ARGS)
 
+# README's first figure: every CPU-capable method at its defaults against none on Fashion-MNIST,
+# mlp6 (2 epochs) and resnet18 (16 px, 240 steps), seeds 0-2, two jobs at a time with one torch
+# thread each (conf/experiment/headline.yaml says why these sizes); the rows are committed as
+# docs/results/rows/headline_fmnist_cpu/, the figure drawn from them by the report.
+HEADLINE_DIR := runs/headline/$(shell date +%Y-%m-%d_%H-%M-%S)
+.PHONY: headline
+headline: $(STAMP) ## README's first figure: every CPU method at its defaults, Fashion-MNIST, mlp6 + resnet18, 3 seeds (36 runs)
+	MEMTRAIN_PARALLEL_JOBS=2 $(BIN)/memtrain -m experiment=headline hydra/launcher=parallel \
+	  trainer.device=cpu trainer.threads=1 hydra.sweep.dir=$(HEADLINE_DIR) $(ARGS)
+	$(BIN)/python -m memtrain.study.docs --capture $(HEADLINE_DIR) headline_fmnist_cpu
+	$(BIN)/python -m memtrain.study.screens
+
 .PHONY: bench-overhead
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop
 	$(BIN)/python -m memtrain.bench.overhead $(ARGS)
@@ -106,14 +121,24 @@ bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table)
 	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
 
 .PHONY: transformer-study-cpu
-transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/transformer_study_cpu/
+transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/rows/transformer_study_cpu/, docs/figures/sequence.png
 	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \
 	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
 	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
 	$(BIN)/python -m memtrain.study.docs --capture runs/transformer_study_cpu transformer_study_cpu
-	$(BIN)/memtrain-report runs/transformer_study_cpu --out runs/transformer_study_cpu/report
-	mkdir -p docs/results/transformer_study_cpu && cp runs/transformer_study_cpu/report/figures/sequence.* \
-	  runs/transformer_study_cpu/report/figures/tradeoff.* docs/results/transformer_study_cpu/
+	$(BIN)/python -m memtrain.study.screens
+
+.PHONY: bench-transformer
+bench-transformer: $(STAMP) ## the decoder layer against Korthikanti's formula, and gpt2_small's op vs block checkpoint plans (CPU profile) -> docs/results/rows/transformer_*_cpu*.csv; then make results-docs
+	$(BIN)/python -m memtrain.bench.transformer
+	$(BIN)/python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 --batch 1 \
+	  --profile-batch 1 --device cpu --threads 1 --costs time,flops,roofline \
+	  --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
+	$(BIN)/python -m memtrain.study.docs
+
+.PHONY: bench-timeline
+bench-timeline: $(STAMP) ## trainer.memory_timeline's cost: the accounting step and the run with and without it (CPU) -> docs/results/rows/timeline_cost_cpu.csv
+	$(BIN)/python -m memtrain.bench.timeline --csv docs/results/rows/timeline_cost_cpu.csv $(ARGS)
 
 .PHONY: bench-pool
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
@@ -151,6 +176,19 @@ results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RES
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
 	$(RESULTS_PY) -m memtrain.study.screens
+
+# The step-anatomy pictures from a real sweep (trainer.memory_timeline=true): the issue's
+# command at batch 64, so activations show beside parameters and optimizer state; the rows and
+# each run's step files are committed (docs/results/rows/timeline_resnet18_cpu/), then every
+# picture of docs/figures/ is drawn again from committed rows
+TIMELINE_DIR ?= runs/timeline_docs
+.PHONY: timeline-figures
+timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline (CPU, 5-10 min) -> docs/figures/{timeline,layers,anatomy}.png
+	rm -rf $(TIMELINE_DIR)
+	$(BIN)/memtrain -m method=none,checkpoint,quantize,pool model=resnet18 trainer=smoke \
+	  trainer.batch_size=64 trainer.device=cpu trainer.memory_timeline=true \
+	  hydra.sweep.dir=$(TIMELINE_DIR) +hydra.callbacks.report.enabled=false $(ARGS)
+	$(BIN)/python -m memtrain.study.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
 
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \

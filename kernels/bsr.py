@@ -108,17 +108,69 @@ def compact_torch(blocks: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) 
     return blocks[rows.long(), cols.long()]
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def strip_rows(m: int, k: int, b: int, nnz: int) -> int:
+    """The b x b blocks a strip of grad_weight_torch may hold: its dense copy stays within half
+    of what the blocks save against the dense input (m x k), one block at least, so backward's
+    transient never takes back what the forward saved."""
+    saved = m * k - nnz * b * b
+    return max(1, saved // 2 // (b * b))
+
+
 def grad_weight_torch(g: torch.Tensor, bs: BlockSparse) -> torch.Tensor:
-    """G^T @ A_pruned: scatter the kept blocks into a zero matrix (one layer, transient), one mm."""
+    """G^T @ A_pruned a strip at a time: kept blocks scattered into a dense strip (zero
+    elsewhere), one addmm into the strip's columns of the result. A strip holds `strip_rows`
+    block rows' worth of blocks: as many whole block columns as fit, or one column's rows a
+    part at a time. The transient is a strip, never the dense matrix A (which would take back
+    in backward what the blocks saved in forward: mlp6's activation + temporaries peak read
+    1.14x none's when this densified A whole)."""
     (m, k), b = bs.shape, bs.block
     nbr, nbc = math.ceil(m / b), bs.col_ptr.numel() - 1
-    cols = torch.repeat_interleave(torch.arange(nbc, device=g.device),
-                                   (bs.col_ptr[1:] - bs.col_ptr[:-1]).long(),
-                                   output_size=bs.rows.numel())  # a fixed shape: fake tensors
-    dense = bs.values.new_zeros(nbr, nbc, b, b)
-    dense[bs.rows.long(), cols] = bs.values
-    a = dense.transpose(1, 2).reshape(nbr * b, nbc * b)[:m, :k]
-    return g.t().mm(a)
+    per = strip_rows(m, k, b, bs.values.shape[0])
+    # strips add up in fp32 when G is half precision (one rounding, as one mm)
+    low = g.dtype in (torch.float16, torch.bfloat16) and per < nbr  # a column in parts
+    out = g.new_zeros(g.shape[1], nbc * b, dtype=torch.float32 if low else g.dtype)
+    group = min(nbc, per // nbr)  # whole block columns per strip (0: a column in parts)
+    if _is_fake(g) or _is_fake(bs.values):  # the estimate: no data to index by; one strip's
+        strip = bs.values.new_zeros(nbr * b * group * b if group else per * b * b)  # as below
+        del strip
+        return (out.to(g.dtype) if low else out)[:, :k]
+    ptr, rows = bs.col_ptr.tolist(), bs.rows.long()
+    if group:  # whole block columns, `group` of them a strip
+        cols = torch.repeat_interleave(torch.arange(nbc, device=g.device),
+                                       (bs.col_ptr[1:] - bs.col_ptr[:-1]).long())
+        for c0 in range(0, nbc, group):
+            c1 = min(nbc, c0 + group)
+            lo, hi = ptr[c0], ptr[c1]
+            if lo == hi:
+                continue
+            strip = bs.values.new_zeros(nbr, b, c1 - c0, b, dtype=out.dtype)
+            strip[rows[lo:hi], :, cols[lo:hi] - c0, :] = bs.values[lo:hi].to(out.dtype)
+            out[:, c0 * b:c1 * b].addmm_(g.t().to(out.dtype),
+                                         strip.view(nbr * b, (c1 - c0) * b)[:m])
+        return out[:, :k]
+    for c in range(nbc):  # one block column, `per` block rows a strip
+        if ptr[c] == ptr[c + 1]:
+            continue
+        r_c, v_c = rows[ptr[c]:ptr[c + 1]], bs.values[ptr[c]:ptr[c + 1]]  # rows ascending
+        cuts = torch.searchsorted(r_c, torch.arange(0, nbr + per, per, device=r_c.device))
+        cuts = cuts.tolist()
+        for i, ra in enumerate(range(0, nbr, per)):
+            lo, hi = cuts[i], cuts[i + 1]
+            if lo == hi:
+                continue
+            rb = min(nbr, ra + per)
+            strip = v_c.new_zeros(rb - ra, b, b, dtype=out.dtype)
+            strip[r_c[lo:hi] - ra] = v_c[lo:hi].to(out.dtype)
+            n = min(rb * b, m) - ra * b  # the padding rows past m are left out (zero in A)
+            out[:, c * b:(c + 1) * b].addmm_(g[ra * b:ra * b + n].t().to(out.dtype),
+                                             strip.view(-1, b)[:n])
+    return (out.to(g.dtype) if low else out)[:, :k]
 
 
 # ---------------------------------------------------------------- both backends

@@ -98,7 +98,7 @@ OPTION_LABELS = {
     "sparsity": "s", "block_size": "block", "criterion": "", "layers": "", "backend": "",
     "prune_head": "head", "prune_shared": "shared",
     "strategy": "", "granularity": "", "budget_fraction": "b", "budget_bytes": "budget",
-    "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
+    "cost": "cost", "every": "every", "max_group": "max_group", "profile_batch": "profile_batch",
     "partitions": "K", "kappa": "kappa", "right_input": "input", "noise": "noise",
     "epochs_per_partition": "epochs", "recovery_epochs": "recovery", "parallel": "parallel",
     "prefetch": "prefetch", "pin_memory": "pinned", "min_bytes": "min_bytes",
@@ -133,7 +133,12 @@ COLUMNS: tuple[Column, ...] = (
          ("memory_snapshot", "path", "the CUDA memory snapshot (`trainer.memory_snapshot=true`)"),
          ("memory_timeline", "path", "the accounting step's memory timeline, relative to the run "
                                      "folder (`trainer.memory_timeline=true`; timeline.png/.pdf "
-                                     "beside it)")),
+                                     "beside it)"),
+         ("saved_by_module", "path", "the accounting step's saved-activation bytes per module, "
+                                     "relative to the run folder (`trainer.memory_timeline=true`;"
+                                     " memtrain/layers.py)"),
+         ("plan_table", "path", "the plan the method applied, one row per segment (checkpoint; "
+                                "`trainer.memory_timeline=true`; memtrain/layers.py)")),
     *_of("status", "runner",
          ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
                                   "came first (the row's status and error are its)")),
@@ -212,13 +217,30 @@ COLUMNS: tuple[Column, ...] = (
          ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "
                                              "step"),
          ("mem_timeline_peak_bytes", "bytes", "the highest total of the memory timeline "
-                                              "(`trainer.memory_timeline`): the tracker's peak"),
+                                              "(`trainer.memory_timeline`): on the CPU the "
+                                              "tracker's peak, on CUDA the allocator history's"),
+         ("mem_timeline_source", "text", "what the timeline's events are: `tracker` (the "
+                                         "live-tensor tracker, after every op: the CPU) or "
+                                         "`cuda` (torch's CUDA allocator history, every "
+                                         "allocation and free)"),
+         ("mem_timeline_step", "text", "the step the timeline recorded: `accounting`, the step "
+                                       "the memory columns measure, which trains like every "
+                                       "step and which no timed step includes (recording "
+                                       "slows no step of `step_time_s_median`)"),
+         ("mem_timeline_alloc_peak_bytes", "bytes", "CUDA: `torch.cuda.max_memory_allocated` "
+                                                    "over the recorded step (the timeline's "
+                                                    "peak counts requested sizes in 512-byte "
+                                                    "blocks)"),
+         ("mem_timeline_note", "text", "why the timeline is the tracker's on CUDA (the "
+                                       "allocator history did not hold the whole step)"),
+         ("mem_accounting_step_s", "s", "the accounting step's wall time, its tracker (and "
+                                        "`trainer.memory_timeline`'s recording) included"),
          ("mem_timeline_peak_phase", "text", "the step's phase at the timeline's peak (forward, "
                                              "backward, optimizer)"),
          ("mem_timeline_peak_module", "text", "the innermost module active at the timeline's "
                                               "peak"),
          ("mem_timeline_events", "count", "the timeline's events (one per op of the accounting "
-                                          "step)"),
+                                          "step; on CUDA one per allocation or free)"),
          ("mem_params_bytes", "bytes", "parameters"),
          ("mem_buffers_bytes", "bytes", "buffers"),
          ("mem_grads_bytes", "bytes", "gradients"),

@@ -228,6 +228,8 @@ LATER_OPTIONS: dict[str, Any] = {
     # find_max_batch's margin (issue 33): at these values it searches as it did before them
     "trainer.max_batch_headroom": 0.0, "trainer.max_batch_multiple": 1,
     "trainer.cuda_context_gb": 0.0,
+    # what a checkpoint op plan minimises (issue 34): measured times, as before the option
+    "method.cost": "time", "method.checkpoint.cost": "time",
     # one run across processes (issue 36): one process, as before
     "trainer.strategy": "single", "trainer.world_size": None, "trainer.fault_rank": None,
 }

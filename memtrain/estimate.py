@@ -90,7 +90,9 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
     takes it (checkpoint plans as its run's rank does).
     """
     model, method = make()
-    if any(p.device != device for p in model.parameters()):  # a real probe (fake: made there)
+    # a real probe (fake: made there; `cuda:0` is the device `cuda` asked for, and moving a
+    # model with tied weights onto itself fails on fake tensors: GPT's embedding)
+    if any(p.device.type != device.type for p in model.parameters()):
         model.to(device)
     model.train()
     x, y = random_batch(batch_size, input_shape, num_classes, device, task, precision)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from memtrain.allocator import History
+
 log = logging.getLogger(__name__)
 
 FAULTS = ("oom", "nan", "error", "sigterm", "hang")
@@ -178,7 +180,9 @@ def exit_code(signal_name: str | None) -> int:
 class MemorySnapshot:
     """`trainer.memory_snapshot=true`: record CUDA allocator history through the run and dump it
     (open it at https://pytorch.org/memory_viz) on OOM or at the end, when the history holds the
-    peak. CUDA only; on other devices it logs a note and does nothing."""
+    peak. CUDA only; on other devices it logs a note and does nothing. The recorder is the
+    process's one (`allocator.History`): `trainer.memory_timeline` cuts its step out of the same
+    history, and the snapshot keeps every entry."""
 
     def __init__(self, enabled: bool, device: torch.device, run_dir: Path,
                  max_entries: int = 100_000):
@@ -189,8 +193,8 @@ class MemorySnapshot:
             log.info("trainer.memory_snapshot: CUDA only, no snapshot on device %s", device)
 
     def __enter__(self) -> MemorySnapshot:
-        if self.enabled:
-            torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+        if self.enabled:  # the process's one recorder: a step's timeline shares it
+            History.hold(self.max_entries, context="all")
         return self
 
     def dump(self) -> str:
@@ -202,5 +206,7 @@ class MemorySnapshot:
 
     def __exit__(self, *exc) -> None:
         if self.enabled:
-            self.dump()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            try:
+                self.dump()
+            finally:
+                History.release()

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 # the headline columns by their names in the one list of columns
+from memtrain import allocator
 from memtrain.columns import (
     ACT_PEAK,
     ACT_TEMP_PEAK,
@@ -134,6 +135,36 @@ class SavedBytes:
         self._ctx.__exit__(*exc)
 
 
+class SavedByModule(SavedBytes):
+    """SavedBytes that also files each counted storage under the module whose forward packed it
+    first (`where()`: the innermost module active then, as `PeakTracker.module_now` names it;
+    '' outside every module: the loss). Counted once per storage, as SavedBytes counts: the
+    modules' bytes sum to `bytes` (and `host_bytes`). `trainer.memory_timeline`'s per-module
+    table (memtrain/layers.py)."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
+                 model: nn.Module | None = None, where=lambda: ""):
+        super().__init__(exclude, device, model)
+        self._where = where
+        self.module_of: dict[tuple[str, int], str] = {}
+
+    def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
+        if key not in self.module_of:
+            self.module_of[key] = self._where()
+        super().record(key, t)
+
+    def by_module(self) -> list[tuple[str, int, int, int]]:
+        """(module, bytes on the run's device, bytes in host memory, storages), in the order
+        the modules first saved something."""
+        out: dict[str, list[int]] = {}
+        for key, module in self.module_of.items():
+            row = out.setdefault(module, [0, 0, 0])
+            host = self._host and key[0] == "cpu"
+            row[1 if host else 0] += self._seen[key]
+            row[2] += 1
+        return [(m, *v) for m, v in out.items()]
+
+
 class PeakTracker:
     """Tracks live tensors through one training step with torch's MemTracker.
 
@@ -154,7 +185,8 @@ class PeakTracker:
     act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
     """
 
-    def __init__(self, *external, device: torch.device | None = None, timeline: bool = False):
+    def __init__(self, *external, device: torch.device | None = None, timeline: bool = False,
+                 births: bool = False):
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
 
@@ -184,12 +216,31 @@ class PeakTracker:
         self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
         mt = self._mt
         # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
-        # rows of memtrain.timeline.table), with the loop's `phase` and the innermost module
+        # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
+        # whether a forward runs again in backward (MemTracker's `_in_ac`: a recomputation)
         self.events: list[tuple] | None = [] if timeline else None
         self.phase = "forward"
-        refs = [kinds[k] for k in ("params", "buffers", "optim", "grads", "act", "temp",
-                                   "other")]  # timeline.CATEGORIES
-        self._t0 = time.perf_counter()
+        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        refs = [kinds[k] for k in names]  # timeline.TRACKED, each the tracker's kinds behind it
+        self._category = {r: name for name in names for r in kinds[name]}
+        self._t0, self.wall0 = time.perf_counter(), time.time()
+        # CUDA timeline: every storage the step makes, (address, bytes, its record), in order,
+        # so the allocator's blocks can be filed under the tracker's categories (`births`)
+        self._births: list[tuple[int, int, object]] | None = [] if births else None
+        self.start_storages: list[tuple[int, str]] = []  # (address, category) at the start
+        # the modules whose forward runs now, innermost last (None: a module outside the
+        # tracked models, such as checkpoint's wrapper of a group's first forward): in backward
+        # MemTracker's module tracker also lists the modules whose backward runs, so a forward
+        # recomputed there is named from this stack. Names as MemTracker's module tracker gives
+        # them (the root's class name, then the path), the resident models' over the trained
+        # one's: a synthetic partition's layers keep their names in the whole model
+        self._names: dict[int, str] = {}
+        for root in [e for e in external if isinstance(e, nn.Module)]:
+            for n, m in root.named_modules():
+                self._names[id(m)] = f"{type(root).__name__}.{n}" if n else type(root).__name__
+        self._by_fqn: dict[str, nn.Module] = {}
+        self._forwards: list[str | None] = []
+        self._hooks: list = []
 
         # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
         # breakdown at that moment (what `peak_bytes` and `at_peak` read), and a peak per module,
@@ -262,6 +313,29 @@ class PeakTracker:
         orig_update_snap = mt._update_snap
         mt._update_snap = update_snap
         mt._update_peak_stats = update
+        if self._births is not None:
+            mt._track = self._noting_births(mt._track, 1)
+            mt._update_and_maybe_create_winfos = self._noting_births(
+                mt._update_and_maybe_create_winfos, 0)
+
+    def _noting_births(self, fn, arg: int):
+        """`fn` (a MemTracker method whose argument `arg` is a tensor), also noting the storages
+        it files for the first time."""
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        winfos = self._mt._WINFO
+
+        def wrapped(*args, **kwargs):
+            t = args[arg]
+            new = [st for st in get_untyped_storages(t) if st not in winfos] \
+                if isinstance(t, torch.Tensor) else []
+            out = fn(*args, **kwargs)
+            for st in new:
+                if st in winfos and st.data_ptr():
+                    self._births.append((st.data_ptr(), st.nbytes(), winfos[st][0]))
+            return out
+
+        return wrapped
 
     def gradients(self, grads: list[torch.Tensor]) -> None:
         """The parameters' gradients, at the end of the update: any of them the tracker still
@@ -276,6 +350,30 @@ class PeakTracker:
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type
 
+    def module_now(self) -> str:
+        """The innermost module whose forward runs now (in backward: whose backward runs, unless
+        a forward is recomputed there), as torch's ModTracker names it (the root's class name,
+        then the path: 'ResNet.layer1.0.conv1'); '' outside every module."""
+        named = [n for n in self._forwards if n is not None]
+        if named:
+            return named[-1]
+        # ModTracker's active modules are nested names ("Global" outside every module)
+        tracker = self._mt._mod_tracker
+        fqn = max(tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
+        if fqn == "Global":
+            return ""
+        if fqn not in self._by_fqn:  # the module it names, named as the forwards are
+            self._by_fqn = {v: k for k, v in tracker._known_modules.items()}
+        module = self._by_fqn.get(fqn)
+        return self._names.get(id(module), fqn) if module is not None else fqn
+
+    def _enter_forward(self, module: nn.Module, args) -> None:
+        self._forwards.append(self._names.get(id(module)))
+
+    def _leave_forward(self, module: nn.Module, args, out) -> None:
+        if self._forwards:
+            self._forwards.pop()
+
     def _record(self, mt, snaps: dict, refs) -> None:
         """One timeline event: the counted devices' bytes per category after this op."""
         values = [0] * len(refs)
@@ -283,17 +381,37 @@ class PeakTracker:
             if self._counts(dev):
                 for i, r in enumerate(refs):
                     values[i] += sum(snap.get(k, 0) for k in r)
-        # the innermost module: ModTracker's active modules are nested names ("Global" outside)
-        module = max(mt._mod_tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
-        self.events.append((time.perf_counter() - self._t0, self.phase,
-                            "" if module == "Global" else module, *values))
+        self.events.append((time.perf_counter() - self._t0, self.phase, self.module_now(),
+                            bool(mt._in_ac), *values))
+
+    def births(self) -> list[tuple[int, int, str]]:
+        """The storages the step made, (address, bytes, category as last filed: a gradient as
+        a gradient from its start), in the order the tracker saw them (with `births=True`)."""
+        return [(addr, n, self._category.get(w.reftype, "other"))
+                for addr, n, w in self._births or ()]
 
     def __enter__(self) -> PeakTracker:
-        self._t0 = time.perf_counter()
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        self._t0, self.wall0 = time.perf_counter(), time.time()
         self._mt.__enter__()
+        if self.events is not None:  # the timeline's modules (after MemTracker's hooks: its
+            # module tracker has named the module when ours runs)
+            self._hooks = [register_module_forward_pre_hook(self._enter_forward),
+                           register_module_forward_hook(self._leave_forward, always_call=True)]
+        if self._births is not None:  # what the step finds: parameters, state, the batch
+            self.start_storages = [(st.data_ptr(), self._category.get(w.reftype, "other"))
+                                   for st, (w, _) in list(self._mt._WINFO.items())
+                                   if st.data_ptr()]
         return self
 
     def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._forwards = [], []
         self._mt.__exit__(*exc)
         diff = [0] * (len(self._act_temp) + 1)
         for a, b, nbytes in self._to_grad:
@@ -372,26 +490,56 @@ def _fsdp_tracker() -> type:
 
 class TimelineRecorder:
     """`trainer.memory_timeline=true`: while entered (the runner, around training), every
-    accounting step records its timeline here (`PeakTracker.events`), one table per part of the
-    run (synthetic: one per phase; others: one); `table()` is them end to end
-    (memtrain/timeline.py's format). Off: a no-op that records nothing."""
+    accounting step records here its timeline, one table per part of the run (synthetic: one per
+    phase; others: one), and the bytes each module saved for backward (`SavedByModule`);
+    `table()` is the timelines end to end (memtrain/timeline.py's format), `saved` the modules'
+    rows (memtrain/layers.py's). On the CPU a step's events are the tracker's
+    (`PeakTracker.events`); on CUDA the allocator history's (`allocator.StepHistory`), filed
+    under the tracker's categories (`timeline.from_allocator`). Off: a no-op."""
 
     active: TimelineRecorder | None = None
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.tables: list = []
+        self.steps: list[tuple] = []  # (events, part, categories) of each recorded step
+        self.saved: list[tuple] = []  # (part, module, bytes, host bytes, storages)
+        self.source = "tracker"
+        self.columns: dict = {}  # the row's columns of the recorded steps (CUDA: their peak)
 
-    def add(self, events: list[tuple], part: str) -> None:
+    def add(self, tracker: PeakTracker, saved: SavedByModule | None, part: str,
+            history=None) -> None:
+        """A recorded step's events, kept as they are: the tables are made after training
+        (`table`), outside every step."""
         from memtrain import timeline
 
-        first = sum(int(t["event"].max()) + 1 for t in self.tables if len(t))
-        self.tables.append(timeline.table(events, part, first))
+        if history is not None and history.lost:  # the tracker's events instead, said so
+            self.columns["mem_timeline_note"] = history.lost
+        if history is None or history.lost:
+            self.steps.append((tracker.events, part, timeline.TRACKED))
+        else:
+            start = dict(tracker.start_storages)
+            blocks = [(a, n, start.get(a, "untracked")) for a, n in history.blocks]
+            marks = [e[:4] for e in tracker.events]
+            events = timeline.from_allocator(history.entries, blocks, tracker.births(), marks,
+                                             tracker.wall0)
+            self.steps.append((events, part, timeline.CATEGORIES))
+            self.source = "cuda"
+            peak = self.columns.get("mem_timeline_alloc_peak_bytes", 0)
+            self.columns["mem_timeline_alloc_peak_bytes"] = max(peak, history.peak_bytes)
+        if saved is not None:
+            self.saved += [(part, *row) for row in saved.by_module()]
 
     def table(self):
+        """The recorded steps end to end (memtrain/timeline.py's tidy table), or None."""
         import pandas as pd
 
-        return pd.concat(self.tables, ignore_index=True) if self.tables else None
+        from memtrain import timeline
+
+        tables, first = [], 0
+        for events, part, cats in self.steps:
+            tables.append(timeline.table(events, part, first, cats))
+            first += len(events)
+        return pd.concat(tables, ignore_index=True) if tables else None
 
     def __enter__(self) -> TimelineRecorder:
         if self.enabled:
@@ -519,26 +667,40 @@ class Measurement:
         """Around one whole training step: times it, or accounts it (tracker and saved bytes)."""
         accounting = self.account and step == self.warmup
         timed = step >= self.warmup and not accounting
-        self._saved = SavedBytes(alive_before_step(model, x, y), self.device, model) \
-            if accounting else None
-        recorder = TimelineRecorder.active
+        recorder = TimelineRecorder.active if accounting else None
+        cuda = recorder is not None and self.device.type == "cuda"
         from memtrain.distributed import comm_buffers
 
         comm = comm_buffers(model) if accounting else []
         tracker = PeakTracker(model, optimizer, x, y, *self.resident, *comm, device=self.device,
-                              timeline=recorder is not None) if accounting else None
+                              timeline=recorder is not None, births=cuda) if accounting else None
+        if recorder is not None:  # which module saved what, for the per-module table
+            self._saved = SavedByModule(alive_before_step(model, x, y), self.device, model,
+                                        tracker.module_now)
+        else:
+            self._saved = SavedBytes(alive_before_step(model, x, y), self.device, model) \
+                if accounting else None
         self._tracker = tracker
+        # CUDA: the timeline is the allocator's history of this step (the process's recorder)
+        history = allocator.StepHistory(self.device) if cuda else None
         if timed:
             self.timer.start()
-        with maybe(tracker, accounting):
+        with maybe(history, cuda), maybe(tracker, accounting):
+            t0 = time.perf_counter()
             yield
+            if accounting:
+                sync(self.device)
+                took = time.perf_counter() - t0
         if timed:
             self.timer.stop()
         self._tracker = None
         if accounting:
             self.summary.update(_accounting(self._saved, tracker, model, optimizer))
+            # what recording cost the step: the same step without trainer.memory_timeline
+            # (or with it) is the comparison (README, "A step's memory timeline")
+            self.summary["mem_accounting_step_s"] = took
             if recorder is not None:
-                recorder.add(tracker.events, self.part)
+                recorder.add(tracker, self._saved, self.part, history)
             other = resident_bytes(self.resident, model, self.device)
             if other:
                 self.summary["mem_resident_other_bytes"] = other
@@ -673,12 +835,17 @@ def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
     }
 
 
-def _git_commit() -> str:
-    here = Path(__file__).resolve().parent.parent
+def _git_commit(here: Path | None = None) -> str:
+    """The checkout's commit, `-dirty` when tracked files differ. Read without git's optional
+    locks: `git status` otherwise refreshes the index under .git/index.lock, and a status cut
+    off by the timeout (a loaded machine) leaves that lock behind, blocking the user's next
+    commit."""
+    here = here or Path(__file__).resolve().parent.parent
+    git = ["git", "--no-optional-locks"]
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+        out = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], cwd=here,
                              capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], cwd=here,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):

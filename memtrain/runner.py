@@ -67,6 +67,8 @@ class Method(Protocol):
 
     - optional `check_device(device)`: before probes and training; a one-line ConfigError for
       a device the method cannot use (offload on the CPU).
+    - optional `plan_rows(model) -> list[dict]`: the plan the method applied, one row per
+      segment (memtrain/layers.py's plan.csv), written with `trainer.memory_timeline`.
 
     A stack of methods (methods/stack.py) satisfies the same protocol: wrap innermost first,
     every member's prepare, no member with fit; `build_method` builds its members.
@@ -111,7 +113,8 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     trainer.precision=bf16-true both are made with bf16 as the default dtype (Lightning's
     bf16-true does the same): every parameter and buffer is created in bf16, nothing converted
     afterwards (a conversion of tied weights cannot run on the estimate's fake tensors)."""
-    with default_dtype(param_dtype(str(cfg.trainer.get("precision", "fp32")))):
+    precision = OmegaConf.select(cfg, "trainer.precision", default="fp32")  # a bare cfg: fp32
+    with default_dtype(param_dtype(str(precision))):
         try:
             model = _target(cfg.model, "model")(num_classes=data.num_classes,
                                                 input_shape=data.input_shape,
@@ -446,10 +449,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(result.summary)
     summary.update(distributed.gather_memory(world, result.summary))  # rank 0: every rank's
     if (table := timeline.table()) is not None:
-        from memtrain import timeline as timeline_file
-
-        title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
-        summary.update(timeline_file.write(table, run_dir, title))
+        summary.update(_write_timeline(timeline, table, method, model, run_dir, summary))
     if not planned.get("dry_run"):
         n_test = len(data.test) if t.eval_max_batches is None else min(
             len(data.test), t.eval_max_batches * (t.eval_batch_size or t.batch_size))
@@ -466,6 +466,26 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if t.save_weights:
         resume.save_weights(model, run_dir)
     return result.metrics
+
+
+def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
+                    model: torch.nn.Module, run_dir: Path, summary: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """`trainer.memory_timeline`: the accounting step's timeline (timeline.parquet, .png,
+    .pdf), the bytes each module saved (saved_by_module.csv) and the plan the method applied,
+    where it has one (plan.csv: checkpoint's segments); returns the row's columns."""
+    from memtrain import layers
+    from memtrain import timeline as timeline_file
+
+    title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
+    out = timeline_file.write(table, run_dir, title, source=recorder.source)
+    # recorded on the accounting step: the step the memory columns measure, which trains like
+    # every other step and which no timed step includes (step_time_s, throughput)
+    out.update({"mem_timeline_step": "accounting", **recorder.columns})
+    out.update(layers.write_saved(recorder.saved, run_dir))
+    if hasattr(method, "plan_rows"):  # optional: a method with a per-segment plan
+        out.update(layers.write_plan(method.plan_rows(model), run_dir))
+    return out
 
 
 def _close_logger(logger: Any, summary: dict[str, Any]) -> None:

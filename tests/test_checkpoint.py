@@ -132,6 +132,26 @@ def test_recomputed_dropout_replays_its_mask(model):
         _assert_same_step(ref, ref_loss, got, tensors, x, y, f"{model}/{strategy} {kw}")
 
 
+@pytest.mark.slow  # two Inductor compilations: ~40 s on the CPU
+def test_compile_budget_replays_dropout_masks():
+    """strategy=compile with model.dropout=0.1: the partitioner at a budget of ~0 recomputes
+    the dropouts in backward, and the gradients equal those of budget 1 (nothing recomputed)
+    from the same seed. Inductor draws its own masks (from philox seeds, which the recompute
+    reuses), not eager's, so the reference is the compiled model without recomputation. (With
+    eager's generator, `torch._inductor.config.fallback_random=True`, which memtrain never
+    sets, a recomputed dropout drew new masks: gradients off by up to 0.2, measured.)"""
+    data, base = api.build(["model=gpt_nano", "model.dropout=0.1", "model.layers=1",
+                            "model.width=32", "model.heads=2", *DROPOUT["gpt_nano"]])[:2]
+    x, y = next(data.train.batches(2, torch.device("cpu")))
+    grads = {}
+    for frac in (1.0, 1e-3):
+        got, _, (params, _) = _checkpointed(base, "compile", x, y, budget_fraction=frac)
+        grads[frac] = (_step(got, x, y), [p.grad for p in params])
+    assert grads[1e-3][0] == grads[1.0][0]
+    for g, ref in zip(grads[1e-3][1], grads[1.0][1], strict=True):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+
+
 # ---------------------------------------------------------------- the planner
 
 
@@ -425,8 +445,8 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
 
 def test_same_profile_gives_the_same_plan():
     """Block plans minimise FLOPs: clock noise between two profiles (timings distorted 5x) does
-    not change them. Op plans minimise the profile's measured times (`plan_on_times`), so two
-    profiles may choose other ops at equal cost; one profile always gives one plan (a sweep
+    not change them. Op plans minimise the profile's measured times (method.cost=time), so
+    two profiles may choose other ops at equal cost; one profile always gives one plan (a sweep
     plans every budget on one cached profile)."""
     from torchvision.models import resnet18
 

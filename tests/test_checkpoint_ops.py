@@ -224,17 +224,16 @@ def test_any_keep_set_is_exact(which):
         assert torch.equal(b, b_ref), name
 
 
-def test_op_plans_recompute_batchnorm_from_kept_statistics(monkeypatch):
+def test_op_plans_recompute_batchnorm_from_kept_statistics():
     """On resnet18 at a tight budget the op plan keeps every recomputed BatchNorm's statistics
     (tiny) and recomputes its normalisation (one elementwise pass) rather than the whole op.
     Priced on the roofline (FLOPs and bytes), not on this machine's clock: a plan on measured op
     times follows the load of the moment (under a loaded CPU it once recomputed a whole
     BatchNorm), and the claim is the planner's, not the clock's."""
-    monkeypatch.setattr(opplan, "plan_on_times", lambda prof: None)
     _, model, _ = api.build(["model=resnet18", "dataset.image_size=32"])
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
     method = CheckpointMethod(strategy="budget", budget_fraction=0.4, profile_repeats=1,
-                              dry_run=True)
+                              dry_run=True, cost="roofline")
     method.prepare(method.wrap(model), x, y)
     ops, keep = method.ops.ops, set(method.plan.extra["keep"])
     inside = [(i, j) for a, e in method.plan.groups for i in range(a, e + 1)
@@ -275,6 +274,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     assert [(c.seg, c.what) for c in ops.compact] == [(0, "max_pool2d x1, relu x1")]
     assert 0 < ops.compact[0].saves < p.inner[0]
     loaded = ckpt_cache.load(tmp_path, next((tmp_path / ckpt_cache.FOLDER).glob("*")).stem)
+    opplan.price(loaded[1], method.cost, "cpu")  # the cache keeps what is measured, unpriced
     assert loaded[1].compact == ops.compact
     plain = opplan.OpProfile(ops.ops)
     least = _least_peak(p, ops)
@@ -340,3 +340,76 @@ def test_transients_count_fresh_storages_only():
     p = planner.profile(model.train(), discover(model), x, lambda out: out.float().sum(),
                         repeats=1)
     assert p.transient == p.out
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def _decoder_plan_inputs(cost: str, layers: int = 3, seq: int = 128):
+    """A gpt_nano-shaped decoder (width 64, 4 heads), math attention, bf16-true, dropout 0.1,
+    batch 2, profiled by a checkpoint dry run whose op plans are priced by `cost`."""
+    data, model, method = api.build([
+        "model=gpt_nano", f"model.layers={layers}", "model.width=64", "model.heads=4",
+        "model.dropout=0.1", "trainer.precision=bf16-true", f"dataset.seq_len={seq}",
+        "dataset.train_size=2", "dataset.test_size=2", "method=checkpoint",
+        "method.dry_run=true", "method.profile_repeats=1", f"method.cost={cost}"])
+    x, y = next(data.train.batches(2, torch.device("cpu")))
+    method.prepare(model.train(), x, y)
+    return method, 4 * seq * seq * 2 * 2  # the bytes of one s x s bf16 tensor of 4 heads
+
+
+@pytest.mark.slow  # ~3 s: a decoder profiled
+def test_op_planner_finds_selective_recomputation():
+    """Korthikanti et al.'s selective recomputation, found by the op planner priced in FLOPs
+    (method.cost=flops, the paper's own measure), at the activation peak of keeping only the
+    matmuls' outputs but QK^T's: every layer recomputes its attention core (scale, mask,
+    softmax and dropout, whose s x s outputs it keeps none of, and QK^T, whose product it keeps
+    only where one fits under that peak anyway: the last layer's) and keeps the output of every
+    other matmul (the four linears', attention x V's). In selective checkpointing a kept output
+    is what spares an op's recomputation, so it keeps the linears' outputs where the paper keeps
+    their inputs; those inputs (LayerNorm, GELU, a copy) come back by FLOP-free ops. The paper's
+    plan as selective checkpointing holds it (every output but the attention core's and
+    attention x V's kept) holds more bytes and recomputes more FLOPs (attention x V too)."""
+    method, s2 = _decoder_plan_inputs("flops")
+    p, ops = method.profile, method.ops
+    layers = range(p.n)
+    core = {(i, j) for i in layers for j, o in enumerate(ops.ops[i])
+            if o.keepable and o.nbytes == s2}
+    matmuls = {(i, j) for i in layers for j, o in enumerate(ops.ops[i]) if o.flops > 0}
+    bmm = [[j for j, o in enumerate(ops.ops[i]) if opplan.short(o.name) == "bmm"]
+           for i in layers]
+    qk, att_v = {(i, bmm[i][0]) for i in layers}, {(i, bmm[i][-1]) for i in layers}
+    assert qk <= core and len(core) == 5 * p.n  # QK^T, scale, mask, softmax, dropout's apply
+    assert len(matmuls) == 6 * p.n  # four linears, QK^T, attention x V
+    selective = opplan.op_plan(p, ops, [(i, i) for i in layers], matmuls - qk)
+    plan = opplan.plan_budget(p, ops, selective.peak)
+    keep = set(plan.extra["keep"])
+    assert {i for a, e in plan.groups for i in range(a, e + 1)} == set(layers)
+    assert not keep & (core - qk)  # scale, mask, softmax, dropout: recomputed in every layer
+    assert keep & core <= {(p.n - 1, bmm[-1][0])}
+    assert keep & matmuls >= matmuls - qk  # no linear, no attention x V recomputed
+    flops = opplan.recompute_flops(ops, plan.groups, keep)
+    assert 0 < flops <= opplan.recompute_flops(ops, selective.groups, matmuls - qk)
+    # the paper's plan, as selective checkpointing holds it
+    paper_keep = set(ops.keys()) - core - att_v
+    paper = opplan.op_plan(p, ops, [(i, i) for i in layers], paper_keep)
+    assert plan.peak <= selective.peak < paper.peak
+    assert flops < opplan.recompute_flops(ops, paper.groups, paper_keep)
+
+
+@pytest.mark.slow  # ~3 s: a decoder profiled
+def test_op_plan_at_a_third_of_a_decoders_activations_recomputes_a_fraction_of_blocks():
+    """The mechanics of the gpt2_small figure (docs/results/transformer_checkpoint_cpu.md) on a
+    decoder with its a*s/h (16: width 64, 4 heads, 256 tokens), six layers, batch 1, math
+    attention, one profile (`bench.checkpoint.profiled`): priced in FLOPs, the op plan at 0.35x
+    of none's activation peak recomputes at most half the FLOPs of the block plan at the same
+    budget (measured here: ~0.25), and the row reports both plans' solve times."""
+    from memtrain.bench import checkpoint as bench
+
+    method, _, step_flops = bench.profiled(
+        "gpt_nano", 256, 1, 1, torch.device("cpu"),
+        ["model.layers=6", "model.width=64", "model.heads=4", "method.profile_repeats=1"])
+    (row,) = bench.frontier_rows(method, step_flops, torch.device("cpu"), [0.35], ["flops"])
+    assert row["op_peak"] <= 0.35 and row["block_peak"] <= 0.35
+    assert row["op_flops_overhead"] <= 0.5 * row["block_flops_overhead"], row
+    assert row["op_solve_s"] >= 0 and row["block_solve_s"] >= 0

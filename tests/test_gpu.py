@@ -157,6 +157,26 @@ def test_cuda_memory_series_end_at_the_rows_peak(in_tmp):
     assert named("mem_peak_reserved_bytes")[-1][1] == row["mem_peak_reserved_bytes"]
 
 
+def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
+    """issue 34: the estimate of gpt2_small (1024 tokens, batch 8, bf16-true, math attention,
+    dropout 0.1) for CUDA, backward included: its saved bytes are 12 layers of Korthikanti's
+    s*b*h*(34 + 5*a*s/h) (CUDA's 1-byte dropout masks) within 5%."""
+    from memtrain import estimate, runner, tokens
+
+    cfg, _ = api.compose(["model=gpt2_small", "model.dropout=0.1", "dataset.seq_len=1024",
+                          "dataset.train_size=8", "dataset.test_size=8",
+                          "trainer.precision=bf16-true", "trainer.device=cuda"])
+    data = tokens.tokens(seq_len=1024, train_size=8, test_size=8)
+    out = estimate.estimate_peak(lambda: runner.make_model(cfg, data),
+                                 lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                 data.input_shape, data.num_classes, 8, "bf16-true", "cuda",
+                                 "lm")
+    s, b, h, a = 1024, 8, 768, 12
+    assert out["mem_estimate_device"] == "cuda"
+    assert out["mem_estimate_saved_bytes"] == pytest.approx(12 * s * b * h * (34 + 5 * a * s / h),
+                                                            rel=0.05)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_gpu_row_of_each_strategy(in_tmp, strategy):
     """trainer.strategy=ddp|fsdp on one GPU without a launcher (nccl, a group of one): an ok

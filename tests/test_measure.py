@@ -93,3 +93,32 @@ def test_step_timer_summary():
     assert s["step_time_s_median"] == 0.3
     assert abs(s["throughput_samples_s"] - 10 / 0.3) < 1e-9
     assert 0.4 < s["step_time_s_p90"] <= 1.0
+
+
+def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
+    """A row's git_commit reads the checkout without git's optional locks: a plain `git status`
+    refreshes a stale index under .git/index.lock, and one cut off by the timeout on a loaded
+    machine left the lock behind (the user's next commit failed)."""
+    import os
+    import shutil
+    import subprocess
+
+    from memtrain.measure import _git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        if cmd[0] == "add":
+            (tmp_path / "f.txt").write_text("a")
+        subprocess.run(["git", *cmd], cwd=tmp_path, check=True, env=env)
+    index = tmp_path / ".git" / "index"
+    before = index.stat().st_mtime_ns
+    os.utime(tmp_path / "f.txt", ns=(before + 10**9, before + 10**9))  # stat-dirty, same text
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tmp_path,
+                          capture_output=True, text=True).stdout.strip()
+    assert _git_commit(tmp_path) == head  # same content: not dirty
+    assert index.stat().st_mtime_ns == before  # the index was not rewritten (no lock taken)
+    (tmp_path / "f.txt").write_text("b")
+    assert _git_commit(tmp_path) == head + "-dirty"

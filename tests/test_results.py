@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import ROOT
 from PIL import Image
 
@@ -232,7 +233,10 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
     assert "| synthetic | failed (exit 2)" in text and "nosuch" in text  # the log's last line
     rows = [ln for ln in text.split("## trade-off")[1].split("##")[0].splitlines()
             if ln.startswith("| ") and "| ok |" in ln]
-    assert len(rows) == len(results_plan.METHODS.split(","))
+    quick = yaml.safe_load((root / "conf/experiment/quick.yaml").read_text())
+    settings = [v for line in quick["hydra"]["sweeper"]["variants"] for v in
+                line.split()[0].removeprefix("method=").split(",")]  # one row per setting
+    assert len(rows) == len(settings) and "prune" in settings, (rows, settings)
     assert (out / "report.md").exists() and (out / "summary.csv").exists()
     assert not list(out.glob("**/*.parquet"))
     for png in (out / "figures" / "tradeoff.png", out / "highlights" / "tradeoff.png"):

@@ -1,6 +1,7 @@
 """The README's pictures of the report's figures (docs/figures/, `make results-figures`) are
 drawn from committed rows by the report's own figure functions: each draws again here, and the
-committed PNG is the figure of those rows (its drawn values are the rows' settings)."""
+values it draws equal the committed `<name>.csv` beside the PNG (the figure's data: images differ
+across matplotlib versions, so the pixels are not compared)."""
 
 import pytest
 
@@ -14,3 +15,7 @@ def test_each_picture_draws_again_from_its_committed_rows(screen, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     committed = screens.ROOT / screens.OUT / png.name
     assert committed.is_file(), f"{committed} is not committed: make results-figures"
+    data = screens.ROOT / screens.OUT / f"{screen.name}.csv"
+    assert data.is_file(), f"{data} is not committed: make results-figures"
+    assert (tmp_path / data.name).read_text() == data.read_text(), \
+        f"{data.name}: the figure's values differ from its rows: make results-figures"

@@ -182,6 +182,7 @@ def test_a_gpt_row_names_its_metric(tmp_path):
     assert row["unigram_loss"] > 0 and row["optim"] == "adamw" and row["dataset"] == "tokens"
 
 
+@pytest.mark.slow  # ~4 s: four configs composed and built
 def test_a_language_model_refuses_images_and_a_vit_refuses_tokens():
     with pytest.raises(ConfigError, match="reads token sequences, not 3x8x8 inputs"):
         api.build(["model=gpt_nano", "dataset=synthetic", "dataset.image_size=8"])
@@ -224,6 +225,7 @@ def test_bf16_true_trains_a_gpt_row(tmp_path):
     assert row["status"] == "ok" and math.isfinite(row["test_loss"])
 
 
+@pytest.mark.slow  # ~10 s: twelve full-size layers on fake tensors, backward included
 @pytest.mark.compat  # torch's kernels decide what is saved
 def test_the_estimate_of_gpt2_small_at_1024_tokens_is_the_formula():
     """gpt2_small, 1024 tokens, batch 8, bf16-true, math attention, on fake tensors: its
@@ -233,10 +235,7 @@ def test_the_estimate_of_gpt2_small_at_1024_tokens_is_the_formula():
         pytest.skip("the CUDA estimate has its own test (1-byte masks)")
     from memtrain import estimate
 
-    cfg, _ = api.compose(["model=gpt2_small", "model.dropout=0.1", "dataset.seq_len=1024",
-                          "dataset.train_size=8", "dataset.test_size=8",
-                          "trainer.precision=bf16-true"])
-    data = tokens.tokens(seq_len=1024, train_size=8, test_size=8)
+    cfg, data = _gpt2_small_1024("cpu")
     out = estimate.estimate_peak(lambda: runner.make_model(cfg, data),
                                  lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                                  data.input_shape, data.num_classes, 8, "bf16-true", "cpu",
@@ -245,10 +244,46 @@ def test_the_estimate_of_gpt2_small_at_1024_tokens_is_the_formula():
     assert out["mem_estimate_saved_bytes"] == pytest.approx(layers, rel=0.05)
 
 
+def _gpt2_small_1024(device: str):
+    """gpt2_small at 1024 tokens, bf16-true, math attention, dropout 0.1: its config and data."""
+    cfg, _ = api.compose(["model=gpt2_small", "model.dropout=0.1", "dataset.seq_len=1024",
+                          "dataset.train_size=8", "dataset.test_size=8",
+                          "trainer.precision=bf16-true", f"trainer.device={device}"])
+    return cfg, tokens.tokens(seq_len=1024, train_size=8, test_size=8)
+
+
+@pytest.mark.slow  # ~4 s: twelve full-size layers' forward on fake tensors
+@pytest.mark.compat  # torch's kernels decide what is saved
+def test_the_cuda_estimate_of_gpt2_small_keeps_one_byte_masks():
+    """The estimate for a CUDA device, on a machine without one: the estimate's own probe step
+    (`estimate.probe_steps`) on fake CUDA tensors, forward only (autograd's backward needs a
+    CUDA runtime; the saved bytes are the forward's): gpt2_small, 1024 tokens, batch 8,
+    bf16-true, math attention, dropout 0.1. On CUDA dropout is torch's fused kernel with 1-byte
+    masks: the saved bytes are 12 layers of Korthikanti's s*b*h*(34 + 5*a*s/h) within 5% (the
+    rest: embeddings, final norm, logits), 1/12 of a 2-byte mask per element less than the
+    CPU's form. The full estimate on a GPU: tests/test_gpu.py."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtrain import estimate
+
+    cfg, data = _gpt2_small_1024("cuda")
+    with FakeTensorMode(), torch.device("cuda"):
+        (step,) = estimate.probe_steps(lambda: runner.make_model(cfg, data), 8,
+                                       data.input_shape, data.num_classes,
+                                       torch.device("cuda"), "bf16-true", "lm")
+        saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y))
+        with saved:
+            cross_entropy(step.module(step.x), step.y)
+    cuda = 12 * formula(1024, 8, 768, 12, d=2, m=1)
+    assert cuda == 12 * 1024 * 8 * 768 * (34 + 5 * 12 * 1024 / 768)
+    assert saved.bytes == pytest.approx(cuda, rel=0.05)
+    assert saved.bytes < 12 * formula(1024, 8, 768, 12, d=2, m=2)  # not the CPU's masks
+
+
 @pytest.mark.slow
 def test_gpt_nano_learns_real_text(tmp_path):
     """The Python standard library as bytes: a short run ends below the corpus' byte unigram
-    loss (the longer run is in docs/results/transformer_text_cpu)."""
+    loss (the full model, a few hundred steps: docs/results/transformer_text_cpu.md)."""
     row = api.run(["model=gpt_nano", "model.layers=1", "dataset=text", "dataset.seq_len=64",
                    "trainer.batch_size=16", "trainer.max_steps=50", "trainer.warmup_steps=1",
                    "trainer.eval_max_batches=8", "trainer.account_memory=false",
@@ -258,6 +293,32 @@ def test_gpt_nano_learns_real_text(tmp_path):
     assert row["data_hash"] and "stdlib" in row["data_source"]
 
 
+def _cifar10_on_disk() -> bool:
+    from memtrain import data
+
+    try:
+        data.cifar10()
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.data
+@pytest.mark.skipif(not _cifar10_on_disk(), reason="CIFAR-10 is not on disk (no downloads): "
+                    "vit_tiny's synthetic-data guard is test_recipes.py's")
+def test_vit_tiny_learns_cifar10(tmp_path):
+    """vit_tiny on CIFAR-10 (~/.cache/memtrain, or dataset.data_dir), a few hundred steps on the
+    CPU: test accuracy above chance (0.1). Where CIFAR-10 is absent, test_recipes.py's guard
+    holds vit_tiny above chance on the synthetic dataset."""
+    row = api.run(["model=vit_tiny", "dataset=cifar10", "trainer.batch_size=64",
+                   "trainer.max_steps=300", "trainer.warmup_steps=20",
+                   "trainer.eval_max_batches=16", "trainer.account_memory=false",
+                   "trainer.progress=false", "trainer.device=cpu"], out_dir=tmp_path / "r")
+    assert row["status"] == "ok" and row["test_acc"] > 0.2, row.get("test_acc")
+
+
+@pytest.mark.slow  # ~5 s: a run at 256 tokens with its estimate
 def test_estimate_of_gpt_nano_is_its_measured_step(tmp_path):
     """gpt_nano's shape, bf16-true, math attention, dropout 0.1, s=256, b=2: the GPU-free
     estimate's saved bytes and activation peak equal the CPU's measured step within 3% (the
@@ -284,3 +345,59 @@ def test_find_max_batch_at_full_size_without_allocating_it(tmp_path, model, data
                    "trainer.max_steps=0"], out_dir=tmp_path / "r")
     assert row["status"] == "ok" and row["max_batch_size"] >= 1
     assert measure.peak_rss_bytes() < 16 * 2**30
+
+
+# ---------------------------------------------------------------- the study
+
+
+def _study_jobs() -> list[list[str]]:
+    """experiment=transformer_study's jobs: each variant line with the sweep's other keys,
+    every comma list expanded (the variants sweeper's own `variant_overrides`)."""
+    import itertools
+
+    import yaml
+    from conftest import CONF
+
+    from memtrain.sweeper import variant_overrides
+
+    sweep = yaml.safe_load((CONF / "experiment" / "transformer_study.yaml").read_text())
+    sweeper = sweep["hydra"]["sweeper"]
+    common = [f"{k}={v}" for k, v in sweeper["params"].items()]
+    jobs = []
+    for line in sweeper["variants"]:
+        over = variant_overrides(common, line)
+        lists = [[f"{o.split('=', 1)[0]}={v}" for v in o.split("=", 1)[1].split(",")]
+                 for o in over]
+        jobs += [list(job) for job in itertools.product(*lists)]
+    return jobs
+
+
+def test_transformer_study_sweeps_sequence_attention_and_method():
+    jobs = _study_jobs()
+    assert len(jobs) == 4 * 2 * 4  # sequence lengths x attention x method variants
+    seqs = {o for j in jobs for o in j if o.startswith("dataset.seq_len=")}
+    assert seqs == {f"dataset.seq_len={s}" for s in (256, 512, 1024, 2048)}
+
+
+@pytest.mark.slow  # four estimates of two full-width layers at 2048 tokens: ~20 s
+def test_every_study_variant_estimates_at_full_size(tmp_path):
+    """Each method variant of the study at its longest sequence (2048 tokens, batch 8, bf16-true,
+    gpt2_small's width and heads; two of its twelve layers, every layer being the same) with
+    math attention (the largest: its s x s scores saved) as an estimate on fake tensors: ok
+    rows, none's activations the largest, nothing of that size allocated (none would hold
+    ~5.7 GiB of these two layers' activations). sdpa's jobs differ in one model option."""
+    rows = {}
+    for job in _study_jobs():
+        if "model.attention=math" not in job or "dataset.seq_len=2048" not in job:
+            continue
+        row = api.run(["experiment=transformer_study", *job, "model.layers=2",
+                       "trainer.estimate=true", "trainer.max_steps=0"],
+                      out_dir=tmp_path / str(len(rows)))
+        assert row["status"] == "ok", (job, row.get("error"))
+        rows[" ".join(o for o in job if o.startswith("method"))] = row
+    assert len(rows) == 4
+    assert {r["model"] for r in rows.values()} == {"gpt2_small"}
+    none = rows.pop("method=none")["mem_estimate_act_bytes"]
+    assert none > 5 * 2**30
+    assert all(r["mem_estimate_act_bytes"] < none for r in rows.values())
+    assert measure.peak_rss_bytes() < none  # this process never held them

@@ -3,15 +3,23 @@
 What they share lives here, so every table is timed and labelled the same way: `timings` (how a
 step is timed: `measure.StepTimer`, as memtrain's own loop does) and `kernel_ms` (a kernel's
 time), `device_line` (the one description of the device and versions; `device_name` its first
-part), `markdown` and `publish`.
+part), `markdown` and `publish`; and the rows a table is made of, as CSV (`write_rows`,
+`read_rows`): every row carries the device, the versions, the commit, the date and the command
+that made it, so docs/results' tables are made from what a benchmark wrote
+(memtrain/study/docs.py), not from its printed table.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime
+import io
 import os
 import platform
+import shlex
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,3 +110,57 @@ def publish(text: str, out: str | os.PathLike | None) -> None:
     print(text)
     if out:
         atomic_write(out, text)
+
+
+# the columns write_rows adds to every row: who measured it, where, when and how
+PROVENANCE = ("device", "torch", "git_commit", "date", "command")
+
+
+def command(module: str, argv: Sequence[str] | None) -> str:
+    """The command line that ran a benchmark: `python -m MODULE ARGS` (sys.argv when None)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join(["python -m", module, *([shlex.join(args)] if args else [])])
+
+
+def provenance_row(device: torch.device, cmd: str) -> dict[str, str]:
+    """PROVENANCE's values for rows measured now on `device` by `cmd`."""
+    p = measure.provenance(device)
+    return {"device": device_name(device), "torch": str(p["torch_version"]),
+            "git_commit": str(p["git_commit"]), "date": datetime.date.today().isoformat(),
+            "command": cmd}
+
+
+def write_rows(rows: Sequence[dict], path: str | os.PathLike | None, device: torch.device,
+               cmd: str, append: bool = False) -> None:
+    """The rows of a table as CSV (every key of every row, in order of appearance, then
+    PROVENANCE), written atomically; `append` adds them to the file's rows (same columns
+    first, new ones after)."""
+    if not path:
+        return
+    prov = provenance_row(device, cmd)
+    old = read_rows(path) if append and Path(path).exists() else []
+    rows = [*old, *({**r, **prov} for r in rows)]
+    cols: dict[str, None] = {}
+    for r in rows:
+        cols.update(dict.fromkeys(k for k in r if k not in PROVENANCE))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=[*cols, *PROVENANCE], lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue())
+
+
+def _value(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """write_rows's CSV as rows again: numbers as int or float (as written), text as text, an
+    empty cell left out (as a row without that key)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        return [{k: _value(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from memtrain import bench
 from memtrain.bench import device_line, kernel_ms, markdown, publish
 from memtrain.kernels import bitmask, bsr
 
@@ -99,6 +100,11 @@ def bench_bitmask(batch: int, dtypes: list[torch.dtype], device: torch.device) -
     return rows
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows (as measured, or read back from --csv)."""
+    return markdown([{k: v for k, v in r.items() if k not in bench.PROVENANCE} for r in rows])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("which", choices=["prune", "bitmask"])
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--blocks", default="16,32,64")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
     p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--csv", default=None, help="write the rows here (CSV, with provenance)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"top-k + compaction. Ratios < 1 are faster than dense.")
     title = f"{args.which} kernels ({device.type})" if args.which == "bitmask" else \
         f"prune kernels: grad_weight and compaction ({device.type})"
-    publish(markdown(rows, title, note), args.out)
+    publish(f"# {title}\n\n{note}\n\n{table(rows)}", args.out)
+    bench.write_rows(rows, args.csv, device, bench.command("memtrain.kernels.bench", argv))
 
 
 if __name__ == "__main__":

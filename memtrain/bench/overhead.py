@@ -7,6 +7,8 @@ of the machine hits both alike; the figure is the ratio of median step times (go
 
     python -m memtrain.bench.overhead --model resnet18 --batch-size 64 --image-size 32
     python -m memtrain.bench.overhead --out docs/results/overhead_cpu.md
+    python -m memtrain.bench.overhead --model mlp6 --csv docs/results/rows/overhead_cpu.csv
+(--csv appends this invocation's row, with its provenance, to the CSV's rows)
 """
 
 from __future__ import annotations
@@ -68,6 +70,19 @@ def memtrain_loop(model, batches, device, lr: float, batch_size: int, warmup: in
     return train(model, data, opt, sched, trainer=t, device=device).summary["step_time_s_median"]
 
 
+COLUMNS = {"model": "model", "image_size": "px", "batch_size": "batch",
+           "plain_ms": "plain loop ms/step", "memtrain_ms": "memtrain ms/step",
+           "ratio": "memtrain / plain", "rounds": "rounds", "steps": "timed steps per round",
+           "threads": "torch threads"}
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of result rows (as measured, or read back from --csv)."""
+    shown = [{COLUMNS[k]: (f"{r[k]:.2f}" if k.endswith("_ms") else r[k]) for k in COLUMNS}
+             for r in rows]
+    return bench.markdown(shown)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="resnet18")
@@ -78,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", help="append a markdown table row set to this file")
+    ap.add_argument("--csv", help="append this run's row to this CSV (with its provenance)")
     args = ap.parse_args(argv)
 
     device = bench.device(args.device)
@@ -107,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": bench.device_name(device), "model": args.model,
         "image_size": args.image_size, "batch_size": args.batch_size,
         "plain_step_s": plain, "memtrain_step_s": mt, "ratio": mt / plain,
+        "plain_ms": plain * 1e3, "memtrain_ms": mt * 1e3,
         "rounds": args.rounds, "steps": args.steps, "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -120,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
             f.write(f"| {dt.date.today()} | {result['device']} | {args.model} | "
                     f"{args.image_size} | {args.batch_size} | {plain * 1e3:.2f} | "
                     f"{mt * 1e3:.2f} | {mt / plain:.3f} | {torch.__version__} |\n")
+    bench.write_rows([{k: result[k] for k in COLUMNS}], args.csv, device,
+                     bench.command("memtrain.bench.overhead", argv), append=True)
     return result
 
 

@@ -10,6 +10,7 @@ CPU: saved-activation bytes per step (`measure.SavedBytes`) and step time, at sm
     python -m memtrain.bench.pool                           # CUDA when present, else the CPU
     python -m memtrain.bench.pool --device cpu --models resnet18 --sizes 32 --batches 8
     python -m memtrain.bench.pool --out docs/results/pool_gpu.md
+    python -m memtrain.bench.pool ... --csv docs/results/rows/pool_cpu.csv   # the rows, as CSV
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def _cell(v) -> str:
     return f"{v / 2**20:.1f} MiB" if isinstance(v, int) and v > 10**5 else bench.cell(v)
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows (as measured, or as read back from --csv)."""
+    return bench.markdown(rows, cols=[c for c in COLUMNS if any(c in r for r in rows)],
+                          fmt=_cell)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
@@ -105,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (cuda 5, cpu 2)")
     p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--csv", default=None, help="write the rows here (CSV, with provenance)")
     a = p.parse_args(argv)
     device = bench.device(a.device)
     gpu = device.type == "cuda"
@@ -124,9 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     add_ratios(rows)
     note = (f"Device: {bench.device_line(device)}. Median of {steps} timed steps after {warmup} "
             f"warm-up; saved bytes: one forward, per storage, parameters excluded.")
-    cols = [c for c in COLUMNS if any(c in r for r in rows)]
-    bench.publish(bench.markdown(rows, f"method=pool vs none ({device})", note, cols, _cell),
-                  a.out)
+    bench.publish(f"# method=pool vs none ({device})\n\n{note}\n\n{table(rows)}", a.out)
+    bench.write_rows(rows, a.csv, device, bench.command("memtrain.bench.pool", argv))
 
 
 if __name__ == "__main__":

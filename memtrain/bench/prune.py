@@ -3,9 +3,11 @@ none, in one process, through the same `api.run` as the CLI (so the same measure
 
     python -m memtrain.bench.prune                      # CUDA: batch 64, bf16, 30 steps
     python -m memtrain.bench.prune --out docs/results/prune_e2e_cpu.md   # CPU: batch 2, 4 steps
+    python -m memtrain.bench.prune --csv docs/results/rows/prune_e2e_cpu.csv   # the rows, as CSV
 
 Columns: peak memory (CUDA max_memory_allocated over the timed steps, or on the CPU the
-live-tensor tracker's peak), saved-activation bytes, throughput, each also as a ratio to none.
+live-tensor tracker's peak), saved-activation bytes, the activation peak with and without
+backward's temporaries (the tracker's), throughput, each also as a ratio to none.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain import api
+from memtrain import api, bench
 from memtrain.bench import device_line, markdown, publish
 
 MIB = 2**20
@@ -39,13 +41,22 @@ def run_all(batch: int, steps: int, warmup: int, precision: str, sparsities: lis
             raise SystemExit(f"{label}: status={r['status']} {r.get('error', '')}")
         rows.append({"config": label, "peak_MiB": r["mem_peak_alloc_bytes"] / MIB,
                      "act_saved_MiB": r["mem_act_saved_bytes"] / MIB,
+                     "act_peak_MiB": r["mem_peak_act_bytes"] / MIB,
+                     "act_temp_peak_MiB": r["mem_peak_act_temp_bytes"] / MIB,
                      "samples_s": r["throughput_samples_s"], "source": r["mem_peak_source"]})
     base = rows[0]
     for row in rows:
         row["peak_x_none"] = row["peak_MiB"] / base["peak_MiB"]
         row["act_saved_x_none"] = row["act_saved_MiB"] / base["act_saved_MiB"]
+        row["act_peak_x_none"] = row["act_peak_MiB"] / base["act_peak_MiB"]
+        row["act_temp_peak_x_none"] = row["act_temp_peak_MiB"] / base["act_temp_peak_MiB"]
         row["throughput_x_none"] = row["samples_s"] / base["samples_s"]
     return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows (as measured, or read back from --csv)."""
+    return markdown([{k: v for k, v in r.items() if k not in bench.PROVENANCE} for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sparsity", default="0.5,0.75,0.9")
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--out", default=None, help="also write the markdown table here")
+    p.add_argument("--csv", default=None, help="write the rows here (CSV, with provenance)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     batch = args.batch or (64 if cuda else 2)
@@ -68,8 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Device: {device_line(device)}. resmlp24, synthetic 3x224x224, batch {batch}, "
             f"{precision}, {steps} steps (warm-up excluded), AdamW; one process, same protocol "
             f"as `memtrain` (peak source: {rows[0]['source']}).")
-    text = markdown(rows, f"prune end to end: resmlp24 ({device.type})", note)
-    publish(text, args.out)
+    publish(f"# prune end to end: resmlp24 ({device.type})\n\n{note}\n\n{table(rows)}", args.out)
+    bench.write_rows(rows, args.csv, device, bench.command("memtrain.bench.prune", argv))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 `saved`: resnet50 and resmlp24 at 224 px, batch 2, fp32 (issue 19's acceptance: bits=8 <= 0.30x
 and bits=2 <= 0.12x on resnet50, bits=2 <= 0.15x on resmlp24): saved-activation bytes of one
 training step (`measure.SavedBytes`, per storage; parameters and batch excluded, as every run
-counts them) and the tracked activation peak of that step (`measure.PeakTracker`), same weights,
-batch and seed as none, in this process.
+counts them) and the tracked activation peaks of that step (`measure.PeakTracker`: activations
+alone, and with backward's temporaries, the dequantized copies among them), same weights, batch
+and seed as none, in this process.
 `accuracy`: test accuracy after the same steps (memtrain runs through `api.run`: the CLI's path)
 for mlp6 on Fashion-MNIST (SGD, its recipe's lr 0.01) and resnet18 at 16 px on the synthetic
 data (the `quantize_accuracy` experiment's recipe; that preset runs the same study as a sweep,
@@ -13,6 +14,7 @@ none, bits=2 within 3.
 
     python -m memtrain.bench.quantize saved --out docs/results/quantize_saved_cpu.md
     python -m memtrain.bench.quantize accuracy --seeds 0 1 --out docs/results/quantize_acc_cpu.md
+    python -m memtrain.bench.quantize saved --csv docs/results/rows/quantize_saved_cpu.csv
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def saved_one(model_name: str, size: int, batch: int, variant: str, peak: bool =
         with saved:
             loss = F.cross_entropy(net(x), y)
         loss.backward()
-    return {**row, "saved_mib": saved.bytes / MIB, "act_peak_mib": tracker.act_peak_bytes / MIB}
+    return {**row, "saved_mib": saved.bytes / MIB, "act_peak_mib": tracker.act_peak_bytes / MIB,
+            "act_temp_peak_mib": tracker.act_temp_peak_bytes / MIB}
 
 
 def saved_all(cells: list[tuple[str, int, int]], peak: bool = True) -> list[dict]:
@@ -65,6 +68,8 @@ def saved_all(cells: list[tuple[str, int, int]], peak: bool = True) -> list[dict
             r["saved_vs_none"] = r["saved_mib"] / group[0]["saved_mib"]
             if peak:
                 r["act_peak_vs_none"] = r["act_peak_mib"] / group[0]["act_peak_mib"]
+                r["act_temp_peak_vs_none"] = (r["act_temp_peak_mib"]
+                                              / group[0]["act_temp_peak_mib"])
             print(r, flush=True)
         rows += group
     return rows
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, nargs="+", default=list(BITS), help="accuracy: bit widths")
     p.add_argument("--runs", type=Path, default=Path("runs/bench_quantize"))
     p.add_argument("--out", default=None, help="write the markdown table here")
+    p.add_argument("--csv", default=None, help="write the rows here (CSV, with provenance)")
     p.add_argument("overrides", nargs="*", help="accuracy: extra memtrain overrides")
     a = p.parse_args(argv)
     device = torch.device("cpu")
@@ -129,7 +135,14 @@ def main(argv: list[str] | None = None) -> None:
         note = (f"Device: {bench.device_line(device)}. Test accuracy (%) after the same steps; "
                 f"suites: " + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in SUITES.items()))
         title = "method=quantize vs none: accuracy"
-    bench.publish(bench.markdown(rows, title, note), a.out)
+    bench.publish(f"# {title}\n\n{note}\n\n{table(rows)}", a.out)
+    bench.write_rows(rows, a.csv, device, bench.command("memtrain.bench.quantize", argv))
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows (as measured, or read back from --csv)."""
+    return bench.markdown([{k: v for k, v in r.items() if k not in bench.PROVENANCE}
+                           for r in rows])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ phases count whole.
 
     python -m memtrain.bench.synthetic              # GPU sizes when CUDA is present, else CPU
     python -m memtrain.bench.synthetic --cpu --out docs/results/synthetic_cpu.md
+    python -m memtrain.bench.synthetic --cpu --csv docs/results/rows/synthetic_cpu.csv
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain import api
+from memtrain import api, bench
 from memtrain.bench import device_line, markdown, publish
 
 MIB = 2**20
@@ -100,6 +101,11 @@ COLUMNS = ["model", "dataset", "method", "K", "part_peaks_mib", "max_peak_vs_non
            "time_to_target_s", "test_acc", "acc_vs_none"]
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of the rows (as measured, or read back from --csv)."""
+    return markdown(rows, cols=COLUMNS)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU sizes (default when no CUDA)")
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, help="write the markdown table here")
     p.add_argument("--runs", type=Path, default=Path("runs/bench_synthetic"),
                    help="run folders go below this folder")
+    p.add_argument("--csv", type=Path, help="write the rows here (CSV, with provenance)")
     p.add_argument("overrides", nargs="*", help="extra memtrain overrides, e.g. trainer.threads=1")
     a = p.parse_args(argv)
     cpu = a.cpu or not torch.cuda.is_available()
@@ -118,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Device: {device_line(device)}\n\n`python -m memtrain.bench.synthetic {cmd}`\n\n"
             f"target accuracy = {a.target} x none's final test_acc; peaks from "
             f"`{rows[0]['peak_source']}` on {rows[0]['device']}.")
-    publish(markdown(rows, f"method synthetic benchmark ({'CPU' if cpu else 'GPU'})", note,
-                     COLUMNS), a.out)
+    title = f"method synthetic benchmark ({'CPU' if cpu else 'GPU'})"
+    publish(f"# {title}\n\n{note}\n\n{table(rows)}", a.out)
+    bench.write_rows([{k: v for k, v in r.items() if k != "device"} for r in rows], a.csv,
+                     device, bench.command("memtrain.bench.synthetic", argv))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ The formula counts one layer's saved bytes as s*b*h*(34 + 5*a*s/h) with 2-byte a
 1-byte dropout masks (CUDA's fused dropout). With d bytes per activation element and m per mask
 element it is s*b*h*(16*d + 2*m) + a*s^2*b*(2*d + m); torch's CPU dropout keeps its mask in the
 activation dtype (m = d). A layer is measured as (a 4-layer model - a 2-layer model) / 2 saved
-bytes (memtrain's `measure.SavedBytes`, once per storage), so embeddings and logits cancel. The
-rows go to a CSV beside the Markdown table, which is generated from them.
+bytes (memtrain's `measure.SavedBytes`, once per storage), so embeddings and logits cancel; one
+layer alone is also measured term by term (`measured_terms`: each tensor its autograd node
+saves, named by the formula's term). The rows go to CSVs under docs/results/rows/, from which
+`make results-docs` renders docs/results/transformer_formula_cpu.md.
 
-    python -m memtrain.bench.transformer --out docs/results/transformer_formula_cpu.md
+    python -m memtrain.bench.transformer
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain import bench, measure
+from memtrain import measure
 from memtrain.losses import cross_entropy
-from memtrain.models.transformer import GPT
+from memtrain.models.transformer import GPT, DecoderLayer
 from memtrain.record import atomic_write
 
 # (term, attention or MLP, bytes per s*b*h in units of d and m, bytes per a*s^2*b)
@@ -33,12 +35,12 @@ TERMS = (
     ("attention dropout mask", "attention", (0, 0), (0, 1)),
     ("attention dropout output (for x V)", "attention", (0, 0), (1, 0)),
     ("output projection input", "attention", (1, 0), (0, 0)),
-    ("residual dropout mask", "attention", (0, 1), (0, 0)),
+    ("attention residual dropout mask", "attention", (0, 1), (0, 0)),
     ("MLP LayerNorm input", "MLP", (1, 0), (0, 0)),
     ("first linear input", "MLP", (1, 0), (0, 0)),
     ("GELU input (4h)", "MLP", (4, 0), (0, 0)),
     ("second linear input (4h)", "MLP", (4, 0), (0, 0)),
-    ("residual dropout mask", "MLP", (0, 1), (0, 0)),
+    ("MLP residual dropout mask", "MLP", (0, 1), (0, 0)),
 )
 
 
@@ -98,33 +100,106 @@ def terms(s: int = 256, b: int = 2, h: int = 128, a: int = 4, d: int = 2, m: int
             for t, blk, (sd, sm), (ad, am) in TERMS]
 
 
+# (autograd node, saved attribute) -> the TERMS each occurrence in a layer's forward order is;
+# the dropout masks: the CPU's `input * mask` (MulBackward0) or CUDA's fused NativeDropout
+_MASKS = ("attention dropout mask", "attention residual dropout mask",
+          "MLP residual dropout mask")
+TERM_OF = {
+    ("NativeLayerNormBackward0", "_saved_input"): ("attention LayerNorm input",
+                                                   "MLP LayerNorm input"),
+    ("AddmmBackward0", "_saved_mat1"): ("QKV projection input", "output projection input",
+                                        "first linear input", "second linear input (4h)"),
+    ("BmmBackward0", "_saved_self"): ("Q, K (for QK^T) and V (for attention x V)",
+                                      "attention dropout output (for x V)"),
+    ("BmmBackward0", "_saved_mat2"): ("Q, K (for QK^T) and V (for attention x V)",) * 2,
+    ("SoftmaxBackward0", "_saved_result"): ("softmax output",),
+    ("GeluBackward0", "_saved_self"): ("GELU input (4h)",),
+    ("MulBackward0", "_saved_other"): _MASKS,
+    ("NativeDropoutBackward0", "_saved_result1"): _MASKS,
+}
+BEYOND = "LayerNorm mean and rstd (not in the formula)"
+
+
+def measured_terms(s: int = 256, b: int = 2, h: int = 128, a: int = 4, dropout: float = 0.1,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """One decoder layer's saved bytes by Korthikanti's term: the layer alone, on an input made
+    inside the step (so its LayerNorm saves it, as the next layer's would), its autograd graph
+    walked for every saved tensor (`_saved_*`), each storage once, owned by the earliest node
+    in forward order that saves it, parameters and buffers left out; each (node, attribute)
+    occurrence named by `TERM_OF`, LayerNorm's statistics apart (`BEYOND`)."""
+    torch.manual_seed(0)
+    layer = DecoderLayer(h, a, s, dropout, "math").to(dtype).train()
+    x0 = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    alive = {measure.storage_key(t) for t in measure.alive_before_step(layer, x0)}
+    out = layer(x0 * 1)
+    owner: dict = {}
+    stack, seen = [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(f for f, _ in node.next_functions)
+        for attr in (a for a in dir(node) if a.startswith("_saved_")):
+            t = getattr(node, attr)
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:  # a wrapped Python scalar
+                continue
+            k = measure.storage_key(t)
+            if k not in alive and (k not in owner or owner[k][0] > node._sequence_nr()):
+                owner[k] = (node._sequence_nr(), node.name(), attr,
+                            t.untyped_storage().nbytes())
+    counts: dict = {}
+    got: dict[str, int] = {}
+    for _, name, attr, nbytes in sorted(owner.values()):
+        if name == "NativeLayerNormBackward0" and attr != "_saved_input":
+            term = BEYOND
+        else:
+            k = counts[name, attr] = counts.get((name, attr), -1) + 1
+            term = TERM_OF[name, attr][k]
+        got[term] = got.get(term, 0) + nbytes
+    return got
+
+
+def term_rows(s: int = 256, b: int = 2, h: int = 128, a: int = 4) -> list[dict]:
+    """Per term of the formula, one bf16 layer with dropout 0.1: the bytes measured on the CPU
+    (`measured_terms`), the formula's with the CPU's 2-byte masks, and with CUDA's 1-byte
+    masks (what the same layer saves on a GPU); LayerNorm's statistics last."""
+    got = measured_terms(s, b, h, a)
+    cpu, cuda = terms(s, b, h, a, 2, 2), terms(s, b, h, a, 2, 1)
+    rows = [{"term": c["term"], "block": c["block"], "measured_bytes": got.get(c["term"], 0),
+             "formula_cpu_bytes": c["bytes"], "formula_cuda_bytes": g["bytes"]}
+            for c, g in zip(cpu, cuda, strict=True)]
+    rows.append({"term": BEYOND, "block": "both", "measured_bytes": got.get(BEYOND, 0),
+                 "formula_cpu_bytes": 0, "formula_cuda_bytes": 0})
+    rows.append({"term": "total", "block": "", **{k: sum(r[k] for r in rows) for k in
+                 ("measured_bytes", "formula_cpu_bytes", "formula_cuda_bytes")}})
+    return rows
+
+
+ROWS = Path("docs/results/rows")
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write(path, buf.getvalue())
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="the Markdown table (its rows as CSV beside it)")
+    ap.add_argument("--rows", type=Path, default=ROWS,
+                    help="where the CSVs go (transformer_formula_cpu.csv, "
+                         "transformer_formula_terms_cpu.csv); `make results-docs` renders them")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    dev = torch.device("cpu")
     measured = rows()
-    parts = terms()
-    assert sum(p["bytes"] for p in parts) == formula(256, 2, 128, 4, 2, 2)
-    note = (f"{bench.device_line(dev)}; gpt_nano's shape (width "
-            "128, 4 heads), batch 2; one layer = (4-layer - 2-layer saved bytes) / 2; formula: "
-            "s*b*h*(16d + 2m) + a*s^2*b*(2d + m) with the CPU's masks in the activation dtype "
-            "(m = d; CUDA's fused dropout has m = 1: 34 + 5as/h at d = 2); sdpa rows have no "
-            "formula (no s x s scores are saved). Command: python -m memtrain.bench.transformer "
-            "--out docs/results/transformer_formula_cpu.md")
-    text = bench.markdown(measured, cols=COLS,
-                          title="A decoder layer's saved bytes against Korthikanti's "
-                                "formula (CPU)", note=note)
-    text += "\n" + bench.markdown(parts, None, "The formula term by term at s=256, b=2, h=128, "
-                                              "a=4, bf16 (d = m = 2 bytes), CPU masks:")
-    bench.publish(text, args.out)
-    if args.out:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=COLS)
-        w.writeheader()
-        w.writerows(measured)
-        atomic_write(Path(args.out).with_suffix(".csv"), buf.getvalue())
+    parts = term_rows()
+    assert parts[-1]["formula_cpu_bytes"] == formula(256, 2, 128, 4, 2, 2)
+    _write(args.rows / "transformer_formula_cpu.csv", measured)
+    _write(args.rows / "transformer_formula_terms_cpu.csv", parts)
 
 
 if __name__ == "__main__":

@@ -63,13 +63,17 @@ class PoolMethod:
         convs = swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
                              lambda _, m: recast(m, PooledConv2d, mode=self.mode, **pooling))
         relus = any(type(m) in (nn.ReLU, nn.MaxPool2d) for m in model.modules())
-        if not relus and (not convs or (set(convs) <= stem and not self.compress_input)):
+        bns = self.targets == "conv+bn" and any(type(m) is nn.BatchNorm2d
+                                                for m in model.modules())
+        input_only = not convs or (set(convs) <= stem and not self.compress_input)
+        if not relus and not bns and input_only:
             what = (f"its only convolutions ({', '.join(convs)}) read the input batch, which the "
                     "step keeps anyway (method.compress_input=true would pool that copy)"
                     if convs else "it has no convolution")
-            raise ConfigError(f"method=pool pools the maps convolutions save and swaps ReLUs and "
-                              f"max-pools for compact ones; {type(model).__name__} has no ReLU "
-                              f"or max-pool and {what}: it would change nothing")
+            raise ConfigError(f"method=pool pools the maps convolutions save and swaps ReLUs, "
+                              f"max-pools (and batch norms at method.targets=conv+bn) for compact "
+                              f"ones; {type(model).__name__} has none of these and {what}: it "
+                              f"would change nothing")
         if not convs:  # not silent: its ReLU masks alone can cost memory (Linear keeps the input)
             log.warning("method=pool found no nn.Conv2d in %s: nothing is pooled, only its ReLUs "
                         "and max-pools change", type(model).__name__)

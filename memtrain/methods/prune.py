@@ -21,6 +21,7 @@ from collections import Counter
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +143,7 @@ class PrunedConv1x1Fn(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_w = _grad_weight(ctx, g2d, tuple(saved))
         if grad_w is not None:
-            grad_w = grad_w.view_as(weight)
+            grad_w = grad_w.reshape(weight.shape)
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -172,15 +173,44 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _dense_bytes(x: torch.Tensor, copies: bool) -> int:
+    """What a layer call saves dense: x's storage, or under autocast its cast copy."""
+    if copies:
+        return x.numel() * torch.get_autocast_dtype(x.device.type).itemsize
+    return x.untyped_storage().nbytes()
+
+
+class _LayerCall(NamedTuple):
+    """A prunable layer's call as the plan's probe saw it."""
+
+    key: int  # the storage of its input
+    copies: bool  # autocast: the layer saves a cast copy of its own, not the input
+    alone: bool  # its blocks would take less than the input (and it may be pruned)
+    pos: int  # its own save's index in the probe's tape (every tensor saved, in order)
+    dense: int  # bytes of what it would save dense (the input's storage, or the cast copy)
+    blocks: int  # bytes of its kept blocks and their indices
+
+
+class _ReLUCall(NamedTuple):
+    """A ReLU's call as the probe saw it: its output's storage and the tape entries of its mask."""
+
+    key: int
+    start: int
+    end: int
+    out: int  # bytes of its output's storage (what nn.ReLU would save)
+
+
 class _Planned:
     """A module whose calls, numbered from the start of the model's forward, follow prune's plan
     (`PruneMethod.prepare`): `plan[i]` says what call i does. No plan (a model wrapped but never
     prepared) keeps the rules applied at run time alone. `log`, set while the plan is probed,
-    collects what each call sees."""
+    collects what each call sees; `tape`, shared by every module while probing, is every tensor
+    saved for backward, in order: (storage, bytes)."""
 
     plan: tuple[bool, ...] | None = None
     calls: int = 0
     log: list | None = None
+    tape: list | None = None
 
     def _planned(self) -> bool | None:
         i, self.calls = self.calls, self.calls + 1
@@ -202,22 +232,30 @@ class _PrunedLayer(_Planned):
         if self.log is not None:  # probing: save x as it is, note its storage and its size rule
             dev = x.device.type  # autocast: the layer saves a cast copy of its own
             copies = torch.is_autocast_enabled(dev) and x.dtype != torch.get_autocast_dtype(dev)
-            self.log.append((_storage(x), copies, self._compressible(x)))
+            blocks = self._blocks_bytes(x, copies)
+            self.log.append(_LayerCall(_storage(x), copies, blocks > 0, len(self.tape),
+                                       _dense_bytes(x, copies), blocks))
             spec = replace(spec, keep_dense=True)
         elif planned is False and not spec.prune_shared:
             return None  # someone else keeps x for backward: blocks would add memory
         return _apply(fn, x, self.weight, self.bias, spec, *extra)
 
-    def _compressible(self, x: torch.Tensor) -> bool:
-        """Would the blocks of this call's input take less than the input (and may it be
-        pruned: the batch only with compress_input)?"""
+    def _blocks_bytes(self, x: torch.Tensor, copies: bool) -> int:
+        """The bytes of this call's kept blocks and their int32 indices, or 0 when they would
+        take no less than the input or it may not be pruned (the batch, but with
+        compress_input)."""
         k = self.weight.shape[1]
         m = x.numel() // x.shape[1 if x.dim() == 4 and self.weight.dim() == 4 else -1]
         if self.weight.dim() == 4 and self.stride != (1, 1):
             m = x.shape[0] * len(range(0, x.shape[2], self.stride[0])) * len(
                 range(0, x.shape[3], self.stride[1]))
-        return bsr.compressed_elements(m, k, self.prune_spec) < m * k and (
-            self.prune_spec.compress_input or x.requires_grad)
+        spec, elements = self.prune_spec, bsr.compressed_elements(m, k, self.prune_spec)
+        if elements >= m * k or not (spec.compress_input or x.requires_grad):
+            return 0
+        dtype = torch.get_autocast_dtype(x.device.type) if copies else x.dtype
+        nnz = elements // spec.block_size ** 2
+        return (elements * dtype.itemsize + 4 * nnz
+                + 4 * (-(-k // spec.block_size) + 1))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, prune={self.prune_spec}"
@@ -252,9 +290,11 @@ class PruneReLU(_Planned, nn.ReLU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         planned = self._planned() or self.log is not None
         if planned and self.training and torch.is_grad_enabled() and x.requires_grad:
+            start = len(self.tape) if self.log is not None else 0
             out = MaskedReLUFn.apply(x, self.inplace, self.relu_mask)
             if self.log is not None:
-                self.log.append(_storage(out))
+                self.log.append(_ReLUCall(_storage(out), start, len(self.tape),
+                                          out.untyped_storage().nbytes()))
             return out
         return super().forward(x)
 
@@ -377,15 +417,15 @@ class PruneMethod:
         produce such a storage."""
         if self.spec.sparsity == 0:  # the baseline's own ops, by definition (bitwise, tested)
             return {}
-        saves: Counter = Counter()
+        tape: list[tuple[int, int]] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saves[_storage(t)] += 1
+            tape.append((_storage(t), t.untyped_storage().nbytes()))
             return t
 
         buffers = [(b, b.clone()) for b in model.buffers()]
         for mod in self.planned:
-            mod.plan, mod.log = None, []
+            mod.plan, mod.log, mod.tape = None, [], tape
         try:
             devices = [x.device] if x.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
@@ -396,32 +436,97 @@ class PruneMethod:
             logs = {mod: mod.log for mod in self.planned}
         finally:
             for mod in self.planned:
-                mod.log = None
+                mod.log = mod.tape = None
             with torch.no_grad():
                 for b, old in buffers:
                     b.copy_(old)
+        saves = Counter(key for key, _ in tape)
         users: dict[int, list[bool]] = {}  # per storage: the calls that save it as it is
         for mod, log in logs.items():
             if isinstance(mod, _PrunedLayer):
-                for key, copies, alone in log:
-                    users.setdefault(key, [])
-                    if not copies:
-                        users[key].append(alone)
-        free = {key: saves[key] == len(alone) and all(alone) for key, alone in users.items()}
+                for call in log:
+                    users.setdefault(call.key, [])
+                    if not call.copies:
+                        users[call.key].append(call.alone)
+        free = {key for key, alone in users.items() if saves[key] == len(alone) and all(alone)}
+        calls = [c for m, log in logs.items() if isinstance(m, _PrunedLayer) for c in log]
+        relus = [c for m, log in logs.items() if isinstance(m, PruneReLU) for c in log]
+        outside = {_storage(t) for t in (x, *model.parameters(), *model.buffers())}
+        kept = _below_the_peak(calls, relus, tape, free, outside)
         for mod, log in logs.items():
             if isinstance(mod, _PrunedLayer):  # a cast copy is the layer's own: free if small
-                mod.plan = tuple(alone if copies else free[key] for key, copies, alone in log)
+                mod.plan = tuple(c in kept if c.copies else c.key in kept for c in log)
             else:
-                mod.plan = tuple(free.get(key, False) for key in log)
+                mod.plan = tuple(c.key in kept for c in log)
         layers = sum(sum(m.plan) for m in self.planned if isinstance(m, _PrunedLayer))
-        relus = sum(sum(m.plan) for m in self.planned if isinstance(m, PruneReLU))
+        masked = sum(sum(m.plan) for m in self.planned if isinstance(m, PruneReLU))
         if not layers and not self.spec.prune_shared:
-            head = "" if self.prune_head else "method.prune_head=true, "
+            peaked = len(free) + sum(c.copies and c.alone for c in calls)
+            if peaked:  # there were inputs to free, but each would raise the peak
+                raise ConfigError(
+                    f"method=prune prunes nothing in {type(model).__name__}: the {peaked} "
+                    f"input(s) it could free are alive at the activation peak (until the "
+                    f"forward's end, as a classifier's input), where their blocks would be "
+                    f"made beside them and raise it; the other prunable layers' inputs are "
+                    f"kept by another op for backward, are the batch or would take no less as "
+                    f"blocks, so the run would be "
+                    f"method=none")
             raise ConfigError(
                 f"method=prune prunes nothing in {type(model).__name__}: none of its "
                 f"{len(self.pruned)} prunable layers' inputs could be freed (another op keeps "
                 f"it for backward, it is the batch, or its {self.spec.block_size}x"
                 f"{self.spec.block_size} blocks would take no less; method.relu_mask="
-                f"{self.relu_mask}), so the run would be method=none; try {head}a smaller "
-                f"method.block_size (16, 32, 64) or a larger batch")
-        return {"prune_layer_calls": layers, "prune_relu_masked": relus}
+                f"{self.relu_mask}), so the run would be method=none; where blocks are the "
+                f"reason, try a smaller method.block_size (16, 32, 64) or a larger batch")
+        return {"prune_layer_calls": layers, "prune_relu_masked": masked}
+
+
+def _below_the_peak(calls: list[_LayerCall], relus: list[_ReLUCall], tape: list[tuple[int, int]],
+                    free: set[int], outside: set[int]) -> set:
+    """Of the storages only pruned layers save (`free`), and the calls that prune a cast copy of
+    their own, those whose pruning keeps the activation peak below none's.
+
+    A pruned input's blocks are made while the input is alive, so at that call the memory is
+    none's there, minus what the calls pruned earlier saved (`freed`), plus the blocks and the
+    mask of the ReLU that made the input. none's activation peak is at the forward's end (every
+    saved tensor; the probe's tape without ReLU masks, ReLU outputs in their place): what none
+    saves after the call is its distance to that peak. A call whose blocks and mask exceed
+    `freed` plus that distance would raise the peak: resnet18's classifier input with
+    prune_head, alive at the end of the forward with nothing saved after it, pruned nothing
+    while its blocks raised the activation peak by their size. Calls in forward order; a storage
+    several layers read counts from its first call to its last. `outside`: the storages that
+    are no activation (parameters, buffers, the batch)."""
+    masks = {i for r in relus for i in range(r.start, r.end)}
+    first: dict[int, tuple[int, int]] = {}  # storage -> (first save in none's order, bytes)
+    for i, (key, nbytes) in enumerate(tape):
+        if i not in masks and key not in outside:
+            first.setdefault(key, (i, nbytes))
+    for r in relus:  # none's ReLU saves its output where the masked one saved its mask
+        if r.key not in first or first[r.key][0] > r.start:
+            first[r.key] = (r.start, r.out)
+
+    def after(pos: int, own: set) -> int:
+        return sum(nbytes for key, (i, nbytes) in first.items() if i > pos and key not in own)
+
+    mask_of = {}
+    for r in relus:
+        mask_of[r.key] = mask_of.get(r.key, 0) + sum(tape[i][1] for i in range(r.start, r.end))
+    groups = []  # (first pos, last pos, dense, blocks + mask, what it keeps)
+    by_key: dict[int, list[_LayerCall]] = {}
+    for c in calls:
+        if c.copies and c.alone:
+            groups.append((c.pos, c.pos, c.dense, c.blocks, {c}))
+        elif not c.copies and c.key in free:
+            by_key.setdefault(c.key, []).append(c)
+    for key, cs in by_key.items():
+        groups.append((min(c.pos for c in cs), max(c.pos for c in cs), cs[0].dense,
+                       sum(c.blocks for c in cs) + mask_of.get(key, 0), {key}))
+    kept: set = set()
+    done: list[tuple[int, int]] = []  # (last pos, bytes freed) of the groups kept so far
+    for start, last, dense, cost, keys in sorted(groups, key=lambda g: g[:2]):
+        freed = sum(f for end, f in done if end < start)
+        if cost < freed + after(last, keys):
+            kept |= keys
+            done.append((last, dense - cost))
+    return kept
+

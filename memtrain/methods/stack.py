@@ -101,6 +101,13 @@ class Stack:
                     raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
         return out
 
+    def plan_rows(self, model: nn.Module) -> list[dict]:
+        """The plan of the member that has one (checkpoint's segments), else none."""
+        for m in self.members:
+            if hasattr(m, "plan_rows"):
+                return m.plan_rows(model)
+        return []
+
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
                     num_classes: int,
                     sharding: tuple[str, int] | None = None) -> list[ProbeStep]:

@@ -147,18 +147,24 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
         base_name = tables.parse_baseline(baseline).get("method", baseline)
         with style_mod.using(style):
             made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name, disp)
-            from memtrain.report.plots_timeline import timelines
+            from memtrain.report import plots_timeline
 
-            # the runs' step timelines (trainer.memory_timeline): drawn only where recorded
-            if (tl := timelines(runs, base_name, disp)) is not None:
-                made.append(tl)
+            # the runs' step anatomy (trainer.memory_timeline): drawn only where recorded
+            for fig in (plots_timeline.timelines, plots_timeline.layers_figure,
+                        plots_timeline.anatomy):
+                if (p := fig(runs, base_name, disp)) is not None:
+                    made.append(p)
             for p in made:
                 rep.figures[p.name] = plots.save(p, out / "figures", formats,
                                                  png=pngs if html else None)
     shown = [f"{label}={path}" for label, path in sources] if sources else dirs
+    from memtrain.report.plots_timeline import module_tables
+
     text = markdown.render(settings, mem=mem, baseline=baseline, match=match, sources=shown,
                            n_runs=len(runs), skipped=skipped, warnings=warnings,
-                           figures=rep.figures, not_drawn=rep.not_drawn, out=out, names=disp)
+                           figures=rep.figures, not_drawn=rep.not_drawn, out=out, names=disp,
+                           modules=module_tables(
+                               runs, tables.parse_baseline(baseline).get("method", baseline)))
     atomic_write(out / "report.md", text)
     if html:
         page = html_page.render(text, {name: pngs[name] for name in rep.figures if name in pngs},

@@ -185,11 +185,37 @@ def peak_source(agg: pd.DataFrame) -> str:
     return "CUDA" if src == {"cuda"} else "CPU tracker" if src == {"tracker"} else "mixed"
 
 
+def modules_table(t: pd.DataFrame, plans: dict[str, list[str]]) -> str:
+    """Where the activations live (`trainer.memory_timeline`): one row per module (the
+    baseline's largest savers, then the rest and the total, which is each run's
+    `mem_act_saved_bytes`), a column of saved bytes per setting, and beside each setting with a
+    plan (checkpoint) what the plan does with the module's segment."""
+    div, unit = byte_unit(pd.Series(t.to_numpy().ravel()))
+    dec = decimals_for(pd.Series(t.to_numpy().ravel()) / div)
+    head = ["module"]
+    for lb in t.columns:
+        head.append(f"{lb} {unit}")
+        if lb in plans:
+            head.append(f"{lb}: plan")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, (m, r) in enumerate(t.iterrows()):
+        cells = [f"**{m}**" if m == "total" else m]
+        for lb in t.columns:
+            cells.append(number(r[lb], dec, 1 / div))
+            if lb in plans:
+                cells.append(plans[lb][i])
+        lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str],
            sources: Sequence[str], n_runs: int, skipped: list[tuple[Path, str]],
            warnings: list[str], figures: dict[str, list[Path]], not_drawn: dict[str, str],
-           out: Path, names: Names = DEFAULT_NAMES) -> str:
-    """The whole report.md text; `baseline` is the --baseline spec (method=none)."""
+           out: Path, names: Names = DEFAULT_NAMES,
+           modules: dict | None = None) -> str:
+    """The whole report.md text; `baseline` is the --baseline spec (method=none); `modules`:
+    the per-module tables of `trainer.memory_timeline` runs by (model, dataset)
+    (report.plots_timeline.module_tables)."""
     short = baseline.split(",")[0].partition("=")[2] or baseline
     peak_src = peak_source(agg)
     parts = [
@@ -231,6 +257,13 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         if fail := failed(g):
             parts += ["Failed runs (the reason is the first line of the run's `error`):", "",
                       *fail, ""]
+        if (model, dataset) in (modules or {}):
+            t, plans = modules[(model, dataset)]
+            parts += [f"Where the activations live: saved for backward per module on the "
+                      f"accounting step, the {len(t) - 2} modules that save most in "
+                      f"{t.columns[0]} (a storage counts once, for the module that saved it "
+                      f"first; `saved_by_module.csv` beside each run, the first seed of each "
+                      f"setting):", "", modules_table(t, plans), ""]
     if figures or not_drawn:
         parts += ["## Figures", ""]
         for name, paths in figures.items():

@@ -80,6 +80,19 @@ DATASETS = dict(_DEFAULTS.get("datasets") or {})
 # A parameter whose meaning depends on another's value: checkpoint's budget_fraction is torch's
 # activation_memory_budget under strategy=compile, not the planner's budget.
 CONTEXT_PARAMS = {("strategy", "compile", "budget_fraction"): "amb"}
+# Parameters a setting does not use, given another's value (left out of its label: a selective
+# checkpoint's budget_fraction is the default it never reads, not a budget). Checkpoint's
+# planner options apply to strategy=budget alone, `every` to uniform, the op cost to op plans.
+_PLANNER = {"budget_bytes", "max_group", "granularity", "cost", "profile_batch",
+            "profile_repeats"}
+UNUSED_PARAMS: dict[tuple[str, str], set[str]] = {
+    ("strategy", "selective"): {"budget_fraction", "every", *_PLANNER},
+    ("strategy", "sqrt"): {"budget_fraction", "every", *_PLANNER},
+    ("strategy", "uniform"): {"budget_fraction", *_PLANNER},
+    ("strategy", "compile"): {"every", *_PLANNER},
+    ("strategy", "budget"): {"every"},
+    ("granularity", "block"): {"cost"},
+}
 KEYS = ("params", "settings", "labels", "models", "datasets")
 # method -> its colour (None: a spare one), in display order (conf/report/methods.yaml)
 METHODS: dict[str, str | None] = {str(k): None if v is None else str(v)
@@ -184,8 +197,10 @@ class Names:
         skip = set(skip) | covered
         context = {key: name for (col, value, key), name in CONTEXT_PARAMS.items()
                    if fmt_value(row.get(f"method.{col}")) == value}
+        unused = {f"method.{k}" for (col, value), keys in UNUSED_PARAMS.items()
+                  if fmt_value(row.get(f"method.{col}")) == value for k in keys}
         shown = [(k.removeprefix("method."), v) for k, v in row.items() if isinstance(k, str)
-                 and k.startswith("method.") and k not in skip and not isna(v)]
+                 and k.startswith("method.") and k not in skip | unused and not isna(v)]
         # a stack's member options (method.quantize.bits) by their own short names; prefixed
         # with the member only where two members vary an option of the same name
         leaf = [key.rpartition(".")[2] for key, _ in shown]

@@ -61,12 +61,12 @@ def pareto_front(x: pd.Series, y: pd.Series) -> list[int]:
     return front
 
 
-@style.styled
 def language_model(g: pd.DataFrame) -> bool:
     """A panel of language models: their rows' metric is the validation loss (lower better)."""
     return bool("metric" in g and g["metric"].eq("test_loss").any())
 
 
+@style.styled
 def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
              names: Names = DEFAULT_NAMES) -> Plot | None:
     """Memory relative to the baseline against test accuracy, one panel per model and dataset,
@@ -366,7 +366,7 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                  panel=f"{title}: overhead")
         top.set(title=title, ylabel=f"validation loss change\nvs {baseline}" if lm else
                 f"accuracy change\nvs {baseline} (points)")
-        bottom.set(title=f"{title}: overhead", xlabel=mem.axis(baseline),
+        bottom.set(title=f"{title}: overhead", xlabel=_narrow(mem.axis(baseline), len(ps)),
                    ylabel=f"step-time overhead\nvs {baseline} (%)")
     data = pd.DataFrame(drawn)
     extra = ()
@@ -378,6 +378,14 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                   "or timed noisily (below)"),)
     finish(fig, styles, drawn_labels(data), extra)
     return Plot("cost", fig, data)
+
+
+def _narrow(label: str, panels: int) -> str:
+    """An axis label under one of several panels side by side, each line wrapped to a panel's
+    width (unwrapped, two panels' labels ran into each other)."""
+    if panels < 2:
+        return label
+    return "\n".join(textwrap.fill(line, 46) for line in label.split("\n"))
 
 
 # ---------------------------------------------------------------- the GPU-free estimate

@@ -145,7 +145,11 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
         saves = base.inner[i] - int(inner[i] * scale)
         if not ms or saves <= 0:
             continue
-        fwd = sum(o.cost for o in cops.ops[i]) - sum(o.cost for o in ops.ops[i])
+        dev = x.device.type
+        fwd = sum(opplan.roofline(o, dev) for o in cops.ops[i]) - \
+            sum(opplan.roofline(o, dev) for o in ops.ops[i])
+        flops = sum(opplan.flop_cost(o) for o in cops.ops[i]) - \
+            sum(opplan.flop_cost(o) for o in ops.ops[i])
         steps = {True: [], False: []}
         with planner.unchanged(model, x.device):
             for _ in range(max(repeats, 3)):
@@ -153,5 +157,6 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor, autocast
                     with compacted(ms) if on else contextlib.nullcontext():
                         steps[on].append(_step_time(segments[i], inputs[i], autocast, 1))
         step = max(statistics.median(steps[True]) - statistics.median(steps[False]), 0.0)
-        found.append(Compact(i, saves, max(fwd, 1e-12), step * scale, _kinds(ms), trans[i]))
+        found.append(Compact(i, saves, max(fwd, 1e-12), step * scale, _kinds(ms), trans[i],
+                             flops=max(flops, 1.0), roofline=max(fwd, 1e-12)))
     return found

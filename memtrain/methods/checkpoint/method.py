@@ -16,6 +16,7 @@ Strategies (`method.strategy`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -76,9 +77,42 @@ class CompiledBudget(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch._functorch.config as fconfig
+        import torch._inductor.config as inductor_config
 
-        with fconfig.patch(activation_memory_budget=self.budget):
+        with fconfig.patch(activation_memory_budget=self.budget), \
+                inductor_config.patch(joint_custom_pre_pass=_save_random_pass()):
             return self._compiled(x)
+
+
+def _save_random(graph) -> None:
+    """Mark every seeded random op of the joint graph (dropout's `rand`) MUST_SAVE. Below a
+    budget of 1 the partitioner's knapsack may choose to recompute any op it bans by default,
+    random ones included, and a recomputed `rand` draws a new dropout mask in backward: the
+    gradients are wrong (measured on gpt_nano with dropout 0.1 at budget 1e-3: up to 0.09 off;
+    tests/test_checkpoint.py, test_compile_budget_replays_dropout_masks). Saved, the random
+    values are what backward reuses."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and torch.Tag.nondeterministic_seeded in node.target.tags:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+@functools.cache
+def _save_random_pass():
+    """`_save_random` as Inductor's joint-graph pre-pass, its uuid keying the compile cache
+    (built on first use: importing torch._inductor takes seconds)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class SaveRandom(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            _save_random(graph)
+
+        def uuid(self) -> str:
+            return "memtrain.save_random.1"
+
+    return SaveRandom()
 
 
 def _move_keys(d: dict, src: str, dst: str) -> None:
@@ -115,9 +149,11 @@ class CheckpointMethod:
     def __init__(self, strategy: str = "budget", every: int = 1, budget_fraction: float = 0.5,
                  budget_bytes: int | None = None, max_group: int | None = None,
                  profile_batch: int | None = None, profile_repeats: int = 2,
-                 dry_run: bool = False, granularity: str = "op"):
+                 dry_run: bool = False, granularity: str = "op", cost: str = "time"):
         check_choice("method.strategy", strategy, STRATEGIES)
         check_choice("method.granularity", granularity, GRANULARITIES)
+        check_choice("method.cost", cost, opplan.COSTS)
+        self.cost = cost  # what an op plan minimises (`ops.price`)
         # op granularity applies to the budget planner; the fixed strategies recompute whole groups
         self.by_op = granularity == "op" and strategy == "budget"
         if self.by_op and not opplan.sac_cache_is_counted():
@@ -377,10 +413,11 @@ class CheckpointMethod:
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
             # bn: BatchNorm split into statistics + normalisation (`batchnorm.py`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
-            # compact: op profiles carry the compaction choices (`compact.py`); cost: ops
-            # cost their measured times (`plan_on_times`), where older profiles had a roofline
+            # compact: op profiles carry the compaction choices (`compact.py`); ops=2: each
+            # op's FLOPs and bytes moved kept beside its time, priced after loading
+            # (`ops.price`, method.cost), where older profiles kept one priced cost
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
-                          repeats=self.profile_repeats, bn="split", compact=1, cost="time",
+                          repeats=self.profile_repeats, bn="split", compact=1, ops=2,
                           transient=3, model_options=model_config)
             got = cache.load(cache_dir, k)
         if got is None:
@@ -401,10 +438,11 @@ class CheckpointMethod:
             ops.compact = compaction.profile(model, self.segments, x, autocast,
                                                 self.profile_repeats, scale, self.profile, ops)
             opplan.calibrate(ops, self.profile.time)
-            if not is_fake(x):  # a probe's clock means nothing: it plans on the roofline
-                opplan.plan_on_times(ops)
         if k is not None and (got is None or (got[1] is None and ops is not None)):
             cache.save(cache_dir, k, self.profile, ops)
+        if ops is not None:  # a probe's clock means nothing: there time is the roofline
+            opplan.price(ops, "roofline" if self.cost == "time" and is_fake(x) else self.cost,
+                         x.device.type)
         self.ops = ops if self.by_op else None
 
     def _shard(self, sharding: tuple[str, int] | None) -> None:
@@ -506,6 +544,40 @@ class CheckpointMethod:
                 "plan_compact_bytes": sum(c.saves for c in self._compacted())}
                if self.by_op else {}),
         }
+
+    def plan_rows(self, model: nn.Module) -> list[dict[str, Any]]:
+        """The plan in place, one row per segment (memtrain/layers.py's plan.csv): its modules
+        (as `model.named_modules()` names them), kept or recomputed and in which group, and at
+        op granularity the ops of a recomputed segment whose outputs the plan keeps (and their
+        bytes) and a kept segment's compaction. `selective`: every segment recomputed as a
+        group of its own, matmul and convolution outputs kept; `compile` has no plan (torch
+        decides inside the compiled graph): no rows."""
+        if self.strategy == "compile" or not self.segments:
+            return []
+        names = {id(m): n for n, m in model.named_modules()}
+        if self.strategy == "selective":
+            groups, keep, ops = [(i, i) for i in range(len(self.segments))], set(), None
+        elif self.plan is not None:
+            groups, ops = self.plan.groups, self.ops
+            keep = set(self.plan.extra.get("keep", ())) if self.by_op else set()
+        else:
+            return []
+        group_of = {i: g for g in groups for i in range(g[0], g[1] + 1)}
+        compact = set(self.plan.extra.get("compact", ())) if self.plan is not None else set()
+        rows = []
+        for i, seg in enumerate(self.segments):
+            g = group_of.get(i)
+            row: dict[str, Any] = {
+                "segment": i, "name": seg.name,
+                "modules": " ".join(names.get(id(m), seg.name) for m in seg.modules()),
+                "decision": "keep" if g is None else "recompute",
+                "group": "" if g is None else f"{g[0]}-{g[1]}", "compact": i in compact}
+            if ops is not None and g is not None:
+                kept = [o for j, o in enumerate(ops.ops[i]) if (i, j) in keep]
+                row.update(ops=len(ops.ops[i]), kept_ops=len(kept),
+                           kept_bytes=sum(o.nbytes for o in kept))
+            rows.append(row)
+        return rows
 
     def _compacted(self) -> list[opplan.Compact]:
         chosen = set(self.plan.extra.get("compact", []))

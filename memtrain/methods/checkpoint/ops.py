@@ -3,10 +3,12 @@ group, each op whose output autograd would hold is a decision: keep its output (
 checkpointing caches it, `CheckpointPolicy.MUST_SAVE`) or recompute it in backward.
 
 The profile (`OpTimer`, a TorchDispatchMode over one instrumented forward) lists every aten op of
-every segment in forward order with its fresh output bytes, its forward time and a cost: the
-time (scaled per segment to the segment's measured forward, `calibrate`; `plan_on_times`), or
-on a probe's fake tensors, where no clock means anything, a roofline of its FLOPs and the bytes
-it reads and writes. A sweep plans every budget on one cached profile (`cache.py`), so its
+every segment in forward order with its fresh output bytes, its forward time (scaled per
+segment to the segment's measured forward, `calibrate`), its FLOPs and the bytes it reads and
+writes; its cost, what the program minimises, is priced from those (`price`, `method.cost`):
+the time, a roofline of FLOPs and bytes (what the time falls back to on a probe's fake tensors,
+where no clock means anything), or the FLOPs. A sweep plans every budget on one cached profile
+(`cache.py`), so its
 plans do not move with the clock from job to job. The 0-1 program is the segment
 program of `plan.py` plus one variable y_o per keepable op: y_o <= 1 - kept_i (only ops of
 recomputed segments), the kept bytes are held from the forward until the group is recomputed
@@ -58,8 +60,10 @@ def _allows_mutation() -> bool:
 class Op:
     name: str  # str(aten overload), what the policy checks
     nbytes: int  # fresh output storages (what keeping it holds)
-    cost: float  # what the planner minimises: the time (`plan_on_times`), else the roofline
+    cost: float  # what the planner minimises (`price`: time, roofline or FLOPs)
     time: float = 0.0  # measured forward time, seconds
+    flops: float = 0.0  # torch.utils.flop_counter's count (matmuls, convolutions; else 0)
+    moved: int = 0  # bytes its tensor arguments and outputs hold (read + written)
     keepable: bool = True  # fresh outputs, not the segment's output, never overwritten later
     # (but by an idempotent in-place op as its first use: `relu_` after BatchNorm)
     relu_after: bool = False  # its cached output then holds relu(output); recompute reapplies it
@@ -71,11 +75,13 @@ class Compact:
 
     seg: int  # the segment
     saves: int  # saved bytes the compacted segment keeps less (measured, >= 1)
-    cost: float  # the planner's cost (> 0): roofline of the extra forward ops, or with measured
-    # times (`plan_on_times`) `time`
+    cost: float  # the planner's cost (> 0; `price`): roofline of the extra forward ops, their
+    # FLOPs, or with measured times `time`
     time: float  # extra measured time of the segment's forward + backward, seconds (>= 0)
     what: str  # "relu x3, max_pool2d x1"
     transient: int = 0  # the compacted forward's transient peak (`plan.transients`)
+    flops: float = 0.0  # the extra forward ops' `flop_cost` (what cost=flops prices)
+    roofline: float = 0.0  # the extra forward ops' roofline (what cost=roofline prices)
 
 
 @dataclass
@@ -126,6 +132,7 @@ class OpTimer(TorchDispatchMode):
             flop = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
         moved = sum(t.nbytes for t in ins) + sum(t.nbytes for t in outs)
         op = Op(str(func), sum(fresh.values()), flop / self.flops + moved / self.bandwidth, dt,
+                flop, moved,
                 keepable=bool(outs) and len(fresh) == len({measure.storage_key(t) for t in outs}))
         for k in fresh:
             self.producer[k] = (seg, len(self.ops[seg]))
@@ -183,6 +190,7 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
             later = [r[i][j].time for r in runs[1:]] or [o.time]
             o.time = statistics.median(later) * scale
             o.nbytes, o.cost = int(o.nbytes * scale), o.cost * scale
+            o.flops, o.moved = o.flops * scale, int(o.moved * scale)
             if any(timer.producer.get(k) == (i, j) for k in out_keys):
                 o.keepable = False  # the segment's output: a boundary, modelled per segment
     return OpProfile(ops)
@@ -337,6 +345,19 @@ def plan_budget(p: planner.Profile, prof: OpProfile, budget: float,
     raise planner.Infeasible(op_plan(p, prof, *got).peak)
 
 
+def recompute_flops(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> float:
+    """The FLOPs (torch's flop counter) of every op a plan recomputes."""
+    return sum(o.flops for a, e in groups for i in range(a, e + 1)
+               for j, o in enumerate(prof.ops[i]) if (i, j) not in keep)
+
+
+def recomputed_matmuls(prof: OpProfile, groups: list[planner.Group], keep: set[Key]) -> str:
+    """The FLOP-carrying ops a plan recomputes, counted by kind: "bmm x11, addmm x2"."""
+    c = Counter(short(o.name) for a, e in groups for i in range(a, e + 1)
+                for j, o in enumerate(prof.ops[i]) if (i, j) not in keep and o.flops > 0)
+    return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"
+
+
 def brute_force(p: planner.Profile, prof: OpProfile, budget: float) -> planner.Plan | None:
     """Every segment plan x every subset of keepable ops x every subset of the kept segments'
     compactions (tests: tiny instances only)."""
@@ -446,19 +467,48 @@ def calibrate(prof: OpProfile, seg_time: list[float]) -> None:
             o.time = o.time * t / total if total > 0 else t / len(seg)
 
 
-def plan_on_times(prof: OpProfile) -> None:
-    """Make the measured (calibrated) forward times the planner's cost: what a plan's predicted
-    overhead sums, so the program minimises the figure it reports. The roofline stays the cost
-    only where no clock means anything (a probe's fake tensors). Measured on this CPU (resnet50
-    224 px, batch 184 profiled on 8, one profile): at 0.4x op/block overhead 0.67 on times
-    against 0.72 on the roofline, which prices in-place ReLUs and adds ~25x above what they run
-    and BatchNorm's statistics below. A compaction costs at least 1e-3 of its segment's time, so
-    a free-looking one is still taken only when it helps the budget."""
+COSTS = ("time", "roofline", "flops")
+
+
+def roofline(o: Op, device_type: str) -> float:
+    """An op's nominal time on the device's roofline (`ROOFLINE`): FLOPs and bytes moved."""
+    flops, bandwidth = ROOFLINE.get(device_type, ROOFLINE["cuda"])
+    return o.flops / flops + o.moved / bandwidth
+
+
+def flop_cost(o: Op) -> float:
+    """An op's FLOPs (torch.utils.flop_counter: matmuls and convolutions), at least 1 (an op
+    without FLOPs is nearly free, not free), as torch.compile's activation memory budget prices
+    a recomputation by default (`activation_memory_budget_runtime_estimator="flops"`)."""
+    return max(o.flops, 1.0)
+
+
+def price(prof: OpProfile, how: str, device_type: str) -> None:
+    """Set every op's and compaction's `cost`, what the program minimises (`method.cost`):
+
+    - `time`: the measured (calibrated) forward times, what a plan's predicted overhead sums,
+      so the program minimises the figure it reports. Measured on this project's CPU (resnet50
+      224 px, batch 184 profiled on 8, one profile): at 0.4x op/block overhead 0.67 on times
+      against 0.72 on the roofline, which prices in-place ReLUs and adds ~25x above what they
+      run and BatchNorm's statistics below. A compaction costs at least 1e-3 of its segment's
+      time, so a free-looking one is still taken only when it helps the budget.
+    - `roofline`: FLOPs and bytes on the device's nominal roofline (`ROOFLINE`); what `time`
+      falls back to where no clock means anything (a probe's fake tensors).
+    - `flops`: FLOPs alone (`flop_cost`), the measure of Korthikanti et al. (2022) and of
+      torch.compile's memory budget: the matmuls are what costs, an op without FLOPs (scale,
+      mask, softmax, dropout, LayerNorm, GELU, copies) is nearly free to recompute. On a
+      transformer with math attention it recomputes the attention core and keeps the matmuls'
+      outputs; a device's clock can disagree (the CPU runs math attention's elementwise s x s
+      ops as slowly as the layer's linears: docs/results/transformer_checkpoint_cpu.md)."""
+    if how not in COSTS:
+        raise ValueError(f"cost {how!r} is not one of {', '.join(COSTS)}")
     for seg in prof.ops:
         for o in seg:
-            o.cost = o.time
-    for c in prof.compact:  # its extra forward + backward
-        c.cost = max(c.time, 1e-3 * sum(o.time for o in prof.ops[c.seg]))
+            o.cost = (o.time if how == "time" else roofline(o, device_type)
+                      if how == "roofline" else flop_cost(o))
+    for c in prof.compact:  # its extra forward (time: + backward, measured)
+        c.cost = (max(c.time, 1e-3 * sum(o.time for o in prof.ops[c.seg])) if how == "time"
+                  else c.roofline if how == "roofline" else max(c.flops, 1.0))
 
 
 def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int = 2,
