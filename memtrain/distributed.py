@@ -35,6 +35,7 @@ import datetime
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -506,14 +507,16 @@ def gather_memory(world: World, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def failed(world: World, status: str, error: str, step: int | None) -> None:
-    """This rank failed: record why in the group's store (in the order failures happened), and,
-    for a failure the ranks did not agree on (every one but diverged and interrupted, which the
-    per-step all-reduce makes happen on all ranks at one step), leave the group so a rank
-    waiting in a collective for this one raises instead of hanging."""
+    """This rank failed: record why in the group's store (in the order failures happened). A
+    failure the ranks did not agree on (every one but diverged and interrupted, which the
+    per-step all-gather makes happen on all ranks at one step) leaves the group at once, so a
+    rank waiting in a collective for this one raises instead of hanging until the group's
+    timeout: rank 0 leaves after it wrote the row (its process ends), any other rank here, by
+    ending its process. Nothing short of that closes gloo's connections: the group lives on in
+    whatever still holds it (a DDP reducer, a device mesh), and aborting it is no promise."""
     if not world.collective:
         return
-    import torch.distributed as dist
-
+    store = None
     try:
         store = world.store()
         n = store.add(PREFIX + "failures", 1)
@@ -521,17 +524,13 @@ def failed(world: World, status: str, error: str, step: int | None) -> None:
             {"rank": world.rank, "status": status, "error": error, "step": step}))
     except Exception as e:  # the store went with the launcher: nothing to tell
         log.warning("rank %d: could not record its failure: %s", world.rank, e)
-        return
     world.failed_store = store  # kept: the group goes, the store stays reachable
-    if status not in ("diverged", "interrupted") and dist.is_initialized():
-        # aborted, not only destroyed: the exception's frames still hold the model (DDP's
-        # reducer holds the group), and a group merely destroyed kept gloo's connections open,
-        # the other ranks waiting in their collective for good
-        with contextlib.suppress(Exception):
-            dist.distributed_c10d._abort_process_group()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+    if status not in ("diverged", "interrupted") and not world.main:
+        log.error("rank %d ends its process: rank 0 writes the job's row", world.rank)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def root_failure(world: World) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import math
+import signal
 import sys
 import time
 import traceback
@@ -247,33 +248,39 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Pa
     metrics: list[dict] = []
     error: Exception | None = None
     t0 = time.perf_counter()
-    with faults.StopSignals() as stop, contextlib.ExitStack() as stack:
-        try:
-            metrics = _job(cfg, run_dir, summary, stop, stack, search, world)
-            summary["status"] = "ok"
-        except RunFailed as e:
-            summary.update(e.summary)
-            metrics = e.metrics
-            summary.update(status=e.status, error=str(e), failed_step=e.step)
-            if e.status == "interrupted":
-                summary["signal"] = stop.requested
-            log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
-        except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, a probe
-            summary.update(status="oom", error=str(e).splitlines()[0])
-            log.warning("run ended with status=oom: %s", summary["error"])
-        except ConfigError as e:
-            summary.update(status="error", error=str(e))
-            error = e
-        except Exception as e:  # a sweep records the failure and goes on
-            summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
-            log.error("run failed: %s\n%s", e, traceback.format_exc())
-            error = e
-    summary["wall_s"] = time.perf_counter() - t0
-    if summary["status"] != "ok" and world.collective:
-        distributed.failed(world, summary["status"], summary.get("error", ""),
-                           summary.get("failed_step"))
-        if world.main:
-            _blame(summary, distributed.root_failure(world))
+    # the run's signals stay deferred until a failed collective run's row is written: when one
+    # rank leaves, torchrun stops the others (SIGTERM), and rank 0 writes the job's row first
+    with faults.StopSignals() as stop:
+        with contextlib.ExitStack() as stack:
+            try:
+                metrics = _job(cfg, run_dir, summary, stop, stack, search, world)
+                summary["status"] = "ok"
+            except RunFailed as e:
+                summary.update(e.summary)
+                metrics = e.metrics
+                summary.update(status=e.status, error=str(e), failed_step=e.step)
+                if e.status == "interrupted":
+                    summary["signal"] = stop.requested
+                log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
+            except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, probes
+                summary.update(status="oom", error=str(e).splitlines()[0])
+                log.warning("run ended with status=oom: %s", summary["error"])
+            except ConfigError as e:
+                summary.update(status="error", error=str(e))
+                error = e
+            except Exception as e:  # a sweep records the failure and goes on
+                summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+                log.error("run failed: %s\n%s", e, traceback.format_exc())
+                error = e
+        summary["wall_s"] = time.perf_counter() - t0
+        if summary["status"] != "ok" and world.collective:
+            distributed.failed(world, summary["status"], summary.get("error", ""),
+                               summary.get("failed_step"))  # another rank's process ends here
+            if world.main:
+                _blame(summary, distributed.root_failure(world))
+                if summary.get("failed_rank", 0) != 0:  # torchrun stops rank 0 too
+                    stop.ignore_after(signal.SIGTERM)
+            return _finish(run_dir, summary, metrics, error, world)
     return _finish(run_dir, summary, metrics, error, world)
 
 
