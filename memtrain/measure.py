@@ -206,14 +206,15 @@ class PeakTracker:
             self._mt = MemTracker()
             self._mt.track_external(*external)
         kinds = self._kinds
-        act_kinds, temp_kinds = kinds["act"], kinds["temp"]
-        grad_kinds = set(kinds["grads"])
         self.act_peak_bytes = 0
         self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
-        self._act_temp: list[int] = []  # activations + temporaries after each update
-        self._made: dict[int, int] = {}  # a temporary's record -> the update it was made at
-        self._to_grad: list[tuple[int, int, int]] = []  # (from, to, bytes): temps made grads
-        self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
+        # after each op: the counted devices' bytes per category (timeline.TRACKED), and what
+        # the tracker filed as an activation or temporary when it was made, to be filed again
+        # under what it turned out to be (`_refile`): record -> ([(from op, bytes)], category,
+        # made inside FSDP's hooks); (from op, to op, bytes, category, category) moves
+        self._series: list[list[int]] = []
+        self._made: dict[int, tuple[list[tuple[int, int]], int, bool]] = {}
+        self._moves: list[tuple[int, int, int, int, int]] = []
         mt = self._mt
         # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
         # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
@@ -248,67 +249,70 @@ class PeakTracker:
         # (most of an accounting step's time on a few hundred modules under quantize's many
         # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
         # peak as MemTracker does, and the peak of the activation part alone with its moment.
-        # FSDP2's hooks (the all-gather before a unit's forward and backward, the reduce-scatter
-        # after its backward) make their buffers with `empty` and FSDP's tracker names them
-        # when the collective runs: until then they read as activations or temporaries. What
-        # those two grow by inside a hook is communication, filed as other (all-gather).
-        hooks, outside = hasattr(mt, "in_hook"), {}
-
-        def adjusted(dev, snap: dict) -> dict:
-            if not hooks:
-                return snap
-            parts = (sum(snap.get(k, 0) for k in act_kinds),
-                     sum(snap.get(k, 0) for k in temp_kinds))
-            if not mt.in_hook:
-                outside[dev] = parts
-                return snap
-            before = outside.get(dev, (0, 0))
-            more = [max(0, now - was) for now, was in zip(parts, before)]
-            if not any(more):
-                return snap
-            snap = dict(snap)
-            for k, extra in zip((act_kinds[0], temp_kinds[0]), more):
-                snap[k] -= extra
-            comm = kinds["other"][-1]
-            snap[comm] = snap.get(comm, 0) + sum(more)
-            return snap
+        # What the tracker files as an activation or a temporary when it is made may turn out
+        # to be something else, and is then filed again under that from the moment it was made
+        # (`_refile`, applied to the series after the step):
+        # - a parameter's gradient, made in backward: MemTracker files it as a temporary until
+        #   autograd hands it to the parameter (its grad hook retags it a few ops later; on a
+        #   256-wide MLP the weight gradient was most of the temporaries at their peak);
+        # - FSDP2's buffers: its hooks (the all-gather before a unit's forward and backward, the
+        #   reduce-scatter after its backward) make them with `empty`, and FSDP's tracker names
+        #   them (all-gather, reduce-scatter, unsharded parameter or gradient) when the
+        #   collective runs; one a hook made and freed unnamed is communication (other).
+        TRACKED = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        index = {name: i for i, name in enumerate(TRACKED)}
+        cat_of = {r: index[name] for name, rs in kinds.items() for r in rs}
+        ACT, TEMP, OTHER = index["act"], index["temp"], index["other"]
+        hooks = hasattr(mt, "in_hook")
+        made, moves, series = self._made, self._moves, self._series
 
         def update(state):
-            now = 0
-            snaps = {dev: adjusted(dev, snap) for dev, snap in mt._curr_mem_snap.items()}
-            for dev, snap in snaps.items():
+            vector = [0] * len(TRACKED)
+            for dev, snap in mt._curr_mem_snap.items():
                 total = snap[_TOTAL]
                 if mt._peak_mem.get(dev, 0) < total:
                     mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
                 if not self._counts(dev):
                     continue
-                act = sum(snap.get(k, 0) for k in act_kinds)
-                if act > self.act_peak_bytes:
-                    self.act_peak_bytes, self._act_snap = act, dict(snap)
-                now += act + sum(snap.get(k, 0) for k in temp_kinds)
-            self._act_temp.append(now)
+                for i, r in enumerate(refs):
+                    for k in r:
+                        vector[i] += snap.get(k, 0)
+            series.append(vector)
             if self.events is not None:
-                self._record(mt, snaps, refs)
+                self._record(mt, vector)
 
-        # A parameter's gradient is made in backward, so MemTracker files it as a temporary
-        # until autograd hands it to the parameter (its grad hook retags it as a gradient, a
-        # few ops later). It is no activation memory: the bytes of every temporary later
-        # retagged as a gradient are taken off the moments they were counted as a temporary
-        # (on a 256-wide MLP the weight gradient was most of the temporaries at their peak).
+        def settle(key: int, to: int) -> None:
+            parts, cat, _ = made.pop(key)
+            if to != cat:
+                now = len(series)
+                moves.extend((start, now if end is None else end, nbytes, cat, to)
+                             for start, end, nbytes in parts)
+
         def update_snap(kind, winfo, **kw):
             orig_update_snap(kind, winfo, **kw)
             if not self._counts(winfo.device):
                 return
-            if (kind == _UpdateType.REF and kw.get("old_reftype") in temp_kinds
-                    and winfo.device in outside):  # no longer a temporary: out of the baseline
-                a, t = outside[winfo.device]
-                outside[winfo.device] = (a, max(0, t - winfo.mem_consumed))
-            if kind == _UpdateType.ADD and winfo.reftype in temp_kinds:
-                self._made[id(winfo)] = len(self._act_temp)
-            elif (kind == _UpdateType.REF and kw.get("old_reftype") in temp_kinds
-                  and winfo.reftype in grad_kinds and id(winfo) in self._made):
-                self._to_grad.append((self._made.pop(id(winfo)), len(self._act_temp),
-                                      winfo.mem_consumed))
+            key = id(winfo)
+            if kind == _UpdateType.ADD:
+                cat = cat_of.get(winfo.reftype)
+                if cat in (ACT, TEMP):
+                    made[key] = ([(len(series), None, winfo.mem_consumed)], cat,
+                                 hooks and mt.in_hook > 0)
+            elif key not in made:
+                return
+            elif kind == _UpdateType.REF:
+                settle(key, cat_of.get(winfo.reftype, OTHER))
+            elif kind == _UpdateType.DEL:
+                if made[key][2]:  # a hook's buffer, never named: communication
+                    settle(key, OTHER)
+                else:
+                    del made[key]
+            elif kind == _UpdateType.SIZE:  # FSDP frees and refills a buffer by resizing it
+                parts = made[key][0]
+                start, _, nbytes = parts[-1]
+                now = len(series)
+                parts[-1] = (start, now, nbytes)
+                parts.append((now, None, winfo.mem_consumed))
 
         orig_update_snap = mt._update_snap
         mt._update_snap = update_snap
@@ -341,11 +345,14 @@ class PeakTracker:
         """The parameters' gradients, at the end of the update: any of them the tracker still
         files as a temporary (FSDP2's sharded gradients, which its post-backward makes and its
         tracker never retags) was gradient memory from the moment it was made."""
+        grads_at = ("params", "buffers", "optim", "grads").index("grads")
         for g in grads:
             info = self._mt._WINFO.get(local(g).untyped_storage(), (None, None))[0]
             if info is not None and id(info) in self._made:
-                self._to_grad.append((self._made.pop(id(info)), len(self._act_temp),
-                                      info.mem_consumed))
+                parts, cat, _ = self._made.pop(id(info))
+                now = len(self._series)
+                self._moves.extend((start, now if end is None else end, nbytes, cat, grads_at)
+                                   for start, end, nbytes in parts)
 
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type
@@ -374,15 +381,11 @@ class PeakTracker:
         if self._forwards:
             self._forwards.pop()
 
-    def _record(self, mt, snaps: dict, refs) -> None:
-        """One timeline event: the counted devices' bytes per category after this op."""
-        values = [0] * len(refs)
-        for dev, snap in snaps.items():
-            if self._counts(dev):
-                for i, r in enumerate(refs):
-                    values[i] += sum(snap.get(k, 0) for k in r)
+    def _record(self, mt, vector: list[int]) -> None:
+        """One timeline event: the counted devices' bytes per category after this op (filed
+        again after the step, `_refile`)."""
         self.events.append((time.perf_counter() - self._t0, self.phase, self.module_now(),
-                            bool(mt._in_ac), *values))
+                            bool(mt._in_ac), *vector))
 
     def births(self) -> list[tuple[int, int, str]]:
         """The storages the step made, (address, bytes, category as last filed: a gradient as
@@ -413,35 +416,43 @@ class PeakTracker:
             h.remove()
         self._hooks, self._forwards = [], []
         self._mt.__exit__(*exc)
-        diff = [0] * (len(self._act_temp) + 1)
-        for a, b, nbytes in self._to_grad:
-            diff[a] -= nbytes
-            diff[b] += nbytes
-        less = 0
-        for i, v in enumerate(self._act_temp):
-            less += diff[i]
-            self.act_temp_peak_bytes = max(self.act_temp_peak_bytes, v + less)
-            if self.events is not None and less:  # a gradient filed as a temporary till then
-                e = list(self.events[i])
-                e[-2] += less  # temp (timeline.CATEGORIES: ..., grads, act, temp, other)
-                e[-4] -= less  # grads
-                self.events[i] = tuple(e)
-        self._act_temp, self._made = [], {}
-        snap = {}
-        for dev, dev_snap in self._mt.get_tracker_snapshot("peak").items():
-            if not self._counts(dev):
-                continue
-            for k, v in dev_snap.items():
-                snap[k] = snap.get(k, 0) + v
-        self.peak_bytes = snap.get("Total", 0)
-        part = {k: sum(snap.get(r, 0) for r in refs) for k, refs in self._kinds.items()}
-        self.at_peak = {"params": part["params"], "buffers": part["buffers"],
-                        "grads": part["grads"], "optim": part["optim"],
-                        "act": part["act"] + part["temp"], "other": part["other"]}
+        series = self._refile()
+        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        P, B, OPT, G, A, T, X = range(len(names))
+        if self.events is not None:
+            self.events = [(*e[:4], *v) for e, v in zip(self.events, series)]
+        self._made = {}
+        totals = [sum(v) for v in series]
+        self.peak_bytes = max(totals, default=0)
+        at = series[totals.index(self.peak_bytes)] if series else [0] * len(names)
+        self.at_peak = {"params": at[P], "buffers": at[B], "grads": at[G], "optim": at[OPT],
+                        "act": at[A] + at[T], "other": at[X]}
+        self.act_temp_peak_bytes = max((v[A] + v[T] for v in series), default=0)
+        acts = [v[A] for v in series]
+        self.act_peak_bytes = max(acts, default=0)
         # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
-        a = {k: sum(self._act_snap.get(r, 0) for r in refs) for k, refs in self._kinds.items()}
-        self.at_act_peak = {"params": a["params"], "grads": a["grads"], "optim": a["optim"],
-                            "act": a["act"], "other": a["buffers"] + a["other"] + a["temp"]}
+        a = series[acts.index(self.act_peak_bytes)] if series else [0] * len(names)
+        self.at_act_peak = {"params": a[P], "grads": a[G], "optim": a[OPT], "act": a[A],
+                            "other": a[B] + a[X] + a[T]}
+        self._series = []
+
+    def _refile(self) -> list[list[int]]:
+        """The series of the step, each move applied: what it turned out to be, from the op it
+        was made at (`from`, inclusive) to the op it was named at (`to`, exclusive)."""
+        n, width = len(self._series), len(self._series[0]) if self._series else 0
+        diff = [[0] * width for _ in range(n + 1)]
+        for start, end, nbytes, cat, to in self._moves:
+            if end > start and nbytes:
+                diff[start][cat] -= nbytes
+                diff[start][to] += nbytes
+                diff[end][cat] += nbytes
+                diff[end][to] -= nbytes
+        out, run = [], [0] * width
+        for v, d in zip(self._series, diff):
+            run = [r + x for r, x in zip(run, d)]
+            out.append([a + r for a, r in zip(v, run)])
+        self._moves = []
+        return out
 
 
 def _kinds(model) -> dict[str, list] | None:

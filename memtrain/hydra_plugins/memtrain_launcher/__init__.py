@@ -30,6 +30,7 @@ import contextlib
 import copy
 import io
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -276,6 +277,8 @@ def as_rank(sweep_overrides: list[str]) -> list[str]:
     from submitit.helpers import TorchDistributedEnvironment
 
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if env.num_nodes == 1:  # every rank on this node: the loopback, whatever names resolve
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     if env.global_rank == 0:
         return list(sweep_overrides)
     ours = ("hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging.")
