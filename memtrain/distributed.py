@@ -19,9 +19,10 @@ Every rank runs the same job (`runner.run`); this module is what they share:
 - `gather_memory`: each rank measures its own step (measure.py); rank 0 writes one row with
   the highest rank's figures and every memory column's maximum and mean over the ranks.
 - `failed` / `root_failure` / `finish`: a failure on any rank becomes the row's status. The
-  failing rank records why in the group's key-value store, then leaves the group, so a rank
-  blocked in a collective raises instead of waiting for it; rank 0 writes the row with the
-  first failure recorded, and the other ranks wait for that row before they exit.
+  failing rank records why in the group's key-value store, then (a failure the ranks did not
+  agree on, on a rank other than 0) ends its process, so a rank blocked in a collective raises
+  instead of waiting for it; rank 0 writes the row with the first failure recorded, and after
+  an agreed stop the other ranks wait for that row before they exit.
 
 `fake_session` runs one rank of an N-rank world in one process (torch's fake process group:
 collectives do nothing): the GPU-free estimate of one rank's peak (`estimate.py`) and the
