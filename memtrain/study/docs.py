@@ -699,7 +699,7 @@ def sharding(root: Path, doc_dir: Path) -> list[str]:
     single = d["trainer.strategy"].eq("single")
     d = d.assign(ranks=pd.to_numeric(d["trainer.world_size"], errors="coerce")
                  .where(~single, 1))
-    div, unit = tables.unit_of(d[ESTIMATE])
+    unit, div = tables.unit_of(d[ESTIMATE])
     lines = [_sweep_head(root, doc_dir, name, sweep_rows(root, name)), "",
              f"![One rank's estimated peak against the number of ranks: resnet50 and "
              f"gpt2_small, none, checkpoint and quantize under ddp and fsdp]({img})", "",
