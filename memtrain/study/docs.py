@@ -692,7 +692,7 @@ def sharding(root: Path, doc_dir: Path) -> list[str]:
     """README's sharding figure and its values: one rank's estimated peak against the number
     of ranks (conf/experiment/sharding_study.yaml), per model, method and strategy."""
     name = "sharding_study_cpu"
-    d = report.load_summary_csv(root / DATA / name / "summary.csv")
+    d = report.load_summary_csv(root / DATA / name / "summary.csv").copy()  # defragmented
     img = _rel(root, doc_dir, Path("docs/figures/sharding.png"))
     ranks = sorted({int(n) for n in pd.to_numeric(d["trainer.world_size"], errors="coerce")
                     .dropna()})
