@@ -15,14 +15,15 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import config, faults, runner
+from memtrain import config, distributed, faults, runner
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
 
 
 def _fail(code: int, message: str) -> NoReturn:
-    print(f"memtrain: {message}", file=sys.stderr)
+    if distributed.launched()[0] == 0:  # several ranks: rank 0 speaks for the job
+        print(f"memtrain: {message}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -70,7 +71,40 @@ def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
         saved = Path(hc.sweep.dir) / "multirun.yaml"
         over = OmegaConf.load(saved).hydra.overrides if saved.is_file() else hc.overrides
         return continue_command(over, hc.sweep.dir)
-    return continue_command(hc.overrides, run_dir=run_dir)
+    return continue_command(hc.overrides, run_dir=run_dir, launcher=_launcher())
+
+
+def _launcher() -> list[str]:
+    """How this run was started: `memtrain`, or torchrun's command for the same ranks."""
+    import os
+
+    if not distributed.is_launched() or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["memtrain"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.launched()[1]))
+    nodes = distributed.launched()[1] // max(1, per_node)
+    return ["torchrun", f"--nproc-per-node={per_node}",
+            *([f"--nnodes={nodes}"] if nodes > 1 else []), "-m", "memtrain"]
+
+
+def _as_rank(overrides: list[str]) -> list[str]:
+    """Under torchrun every rank composes the config itself, and `${now:...}` in the run folder
+    may differ between them. Rank 0 decides the folder (`runner.run` hands its folder to the
+    others); the other ranks get a temporary folder of their own for Hydra, no `.hydra/` copy
+    of the config and no log file (warnings to their console only), so they write no output."""
+    rank = distributed.launched()[0]
+    if rank == 0:
+        return overrides
+    import atexit
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix=f"memtrain-rank{rank}-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    ours = ("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=",
+            "hydra.job_logging.")
+    return [*[o for o in overrides if not o.startswith(ours)],
+            f"hydra.run.dir={scratch}", "hydra.output_subdir=null", "hydra/job_logging=stdout",
+            "hydra.job_logging.root.level=WARNING"]
 
 
 def _register_plugins(launchers: bool) -> None:
@@ -109,6 +143,10 @@ def main() -> None:
     if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
         sys.argv[1:1] = ["--cfg", "job"]
         args.cfg = "job"
+    if args.multirun and distributed.is_launched():
+        _fail(2, "error: a multirun (-m) under torchrun would run every sweep point in every "
+                 "rank at once; sweep with a launcher that starts one job of several ranks per "
+                 "point (hydra/launcher=slurm: one task per GPU), or run one torchrun per point")
     if args.multirun:  # SIGTERM stops every job, leaving rows
         faults.SweepStop.install_main()
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
@@ -128,6 +166,9 @@ def main() -> None:
                 traceback.print_exc()
             _fail(2, f"error: {e}")
     _register_plugins(launchers=bool(args.multirun))
+    if distributed.is_launched() and not (args.cfg or args.info or args.shell_completion):
+        given = list(args.overrides)
+        sys.argv[1:] = [a for a in sys.argv[1:] if a not in given] + _as_rank(given)
     task = hydra.main(version_base="1.3", config_path=str(config.conf_dir()),
                       config_name="config")(_hydra_task)
     task()

@@ -139,6 +139,9 @@ COLUMNS: tuple[Column, ...] = (
                                      " memtrain/layers.py)"),
          ("plan_table", "path", "the plan the method applied, one row per segment (checkpoint; "
                                 "`trainer.memory_timeline=true`; memtrain/layers.py)")),
+    *_of("status", "runner",
+         ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
+                                  "came first (the row's status and error are its)")),
     *_of("status", "train",
          ("resumed_at_step", "count", "the step a resumed run continued from (`trainer.resume`)")),
     *_of("status", "resume",
@@ -172,6 +175,10 @@ COLUMNS: tuple[Column, ...] = (
                                "(dataset=text: the Python version's standard library)"),
          ("data_source", "text", "where the corpus came from"),
          ("params", "count", "parameters of the model"),
+         ("world_size", "count", "ranks of a run under `trainer.strategy=ddp|fsdp` (as "
+                                 "launched; an estimate's `trainer.world_size`)", "ranks"),
+         ("local_batch_size", "count", "samples per rank and step: `trainer.batch_size` (the "
+                                       "global batch) / `world_size`", "local batch"),
          ("wall_s", "s", "time of the whole job"),
          (RUN_DIR, "path", "where the run's folder was written"),
          ("finished_at", "time", "when the row was written")),
@@ -247,8 +254,20 @@ COLUMNS: tuple[Column, ...] = (
           "backward temporaries): where methods differ", "", "",
           {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
            "act": "activations", "other": "other"})),
+    *_of("memory", "measure",
+         ("mem_comm_buffers_bytes", "bytes",
+          "`trainer.strategy=ddp`: DDP's gradient buckets, held from the wrap on beside every "
+          "step's tensors (in the peak, as other memory)")),
     *_of("memory", "train",
          ("mem_peak_rss_bytes", "bytes", "peak resident memory of the process")),
+    *_of("memory", "distributed",
+         ("mem_peak_rank", "count", "a run of several ranks: the rank with the highest "
+                                    "`mem_peak_alloc_bytes`, whose figures the row's memory "
+                                    "columns are (so its breakdown adds up)", "peak rank"),
+         ("rank_max.<column>", "as <column>", "a run of several ranks: the column's largest "
+                                              "value over the ranks"),
+         ("rank_mean.<column>", "as <column>", "a run of several ranks: the column's mean over "
+                                               "the ranks")),
     # ---- speed
     *_of("speed", "measure",
          (STEP_TIME, "s", "median time of a timed step"),
@@ -357,7 +376,7 @@ COLUMNS: tuple[Column, ...] = (
 
 # <column> is a declared column, never another phase's copy (part0.part1.steps)
 _PLACEHOLDERS = {"<option>": r"(?P<option>[^.\s][^\s]*)", "<j>": r"\d+",
-                 "<column>": r"(?!part\d+\.|recovery\.)(?P<column>[^\s]+)"}
+                 "<column>": r"(?!part\d+\.|recovery\.|rank_m)(?P<column>[^\s]+)"}
 
 
 def _regex(name: str) -> re.Pattern:

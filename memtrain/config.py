@@ -4,8 +4,8 @@
 
 The CLI (cli.py), the API (api.py), the launchers and the runner all compose and name runs
 through this module, so a job's folder, its row's run_id and skip_done agree everywhere. It
-registers the `${memtrain_gpus:}` and `${memtrain_run_id:}` resolvers and the typed trainer
-schema when imported.
+registers the `${memtrain_gpus:}`, `${memtrain_tasks:}` and `${memtrain_run_id:}` resolvers
+and the typed trainer schema when imported.
 """
 
 from __future__ import annotations
@@ -198,7 +198,16 @@ def _job_run_id(*, _root_: DictConfig) -> str:
         return run_id(_root_, resolve=False)
 
 
+def _tasks(strategy: str, world_size: int | None, gpus: int) -> int:
+    """`${memtrain_tasks:...}` in conf/hydra/launcher/slurm.yaml: SLURM tasks per job, one per
+    rank: a sharded run's `trainer.world_size`, else one per GPU; 1 for a run of one process."""
+    if str(strategy) not in ("ddp", "fsdp"):
+        return 1
+    return int(world_size) if world_size not in (None, "None", "null") else max(1, int(gpus))
+
+
 OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
+OmegaConf.register_new_resolver("memtrain_tasks", _tasks, replace=True)
 OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
 schema.register_configs()
 
@@ -221,6 +230,8 @@ LATER_OPTIONS: dict[str, Any] = {
     "trainer.cuda_context_gb": 0.0,
     # what a checkpoint op plan minimises (issue 34): measured times, as before the option
     "method.cost": "time", "method.checkpoint.cost": "time",
+    # one run across processes (issue 36): one process, as before
+    "trainer.strategy": "single", "trainer.world_size": None, "trainer.fault_rank": None,
 }
 # Trainer options that only tune a probe, left out of run_id while that probe is off: they
 # change nothing else a run computes (the margin of find_max_batch on a run without it).

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import measure
+from memtrain import distributed, measure
 from memtrain.losses import cross_entropy
 from memtrain.train import autocast_factory, cast_input
 
@@ -78,13 +78,16 @@ def random_batch(batch_size: int, input_shape: tuple[int, ...], num_classes: int
 
 def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
                 input_shape: tuple[int, ...], num_classes: int, device: torch.device,
-                precision: str = "fp32", task: str = "classify") -> list[ProbeStep]:
+                precision: str = "fp32", task: str = "classify",
+                sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
     """The steps a run of this model and method measures, on a batch of `batch_size`.
 
     `make()` returns a fresh model with the method applied, and the method. A method whose run
     measures something other than one step of the wrapped model says so with an optional
     `probe_steps(model, x, y, *, autocast, num_classes) -> list[ProbeStep]` (checkpoint: its
     recomputation plan applied; synthetic: one step per phase); otherwise that one step.
+    `sharding`: (strategy, world size) of one rank of a sharded run, for a `probe_steps` that
+    takes it (checkpoint plans as its run's rank does).
     """
     model, method = make()
     # a real probe (fake: made there; `cuda:0` is the device `cuda` asked for, and moving a
@@ -96,16 +99,30 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
     own = getattr(method, "probe_steps", None)
     if own is None:
         return [ProbeStep(model, x, y)]
+    import inspect
+
+    extra = {"sharding": sharding} if sharding is not None and "sharding" in \
+        inspect.signature(own).parameters else {}
     return own(model, x, y, autocast=autocast_factory(device.type, precision),
-               num_classes=num_classes)
+               num_classes=num_classes, **extra)
 
 
 def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-               precision: str) -> dict[str, int]:
-    """One warm-up step (optimizer state allocated), then the tracked one."""
+               precision: str, world: distributed.World | None = None) -> dict[str, int]:
+    """One warm-up step (optimizer state allocated), then the tracked one. `world`: one rank
+    of a sharded run (its fake process group): FSDP shards the module as the run does; DDP's
+    gradient buckets, made when a run wraps its model and held through every step, are added
+    to the peak as other memory (one bucket byte per gradient byte)."""
+    comm = 0
+    if world is not None and world.strategy == "fsdp":
+        step.module = distributed.wrap(step.module, world, step.x.device)
+    elif world is not None and world.strategy == "ddp":
+        comm = sum(p.numel() * p.element_size() for p in step.module.parameters()
+                   if p.requires_grad)
     optimizer = make_optimizer(step.module)
     training_step(step.module, optimizer, step.x, step.y, precision, loss_fn=step.loss_fn)
-    saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y))
+    saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y),
+                               model=step.module)
     with measure.PeakTracker(step.module, optimizer, step.x, step.y, *step.resident) as tracker:
         training_step(step.module, optimizer, step.x, step.y, precision, saved, step.loss_fn)
     out = {"mem_estimate_bytes": tracker.peak_bytes,
@@ -114,6 +131,9 @@ def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.opti
            "mem_estimate_saved_bytes": saved.bytes}
     out.update({f"mem_estimate_at_peak_{k}_bytes": v for k, v in tracker.at_peak.items()})
     out.update({f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()})
+    if comm:
+        out["mem_estimate_bytes"] += comm
+        out["mem_estimate_at_peak_other_bytes"] += comm
     return out
 
 
@@ -121,7 +141,8 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
                   make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                   input_shape: tuple[int, ...], num_classes: int, batch_size: int,
                   precision: str = "fp32", device: str = "cpu",
-                  task: str = "classify") -> dict[str, int | str]:
+                  task: str = "classify", strategy: str = "single",
+                  world_size: int = 1) -> dict[str, int | str]:
     """Predicted memory of one training step after warm-up (optimizer state allocated).
 
     Predicts what the run's accounting step reports: `mem_estimate_bytes` the tracker's peak of
@@ -134,13 +155,25 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
     phase and the row gets the phase with the largest peak (`mem_estimate_phase`), its activation
     figures the phase with the largest activation peak (`mem_estimate_act_phase`), and the
     largest phase's activations + temporaries peak, as its run's row does.
+
+    `strategy` ddp or fsdp with `world_size` N: the peak of one rank (rank 0, whose shards are
+    the largest) of an N-rank run, without the ranks: on its batch (`batch_size` is the global
+    one), in torch's fake process group of N ranks (`distributed.fake_session`), FSDP's shards
+    and what its hooks gather tracked as a run's rank tracks them.
     """
+    import contextlib
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dev = torch.device(device)
-    with FakeTensorMode(), torch.device(dev):
-        steps = probe_steps(make, batch_size, input_shape, num_classes, dev, precision, task)
-        peaks = [(s.name, _step_peak(s, make_optimizer, precision)) for s in steps]
+    sharded = strategy in ("ddp", "fsdp")
+    session = distributed.fake_session(strategy, world_size) if sharded else \
+        contextlib.nullcontext(None)
+    with session as world, FakeTensorMode(), torch.device(dev):
+        steps = probe_steps(make, batch_size // world_size if sharded else batch_size,
+                            input_shape, num_classes, dev, precision, task,
+                            (strategy, world_size) if sharded else None)
+        peaks = [(s.name, _step_peak(s, make_optimizer, precision, world)) for s in steps]
     name, out = max(peaks, key=lambda p: p[1]["mem_estimate_bytes"])
     out = {**out, "mem_estimate_device": dev.type}
     if name:  # the activation figures from the phase with the largest activation peak

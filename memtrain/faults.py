@@ -154,6 +154,13 @@ class StopSignals:
         log.warning("%s received%s: stopping after this step (Ctrl-C again to abort now)",
                     name, why)
 
+    def ignore_after(self, signum: int) -> None:
+        """After this scope, ignore `signum` rather than restore the handler before it: rank 0
+        of a job whose other rank failed, which the launcher stops (SIGTERM) while it still
+        writes the job's row and says why."""
+        if signum in self._old:
+            self._old[signum] = signal.SIG_IGN
+
     def __enter__(self) -> StopSignals:
         StopSignals.active = self
         try:

@@ -112,9 +112,11 @@ def hydra_quote(value: str) -> str:
 
 
 def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
-                     run_dir: str | os.PathLike | None = None) -> str:
+                     run_dir: str | os.PathLike | None = None,
+                     launcher: list[str] | None = None) -> str:
     """The shell command that continues a sweep (or a single run): its task overrides and its
     hydra ones (launcher, hydra.launcher.*, callbacks), then resume and skip_done; shell-quoted.
+    `launcher`: the command's start (`memtrain`, or torchrun's for a run of several ranks).
     """
     if sweep_dir is not None:
         extra = ["trainer.resume=true", "trainer.skip_done=true",
@@ -124,7 +126,8 @@ def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
     dropped = {e.split("=")[0] for e in extra} | {"hydra.mode"}
     given = [*overrides.get("hydra", []), *overrides.get("task", [])]
     kept = [o for o in given if o.split("=")[0].lstrip("+~") not in dropped]
-    words = ["memtrain", *(["-m"] if sweep_dir is not None else []), *kept, *extra]
+    words = [*(launcher or ["memtrain"]), *(["-m"] if sweep_dir is not None else []), *kept,
+             *extra]
     return shlex.join(words)
 
 

@@ -15,6 +15,7 @@ which peak a row reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import resource
@@ -47,8 +48,17 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     estimate) has no data pointer; its storage object's address tells storages apart instead."""
     from torch._subclasses.fake_tensor import is_fake
 
+    t = local(t)
     s = t.untyped_storage()
     return (str(t.device), s._cdata if is_fake(t) else s.data_ptr())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: a DTensor's local shard (FSDP's parameters, gradients and
+    optimizer state), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[torch.Tensor]:
@@ -70,8 +80,16 @@ class SavedBytes:
     autograd-saved path) to be seen here: that is the contract every method follows.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
+                 model: nn.Module | None = None):
+        exclude = list(exclude)
         self._exclude = {storage_key(t) for t in exclude}
+        # FSDP: the parameters a step gathers are made during the step, so no key before it
+        # names them; a saved tensor on a parameter's storage at pack time is one of them
+        from torch.distributed.tensor import DTensor
+
+        self._gathered = model if model is not None and any(
+            isinstance(t, DTensor) for t in exclude) else None
         self._seen: dict[tuple[str, int], int] = {}
         self._ctx = None
         # a GPU run: saved storages in host memory (an offloader's) are counted apart
@@ -84,9 +102,15 @@ class SavedBytes:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta" and not isinstance(t, nn.Parameter):
             key = storage_key(t)
-            if key not in self._exclude and key[1] != 0:
+            if key not in self._exclude and key[1] != 0 and not self._is_parameter(t):
                 self.record(key, t)
         return t
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        if self._gathered is None:
+            return False
+        own = local(t).untyped_storage()._cdata
+        return any(local(p).untyped_storage()._cdata == own for p in self._gathered.parameters())
 
     @property
     def bytes(self) -> int:
@@ -119,8 +143,8 @@ class SavedByModule(SavedBytes):
     table (memtrain/layers.py)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
-                 where=lambda: ""):
-        super().__init__(exclude, device)
+                 model: nn.Module | None = None, where=lambda: ""):
+        super().__init__(exclude, device, model)
         self._where = where
         self.module_of: dict[tuple[str, int], str] = {}
 
@@ -169,25 +193,37 @@ class PeakTracker:
         # the run's device only (host copies of an offloaded GPU run are not GPU memory)
         self._device = device
 
-        self._types = _MemRefType
-        self._mt = MemTracker()
-        self._mt.track_external(*external)
+        self._kinds = _kinds(external[0] if external else None)
+        if self._kinds is not None:  # FSDP2: its tracker tells shards from gathered copies
+            model, optimizer, *rest = external
+            self._mt = _fsdp_tracker()(model, optimizer)
+            self._mt.track_inputs(tuple(t for t in rest if isinstance(t, torch.Tensor)))
+        else:
+            self._kinds = {"params": [_MemRefType.PARAM], "buffers": [_MemRefType.BUFFER],
+                           "grads": [_MemRefType.GRAD], "optim": [_MemRefType.OPT],
+                           "act": [_MemRefType.ACT], "temp": [_MemRefType.TEMP],
+                           "other": [_MemRefType.OTH]}
+            self._mt = MemTracker()
+            self._mt.track_external(*external)
+        kinds = self._kinds
         self.act_peak_bytes = 0
         self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
-        self._act_temp: list[int] = []  # activations + temporaries after each update
-        self._made: dict[int, int] = {}  # a temporary's record -> the update it was made at
-        self._to_grad: list[tuple[int, int, int]] = []  # (from, to, bytes): temps made grads
-        self._act_snap: dict = {}  # the breakdown at the moment of act_peak_bytes
+        # after each op: the counted devices' bytes per category (timeline.TRACKED), and what
+        # the tracker filed as an activation or temporary when it was made, to be filed again
+        # under what it turned out to be (`_refile`): record -> ([(from op, bytes)], category,
+        # made inside FSDP's hooks); (from op, to op, bytes, category, category) moves
+        self._series: list[list[int]] = []
+        self._made: dict[int, tuple[list[tuple[int, int]], int, bool]] = {}
+        self._moves: list[tuple[int, int, int, int, int]] = []
         mt = self._mt
         # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
         # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
         # whether a forward runs again in backward (MemTracker's `_in_ac`: a recomputation)
         self.events: list[tuple] | None = [] if timeline else None
         self.phase = "forward"
-        refs = [_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.OPT, _MemRefType.GRAD,
-                _MemRefType.ACT, _MemRefType.TEMP, _MemRefType.OTH]  # timeline.TRACKED
-        self._category = dict(zip(refs, ("params", "buffers", "optim", "grads", "act", "temp",
-                                         "other")))
+        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        refs = [kinds[k] for k in names]  # timeline.TRACKED, each the tracker's kinds behind it
+        self._category = {r: name for name in names for r in kinds[name]}
         self._t0, self.wall0 = time.perf_counter(), time.time()
         # CUDA timeline: every storage the step makes, (address, bytes, its record), in order,
         # so the allocator's blocks can be filed under the tracker's categories (`births`)
@@ -213,37 +249,70 @@ class PeakTracker:
         # (most of an accounting step's time on a few hundred modules under quantize's many
         # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
         # peak as MemTracker does, and the peak of the activation part alone with its moment.
+        # What the tracker files as an activation or a temporary when it is made may turn out
+        # to be something else, and is then filed again under that from the moment it was made
+        # (`_refile`, applied to the series after the step):
+        # - a parameter's gradient, made in backward: MemTracker files it as a temporary until
+        #   autograd hands it to the parameter (its grad hook retags it a few ops later; on a
+        #   256-wide MLP the weight gradient was most of the temporaries at their peak);
+        # - FSDP2's buffers: its hooks (the all-gather before a unit's forward and backward, the
+        #   reduce-scatter after its backward) make them with `empty`, and FSDP's tracker names
+        #   them (all-gather, reduce-scatter, unsharded parameter or gradient) when the
+        #   collective runs; one a hook made and freed unnamed is communication (other).
+        TRACKED = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        index = {name: i for i, name in enumerate(TRACKED)}
+        cat_of = {r: index[name] for name, rs in kinds.items() for r in rs}
+        ACT, TEMP, OTHER = index["act"], index["temp"], index["other"]
+        hooks = hasattr(mt, "in_hook")
+        made, moves, series = self._made, self._moves, self._series
+
         def update(state):
-            now = 0
+            vector = [0] * len(TRACKED)
             for dev, snap in mt._curr_mem_snap.items():
                 total = snap[_TOTAL]
                 if mt._peak_mem.get(dev, 0) < total:
                     mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
                 if not self._counts(dev):
                     continue
-                act = snap.get(_MemRefType.ACT, 0)
-                if act > self.act_peak_bytes:
-                    self.act_peak_bytes, self._act_snap = act, dict(snap)
-                now += act + snap.get(_MemRefType.TEMP, 0)
-            self._act_temp.append(now)
+                for i, r in enumerate(refs):
+                    for k in r:
+                        vector[i] += snap.get(k, 0)
+            series.append(vector)
             if self.events is not None:
-                self._record(mt, refs)
+                self._record(mt, vector)
 
-        # A parameter's gradient is made in backward, so MemTracker files it as a temporary
-        # until autograd hands it to the parameter (its grad hook retags it as a gradient, a
-        # few ops later). It is no activation memory: the bytes of every temporary later
-        # retagged as a gradient are taken off the moments they were counted as a temporary
-        # (on a 256-wide MLP the weight gradient was most of the temporaries at their peak).
+        def settle(key: int, to: int) -> None:
+            parts, cat, _ = made.pop(key)
+            if to != cat:
+                now = len(series)
+                moves.extend((start, now if end is None else end, nbytes, cat, to)
+                             for start, end, nbytes in parts)
+
         def update_snap(kind, winfo, **kw):
             orig_update_snap(kind, winfo, **kw)
             if not self._counts(winfo.device):
                 return
-            if kind == _UpdateType.ADD and winfo.reftype == _MemRefType.TEMP:
-                self._made[id(winfo)] = len(self._act_temp)
-            elif (kind == _UpdateType.REF and kw.get("old_reftype") == _MemRefType.TEMP
-                  and winfo.reftype == _MemRefType.GRAD and id(winfo) in self._made):
-                self._to_grad.append((self._made.pop(id(winfo)), len(self._act_temp),
-                                      winfo.mem_consumed))
+            key = id(winfo)
+            if kind == _UpdateType.ADD:
+                cat = cat_of.get(winfo.reftype)
+                if cat in (ACT, TEMP):
+                    made[key] = ([(len(series), None, winfo.mem_consumed)], cat,
+                                 hooks and mt.in_hook > 0)
+            elif key not in made:
+                return
+            elif kind == _UpdateType.REF:
+                settle(key, cat_of.get(winfo.reftype, OTHER))
+            elif kind == _UpdateType.DEL:
+                if made[key][2]:  # a hook's buffer, never named: communication
+                    settle(key, OTHER)
+                else:
+                    del made[key]
+            elif kind == _UpdateType.SIZE:  # FSDP frees and refills a buffer by resizing it
+                parts = made[key][0]
+                start, _, nbytes = parts[-1]
+                now = len(series)
+                parts[-1] = (start, now, nbytes)
+                parts.append((now, None, winfo.mem_consumed))
 
         orig_update_snap = mt._update_snap
         mt._update_snap = update_snap
@@ -272,6 +341,19 @@ class PeakTracker:
 
         return wrapped
 
+    def gradients(self, grads: list[torch.Tensor]) -> None:
+        """The parameters' gradients, at the end of the update: any of them the tracker still
+        files as a temporary (FSDP2's sharded gradients, which its post-backward makes and its
+        tracker never retags) was gradient memory from the moment it was made."""
+        grads_at = ("params", "buffers", "optim", "grads").index("grads")
+        for g in grads:
+            info = self._mt._WINFO.get(local(g).untyped_storage(), (None, None))[0]
+            if info is not None and id(info) in self._made:
+                parts, cat, _ = self._made.pop(id(info))
+                now = len(self._series)
+                self._moves.extend((start, now if end is None else end, nbytes, cat, grads_at)
+                                   for start, end, nbytes in parts)
+
     def _counts(self, dev: torch.device) -> bool:
         return self._device is None or torch.device(dev).type == self._device.type
 
@@ -299,15 +381,11 @@ class PeakTracker:
         if self._forwards:
             self._forwards.pop()
 
-    def _record(self, mt, refs) -> None:
-        """One timeline event: the counted devices' bytes per category after this op."""
-        values = [0] * len(refs)
-        for dev, snap in mt._curr_mem_snap.items():
-            if self._counts(dev):
-                for i, r in enumerate(refs):
-                    values[i] += snap.get(r, 0)
+    def _record(self, mt, vector: list[int]) -> None:
+        """One timeline event: the counted devices' bytes per category after this op (filed
+        again after the step, `_refile`)."""
         self.events.append((time.perf_counter() - self._t0, self.phase, self.module_now(),
-                            bool(mt._in_ac), *values))
+                            bool(mt._in_ac), *vector))
 
     def births(self) -> list[tuple[int, int, str]]:
         """The storages the step made, (address, bytes, category as last filed: a gradient as
@@ -338,41 +416,87 @@ class PeakTracker:
             h.remove()
         self._hooks, self._forwards = [], []
         self._mt.__exit__(*exc)
-        T = self._types
-        diff = [0] * (len(self._act_temp) + 1)
-        for a, b, nbytes in self._to_grad:
-            diff[a] -= nbytes
-            diff[b] += nbytes
-        less = 0
-        for i, v in enumerate(self._act_temp):
-            less += diff[i]
-            self.act_temp_peak_bytes = max(self.act_temp_peak_bytes, v + less)
-            if self.events is not None and less:  # a gradient filed as a temporary till then
-                e = list(self.events[i])
-                e[-2] += less  # temp (timeline.CATEGORIES: ..., grads, act, temp, other)
-                e[-4] -= less  # grads
-                self.events[i] = tuple(e)
-        self._act_temp, self._made = [], {}
-        snap = {}
-        for dev, dev_snap in self._mt.get_tracker_snapshot("peak").items():
-            if not self._counts(dev):
-                continue
-            for k, v in dev_snap.items():
-                snap[k] = snap.get(k, 0) + v
-        self.peak_bytes = snap.get("Total", 0)
-        self.at_peak = {
-            "params": snap.get(T.PARAM, 0),
-            "buffers": snap.get(T.BUFFER, 0),
-            "grads": snap.get(T.GRAD, 0),
-            "optim": snap.get(T.OPT, 0),
-            "act": snap.get(T.ACT, 0) + snap.get(T.TEMP, 0),
-            "other": snap.get(T.OTH, 0),
-        }
+        series = self._refile()
+        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+        P, B, OPT, G, A, T, X = range(len(names))
+        if self.events is not None:
+            self.events = [(*e[:4], *v) for e, v in zip(self.events, series)]
+        self._made = {}
+        totals = [sum(v) for v in series]
+        self.peak_bytes = max(totals, default=0)
+        at = series[totals.index(self.peak_bytes)] if series else [0] * len(names)
+        self.at_peak = {"params": at[P], "buffers": at[B], "grads": at[G], "optim": at[OPT],
+                        "act": at[A] + at[T], "other": at[X]}
+        self.act_temp_peak_bytes = max((v[A] + v[T] for v in series), default=0)
+        acts = [v[A] for v in series]
+        self.act_peak_bytes = max(acts, default=0)
         # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
-        a = self._act_snap
-        self.at_act_peak = {"params": a.get(T.PARAM, 0), "grads": a.get(T.GRAD, 0),
-                            "optim": a.get(T.OPT, 0), "act": a.get(T.ACT, 0),
-                            "other": sum(a.get(k, 0) for k in (T.BUFFER, T.OTH, T.TEMP))}
+        a = series[acts.index(self.act_peak_bytes)] if series else [0] * len(names)
+        self.at_act_peak = {"params": a[P], "grads": a[G], "optim": a[OPT], "act": a[A],
+                            "other": a[B] + a[X] + a[T]}
+        self._series = []
+
+    def _refile(self) -> list[list[int]]:
+        """The series of the step, each move applied: what it turned out to be, from the op it
+        was made at (`from`, inclusive) to the op it was named at (`to`, exclusive)."""
+        n, width = len(self._series), len(self._series[0]) if self._series else 0
+        diff = [[0] * width for _ in range(n + 1)]
+        for start, end, nbytes, cat, to in self._moves:
+            if end > start and nbytes:
+                diff[start][cat] -= nbytes
+                diff[start][to] += nbytes
+                diff[end][cat] += nbytes
+                diff[end][to] -= nbytes
+        out, run = [], [0] * width
+        for v, d in zip(self._series, diff):
+            run = [r + x for r, x in zip(run, d)]
+            out.append([a + r for a, r in zip(v, run)])
+        self._moves = []
+        return out
+
+
+def _kinds(model) -> dict[str, list] | None:
+    """The tracker's categories behind each part of a breakdown when `model` is sharded by
+    FSDP2 (its own shards and the copies a step gathers are parameters, gradients likewise; the
+    all-gather and reduce-scatter buffers and the step's inputs are other); None otherwise."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    if not isinstance(model, FSDPModule):
+        return None
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as F
+
+    return {"params": [F.SHARDED_PARAM, F.UNSHARDED_PARAM], "buffers": [F.BUFFER],
+            "grads": [F.SHARDED_GRAD, F.UNSHARDED_GRAD], "optim": [F.OPT], "act": [F.ACT],
+            "temp": [F.TEMP], "other": [F.INP, F.ALL_GATHER, F.REDUCE_SCATTER]}
+
+
+@functools.cache
+def _fsdp_tracker() -> type:
+    """torch's FSDPMemTracker, which also says when FSDP2's own hooks run (`in_hook`): the
+    unshard before a unit's forward and backward, the reshard after its forward, the
+    reduce-scatter after its backward."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    def hooked(make):
+        def instrument(self, fsdp_mod, orig):
+            inner = make(self, fsdp_mod, orig)
+
+            @functools.wraps(inner)
+            def run(*args, **kwargs):
+                self.in_hook += 1
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self.in_hook -= 1
+            return run
+        return instrument
+
+    names = ("_fsdp_state_pre_forward", "_fsdp_state_post_forward",
+             "_fsdp_param_group_pre_backward", "_fsdp_param_group_post_backward")
+    return type("HookedFSDPMemTracker", (FSDPMemTracker,),
+                {"in_hook": 0, **{n: hooked(getattr(FSDPMemTracker, n)) for n in names}})
 
 
 class TimelineRecorder:
@@ -439,10 +563,11 @@ class TimelineRecorder:
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' storages, each once (a DTensor: its local shard's)."""
     seen: dict[tuple[str, int], int] = {}
     for t in tensors:
         if t is not None and t.device.type != "meta":
-            seen[storage_key(t)] = t.untyped_storage().nbytes()
+            seen[storage_key(t)] = local(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -528,15 +653,19 @@ class Measurement:
 
     def __init__(self, device: torch.device, total_steps: int, warmup_steps: int,
                  account_memory: bool, summary: dict, resident: Iterable[nn.Module] = (),
-                 part: str = ""):
+                 part: str = "", settle: int = 0):
         self.device, self.account, self.summary = device, account_memory, summary
         self.part = part  # a method's phase that this loop trains (synthetic's part<j>)
         self._tracker: PeakTracker | None = None
         # modules whose tensors stay where they are beside the trained one (synthetic: the
         # partitions not in training): the tracker counts those on the run's device
         self.resident = tuple(resident)
-        # Short runs shrink the warm-up so that at least one step is accounted and one is timed.
-        self.warmup = min(warmup_steps, max(0, total_steps - 2))
+        # Short runs shrink the warm-up so that at least one step is accounted and one is timed;
+        # `settle`: the steps a strategy needs before its steps are alike (DDP rebuilds its
+        # gradient buckets in its second step): warm-up at least, even at the cost of the timed
+        # step in a very short run (the accounting step must be one like the others)
+        self.warmup = max(min(warmup_steps, max(0, total_steps - 2)),
+                          min(settle, max(0, total_steps - 1)))
         self.timer = StepTimer(device)
         self.peak_cuda = {PEAK: 0, RESERVED: 0}
         self._saved: SavedBytes | None = None
@@ -551,13 +680,16 @@ class Measurement:
         timed = step >= self.warmup and not accounting
         recorder = TimelineRecorder.active if accounting else None
         cuda = recorder is not None and self.device.type == "cuda"
-        tracker = PeakTracker(model, optimizer, x, y, *self.resident, device=self.device,
+        from memtrain.distributed import comm_buffers
+
+        comm = comm_buffers(model) if accounting else []
+        tracker = PeakTracker(model, optimizer, x, y, *self.resident, *comm, device=self.device,
                               timeline=recorder is not None, births=cuda) if accounting else None
         if recorder is not None:  # which module saved what, for the per-module table
-            self._saved = SavedByModule(alive_before_step(model, x, y), self.device,
+            self._saved = SavedByModule(alive_before_step(model, x, y), self.device, model,
                                         tracker.module_now)
         else:
-            self._saved = SavedBytes(alive_before_step(model, x, y), self.device) \
+            self._saved = SavedBytes(alive_before_step(model, x, y), self.device, model) \
                 if accounting else None
         self._tracker = tracker
         # CUDA: the timeline is the allocator's history of this step (the process's recorder)
@@ -583,6 +715,8 @@ class Measurement:
             other = resident_bytes(self.resident, model, self.device)
             if other:
                 self.summary["mem_resident_other_bytes"] = other
+            if comm:  # DDP's buckets: resident, tracked from the step's start (other)
+                self.summary["mem_comm_buffers_bytes"] = tensor_bytes(comm)
             self._saved = None
         if step == self.warmup:  # the CUDA peak window opens after the accounting step
             reset_cuda_peak(self.device)
@@ -608,8 +742,10 @@ class Measurement:
     def update_done(self, model: nn.Module) -> None:
         """After the optimizer step, before the gradients are freed: their bytes, once."""
         if self._saved is not None:
-            self.summary["mem_grads_bytes"] = tensor_bytes(
-                p.grad for p in model.parameters() if p.grad is not None)
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            self.summary["mem_grads_bytes"] = tensor_bytes(grads)
+            if self._tracker is not None:
+                self._tracker.gradients(grads)
 
     @contextlib.contextmanager
     def outside_window(self):

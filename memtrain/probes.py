@@ -46,9 +46,10 @@ def run(t: Trainer, data: Data, device: torch.device, make: MakeModel,
     check(t)
     est_dev = estimate.estimate_device(device)
 
-    def predict(b: int) -> dict[str, Any]:
+    def predict(b: int) -> dict[str, Any]:  # a sharded run: one rank of trainer.world_size
         return estimate.estimate_peak(make, make_optimizer, data.input_shape, data.num_classes,
-                                      b, t.precision, est_dev, data.task)
+                                      b, t.precision, est_dev, data.task, t.strategy,
+                                      t.world_size or 1)
 
     if t.estimate:
         # a large model, or a method that plans (checkpoint profiles, quantize packs every saved

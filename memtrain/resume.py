@@ -54,14 +54,24 @@ def clean_partial(run_dir: Path) -> list[Path]:
     return gone
 
 
+def _sharded() -> bool:
+    from memtrain import distributed
+
+    return distributed.World.active is not None and distributed.World.active.sharded
+
+
 def capture(model: nn.Module, optimizer, scheduler, scaler, *, step: int, epoch: int,
             epoch_shuffle: torch.Tensor, extra: dict) -> dict:
-    """The training state at a step boundary, as plain tensors and containers."""
+    """The training state at a step boundary, as plain tensors and containers. A sharded run
+    (ddp, fsdp) keeps the model and optimizer themselves under "live": the checkpointer saves
+    them with torch.distributed.checkpoint, every rank its shards."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    sharded = _sharded()
     return {
         "format": FORMAT, "step": step, "epoch": epoch,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        **({"live": (model, optimizer)} if sharded else {}),
+        "model": None if sharded else model.state_dict(),
+        "optimizer": None if sharded else optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "cuda": cuda, "epoch_shuffle": epoch_shuffle},
@@ -74,10 +84,21 @@ def restore(state: dict, model: nn.Module, optimizer, scheduler, scaler,
     """Load `state` into the objects (model already on its device); returns `extra`.
 
     The shuffle generator is set to its state at the start of the checkpoint's epoch: the caller
-    replays that epoch's batches up to the step so every random draw repeats.
+    replays that epoch's batches up to the step so every random draw repeats. A sharded
+    checkpoint (`dcp`): every rank loads its shards (torch.distributed.checkpoint).
     """
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if state.get("dcp"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, optimizer)
+        box = {"model": msd, "optim": osd}
+        dcp.load(box, checkpoint_id=state["dcp_path"])
+        set_state_dict(model, optimizer, model_state_dict=box["model"],
+                       optim_state_dict=box["optim"])
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
@@ -111,6 +132,7 @@ class Checkpointer:
         # What a method decided before training and must keep on resume (the checkpoint
         # method's plan): saved with every checkpoint, read back with `load()["carry"]`.
         self.carry: dict[str, Any] = {}
+        self.agreed: str | None = None  # several ranks: the stop all agreed on at this step
 
     def path(self, prefix: str = "", run_dir: Path | None = None) -> Path:
         name = f"resume{'_' + prefix.strip('_/.') if prefix else ''}.pt"
@@ -137,6 +159,15 @@ class Checkpointer:
             if state.get("run_id") != self.run_id or state.get("format") != FORMAT:
                 log.warning("ignoring %s: written by another configuration", p)
                 continue
+            if state.get("dcp"):  # sharded: this rank's own records and random state
+                try:
+                    state = _rank_state(state, p.parent)
+                except Exception as e:  # every rank must resume, or none: no silent restart
+                    from memtrain.errors import ConfigError
+
+                    raise ConfigError(f"trainer.resume: the sharded checkpoint {p} cannot be "
+                                      f"resumed here: {type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''}") from None
             self.resumed_from = p.parent
             log.info("resuming from %s at step %d", p, state["step"])
             return state
@@ -158,21 +189,82 @@ class Checkpointer:
         return out
 
     def step_done(self, step: int, snapshot: Callable[[], dict], prefix: str = "") -> str | None:
-        """Save when due; returns the signal name when the run must stop now (already saved)."""
-        stop = self.stop.requested if self.stop is not None else None
+        """Save when due; returns the signal name when the run must stop now (already saved).
+        Several ranks: the stop they agreed on at this step (`agreed`, distributed.reduce_step;
+        a signal arriving since waits for the next step: every rank saves, or none)."""
+        stop = self.agreed if self.world_collective() else (
+            self.stop.requested if self.stop is not None else None)
         if stop or (self.every and step % self.every == 0):
             state = snapshot()
             state["run_id"] = self.run_id
             state["carry"] = self.carry
-            atomic_save(state, self.path(prefix))
+            if "live" in state:
+                self._save_sharded(state, prefix, step)
+            else:
+                atomic_save(state, self.path(prefix))
             log.info("checkpoint at step %d -> %s", step, self.path(prefix))
         return stop
 
+    def _save_sharded(self, state: dict, prefix: str, step: int) -> None:
+        """A sharded run's checkpoint, every rank together: the model's and optimizer's shards
+        with torch.distributed.checkpoint into `<name>.dcp.<step>/` (collective), each rank's
+        own random state and records beside them (`rank<r>.pt`), then, once every rank's file
+        is written, rank 0's `<name>.pt` naming that folder (the checkpoint a resume finds: an
+        interrupted save leaves the previous one whole) and the previous folders removed."""
+        import shutil
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from memtrain import distributed
+
+        world = distributed.World.active
+        model, optimizer = state.pop("live")
+        msd, osd = get_state_dict(model, optimizer)
+        name = f"{self.path(prefix).stem}.dcp.{step}"
+        folder = self.run_dir / name
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(folder))
+        atomic_save({"rng": state["rng"], "extra": state["extra"]},
+                    folder / f"rank{world.rank}.pt")
+        if world.collective:
+            dist.barrier()
+        if world.main:
+            atomic_save({**state, "dcp": name, "world_size": world.size}, self.path(prefix))
+            for old in self.run_dir.glob(f"{self.path(prefix).stem}.dcp.*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def world_collective() -> bool:
+        from memtrain import distributed
+
+        return distributed.World.active is not None and distributed.World.active.collective
+
     def clear(self) -> None:
         """A finished run needs no checkpoint: remove its own and the one it resumed from."""
+        import shutil
+
         for folder in {self.run_dir, self.resumed_from or self.run_dir}:
             for p in folder.glob("resume*.pt"):
                 p.unlink(missing_ok=True)
+            for p in folder.glob("resume*.dcp.*"):  # a sharded run's shards
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _rank_state(state: dict, folder: Path) -> dict:
+    """A sharded checkpoint's state as this rank resumes it: the folder of its shards, and its
+    own random state and records (rank 0's file holds rank 0's; every rank has its own)."""
+    from memtrain import distributed
+
+    world = distributed.World.active
+    rank = world.rank if world is not None else 0
+    if state.get("world_size", 1) != (world.size if world is not None else 1):
+        raise ValueError(f"saved by {state.get('world_size')} ranks, resumed by "
+                         f"{world.size if world is not None else 1}")
+    shards = folder / state["dcp"]
+    mine = load(shards / f"rank{rank}.pt")
+    return {**state, "dcp_path": str(shards), "rng": mine["rng"], "extra": mine["extra"]}
 
 
 # ---------------------------------------------------------------- finished runs
@@ -208,6 +300,11 @@ def find_checkpoints(root: Path) -> list[Path]:
 
 
 def save_weights(model: nn.Module, run_dir: Path) -> Path:
+    """weights.pt: the model's whole state_dict (several ranks: gathered, written by rank 0)."""
+    from memtrain import distributed
+
     path = Path(run_dir) / WEIGHTS
-    atomic_save(model.state_dict(), path)
+    state = distributed.full_state(model)
+    if state is not None:
+        atomic_save(state, path)
     return path

@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import math
+import signal
 import sys
 import time
 import traceback
@@ -25,9 +26,20 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from memtrain import capacity, faults, loggers, measure, probes, record, resume, schema, trust
+from memtrain import (
+    capacity,
+    distributed,
+    faults,
+    loggers,
+    measure,
+    probes,
+    record,
+    resume,
+    schema,
+    trust,
+)
 from memtrain.config import identity
 from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
@@ -171,19 +183,57 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     or an unexpected exception, the exception in `Outcome.error`. `search_dir` is where
     `trainer.skip_done`/`trainer.resume` look for earlier runs of the same config (default: the
     run folder's parent).
+
+    Under `trainer.strategy=ddp|fsdp` every rank of the job calls this (distributed.py): rank 0
+    decides the run folder and writes the row, the other ranks write nothing but their share of
+    a sharded checkpoint, and wait for the row before they return.
     """
+    with contextlib.ExitStack() as ranks:
+        try:
+            world = ranks.enter_context(distributed.session(cfg.trainer))
+        except Exception as e:  # bad strategy for this launch, no process group: a row
+            return _not_started(cfg, run_dir, choices, e)
+        run_dir = Path(world.agree(str(run_dir)))
+        if search_dir is not None:
+            search_dir = Path(world.agree(str(search_dir)))
+        out = _run(cfg, run_dir, choices, search_dir, world)
+        distributed.finish(world)
+        return out
+
+
+def _not_started(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
+                 e: Exception) -> Outcome:
+    """The row of a job whose ranks could not even start (no process group: the launcher's
+    rank 0 writes it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    resume.clean_partial(run_dir)
+    summary = identity(cfg, choices, resolve=False)
+    error = e if isinstance(e, ConfigError) else ConfigError(
+        f"{type(e).__name__}: {e}".splitlines()[0])
+    summary.update(status="error", error=str(error))
+    rank = distributed.launched()[0]
+    return _finish(run_dir, summary, [], error, distributed.World(rank=rank))
+
+
+def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Path | None,
+         world: distributed.World) -> Outcome:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if world.main:
+        resume.clean_partial(run_dir)
+    if world.sharded and cfg.trainer.get("world_size") is None:
+        # the ranks it runs on are part of what a sharded run computes: in its run_id (a
+        # resume or skip_done of 2 ranks never takes a run of 4's)
+        with open_dict(cfg):
+            cfg.trainer.world_size = world.size
     try:
         summary = identity(cfg, choices)
     except Exception as e:  # an unresolvable interpolation (an unset ${oc.env:...}): a row
         summary = identity(cfg, choices, resolve=False)
         error = ConfigError(f"cannot resolve the config: {str(e).splitlines()[0]}")
         summary.update(status="error", error=str(error))
-        return _finish(run_dir, summary, [], error)
+        return _finish(run_dir, summary, [], error, world)
     search = Path(cfg.trainer.search_dir or search_dir or run_dir.parent)
     if cfg.trainer.skip_done:
-        done = _already_done(search, run_dir, summary["run_id"])
+        done = _already_done(search, run_dir, summary["run_id"], world)
         if done is not None:
             return Outcome(done)
     if not (cfg.trainer.resume or cfg.trainer.skip_done) and \
@@ -198,29 +248,53 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     metrics: list[dict] = []
     error: Exception | None = None
     t0 = time.perf_counter()
-    with faults.StopSignals() as stop, contextlib.ExitStack() as stack:
-        try:
-            metrics = _job(cfg, run_dir, summary, stop, stack, search)
-            summary["status"] = "ok"
-        except RunFailed as e:
-            summary.update(e.summary)
-            metrics = e.metrics
-            summary.update(status=e.status, error=str(e), failed_step=e.step)
-            if e.status == "interrupted":
-                summary["signal"] = stop.requested
-            log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
-        except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, a probe
-            summary.update(status="oom", error=str(e).splitlines()[0])
-            log.warning("run ended with status=oom: %s", summary["error"])
-        except ConfigError as e:
-            summary.update(status="error", error=str(e))
-            error = e
-        except Exception as e:  # a sweep records the failure and goes on
-            summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
-            log.error("run failed: %s\n%s", e, traceback.format_exc())
-            error = e
-    summary["wall_s"] = time.perf_counter() - t0
-    return _finish(run_dir, summary, metrics, error)
+    # the run's signals stay deferred until a failed collective run's row is written: when one
+    # rank leaves, torchrun stops the others (SIGTERM), and rank 0 writes the job's row first
+    with faults.StopSignals() as stop:
+        with contextlib.ExitStack() as stack:
+            try:
+                metrics = _job(cfg, run_dir, summary, stop, stack, search, world)
+                summary["status"] = "ok"
+            except RunFailed as e:
+                summary.update(e.summary)
+                metrics = e.metrics
+                summary.update(status=e.status, error=str(e), failed_step=e.step)
+                if e.status == "interrupted":
+                    summary["signal"] = stop.requested
+                log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
+            except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, probes
+                summary.update(status="oom", error=str(e).splitlines()[0])
+                log.warning("run ended with status=oom: %s", summary["error"])
+            except ConfigError as e:
+                summary.update(status="error", error=str(e))
+                error = e
+            except Exception as e:  # a sweep records the failure and goes on
+                summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+                log.error("run failed: %s\n%s", e, traceback.format_exc())
+                error = e
+        summary["wall_s"] = time.perf_counter() - t0
+        if summary["status"] != "ok" and world.collective:
+            distributed.failed(world, summary["status"], summary.get("error", ""),
+                               summary.get("failed_step"))  # another rank's process ends here
+            if world.main:
+                _blame(summary, distributed.root_failure(world))
+                if summary.get("failed_rank", 0) != 0:  # torchrun stops rank 0 too
+                    stop.ignore_after(signal.SIGTERM)
+            return _finish(run_dir, summary, metrics, error, world)
+    return _finish(run_dir, summary, metrics, error, world)
+
+
+def _blame(summary: dict[str, Any], root: dict[str, Any] | None) -> None:
+    """Rank 0's row after a failure: the first failure any rank recorded is the run's (what
+    rank 0 met itself may only follow from it: another rank left the group)."""
+    if root is None or (root["status"] == summary["status"] and
+                        root["status"] in ("diverged", "interrupted")):
+        return  # every rank ended so at the same step (agreed each step): rank 0's row
+    summary["failed_rank"] = root["rank"]
+    if root["rank"] != 0:
+        summary.update(status=root["status"], error=f"rank {root['rank']}: {root['error']}")
+        if root.get("step") is not None:
+            summary["failed_step"] = root["step"]
 
 
 def learning(test_acc, train_loss, num_classes: int, n_test: int) -> dict[str, Any]:
@@ -287,43 +361,52 @@ def _finished_row(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _finish(run_dir: Path, summary: dict[str, Any], metrics: list[dict],
-            error: Exception | None) -> Outcome:
-    """Complete the row and write both records (atomically)."""
+            error: Exception | None, world: distributed.World | None = None) -> Outcome:
+    """Complete the row and write both records (atomically); in a job of several ranks, rank 0
+    alone writes."""
     summary["test_acc"] = summary.pop("test_acc", float("nan"))
     summary.setdefault("test_acc5", float("nan"))
     summary["run_dir"] = str(run_dir)
     # the report keeps a run_id's latest row (an interrupted run resumed in another folder)
     summary["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-    record.write_metrics(run_dir, metrics)
-    record.write_summary(run_dir, summary)
+    if world is None or world.main:
+        record.write_metrics(run_dir, metrics)
+        record.write_summary(run_dir, summary)
     return Outcome(summary, error)
 
 
-def _already_done(search: Path, run_dir: Path, rid: str) -> dict[str, Any] | None:
+def _already_done(search: Path, run_dir: Path, rid: str,
+                  world: distributed.World) -> dict[str, Any] | None:
     """`trainer.skip_done`: the earlier ok summary of this run_id under `search`, or None."""
     done = resume.find_done(search, rid)
     if done is None:
         return None
     log.info("skipped: run_id %s already finished ok in %s (trainer.skip_done)", rid, done)
     # a marker for the closing count, not a second summary.json (a second row in the report)
-    record.atomic_write(run_dir / resume.SKIPPED,
-                        json.dumps({"run_id": rid, "done_in": str(done)}) + "\n")
+    if world.main:
+        record.atomic_write(run_dir / resume.SKIPPED,
+                            json.dumps({"run_id": rid, "done_in": str(done)}) + "\n")
     return {**record.read_summary(done), "skipped": True}
 
 
 def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.StopSignals,
-         stack: contextlib.ExitStack, search: Path) -> list[dict]:
+         stack: contextlib.ExitStack, search: Path,
+         world: distributed.World | None = None) -> list[dict]:
     """The body of one job: device, build, probes, training; fills `summary`, returns metrics."""
+    world = world or distributed.World()
     t = trainer_of(cfg)  # before the device and the memory cap use any value
     probes.check(t)
+    distributed.check(world, t, t.world_size)
     if t.threads:
         torch.set_num_threads(t.threads)
-    device = stack.enter_context(capacity.claim_device(t.device))
+    device = world.device(t.device) if world.size > 1 else \
+        stack.enter_context(capacity.claim_device(t.device))
     summary.update(measure.provenance(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     data, model, method = build(cfg, t)
     if hasattr(method, "check_device"):  # optional: a method that needs a device kind (offload)
         method.check_device(device)
+    distributed.check_method(method, world)  # a method that cannot run sharded: one line
     for split in ("train", "test"):  # an empty test split would end ok with no accuracy
         if len(getattr(data, split)) == 0:
             raise ConfigError(f"dataset {data.name or cfg.dataset._target_}: the {split} split "
@@ -331,10 +414,14 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if device.type == "cuda" and t.data_on_device:
         data = place(data, device, int(t.data_on_device_max_gb * 2**30))
     data = cast_batches(data, param_dtype(t.precision))  # bf16-true: bf16 batches
+    data = distributed.shard_data(data, world)  # each rank: its slice of every global batch
     summary.update({"num_classes": data.num_classes,
                     "input_shape": "x".join(map(str, data.input_shape)),
                     "params": sum(p.numel() for p in model.parameters()),
                     **task_columns(data)})
+    if world.sharded or t.world_size is not None:
+        summary.update(world_size=t.world_size or world.size,
+                       local_batch_size=t.batch_size // (t.world_size or world.size))
     optim = _kwargs(cfg.optim)
     summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
                               lambda m: build_optimizer(m, **optim)))
@@ -342,28 +429,32 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if total_steps == 0:
         log.info("trainer.max_steps=0: probes only, no training")
         return []
-    optimizer = build_optimizer(model, **optim)
-    scheduler = build_scheduler(optimizer, total_steps, **optim)
     ckpt = resume.Checkpointer(run_dir, summary["run_id"], t.save_every, t.resume,
                                resume.find_checkpoints(search) if t.resume else [], stop)
     planned = _prepare(method, model, data, t, device, ckpt, search,
-                       OmegaConf.to_container(cfg.model, resolve=True))
+                       OmegaConf.to_container(cfg.model, resolve=True), world)
     summary.update(planned)
+    # the method in place and planned on the whole model: now the strategy's wrapper (DDP, or
+    # FSDP2's shards), and the optimizer over the parameters it trains (FSDP: the shards)
+    model = distributed.wrap(model, world, device)
+    optimizer = build_optimizer(model, **optim)
+    scheduler = build_scheduler(optimizer, total_steps, **optim)
     live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty(),
-                         hparams=loggers.hparams_of(summary))
+                         hparams=loggers.hparams_of(summary)) if world.main else []
     for lg in live:
         if hasattr(lg, "close"):  # once the row is final: `run` sets its status before
             stack.callback(_close_logger, lg, summary)
     # a method that changes the training procedure (synthetic) replaces the loop
     loop = getattr(method, "fit", train)
-    with faults.MemorySnapshot(t.memory_snapshot, device, run_dir) as snapshot, \
-            measure.TimelineRecorder(t.memory_timeline) as timeline:
+    with faults.MemorySnapshot(t.memory_snapshot and world.main, device, run_dir) as snapshot, \
+            measure.TimelineRecorder(t.memory_timeline and world.main) as timeline:
         if planned.get("dry_run"):  # the method was asked for its plan only
             result = TrainResult()
         else:
             result = loop(model, data, optimizer, scheduler, trainer=t, device=device,
                           checkpointer=ckpt, loggers=live)
     summary.update(result.summary)
+    summary.update(distributed.gather_memory(world, result.summary))  # rank 0: every rank's
     if (table := timeline.table()) is not None:
         summary.update(_write_timeline(timeline, table, method, model, run_dir, summary))
     if not planned.get("dry_run"):
@@ -377,7 +468,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)
     summary.update(ckpt.columns())
-    ckpt.clear()
+    if world.main:
+        ckpt.clear()
     if t.save_weights:
         resume.save_weights(model, run_dir)
     return result.metrics
@@ -415,22 +507,38 @@ def _close_logger(logger: Any, summary: dict[str, Any]) -> None:
 
 def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
              device: torch.device, ckpt: resume.Checkpointer,
-             search: Path | None = None, model_config: dict | None = None) -> dict[str, Any]:
+             search: Path | None = None, model_config: dict | None = None,
+             world: distributed.World | None = None) -> dict[str, Any]:
     """`method.prepare` (optional): on the run's first batch, on the run's device, before the
     first step (checkpoint profiles and plans here). Returns its summary columns. A prepare that
-    takes `cache_dir` gets the sweep folder (`search`): checkpoint keeps its profile there."""
+    takes `cache_dir` gets the sweep folder (`search`): checkpoint keeps its profile there; one
+    that takes `sharding` gets (strategy, world size) of a sharded run.
+
+    Several ranks: before the model is wrapped (no collective runs while a method profiles),
+    on this rank's batch; rank 0 prepares first and every other rank then prepares with rank
+    0's `carry` (the plan it chose), so that every rank runs the same plan (under FSDP the
+    ranks' recomputations gather the same parameters in the same order)."""
     if not hasattr(method, "prepare"):
         return {}
+    world = world or distributed.World()
     model.to(device).train()
     x, y = next(iter(data.train.batches(t.batch_size, device)))
     if t.channels_last and x.ndim == 4:
         model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     ckpt.carry.update(ckpt.carried())
+    if world.collective and not world.main:
+        ckpt.carry.update(world.agree(None))  # rank 0's plan, kept as a resumed run keeps one
     extra = {}
-    if search is not None and "cache_dir" in inspect.signature(method.prepare).parameters:
+    params = inspect.signature(method.prepare).parameters
+    if search is not None and "cache_dir" in params:
         extra["cache_dir"] = str(search)
-    if "model_config" in inspect.signature(method.prepare).parameters:
+    if "model_config" in params:
         extra["model_config"] = model_config
-    return method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry,
-                          **extra)
+    if world.sharded and "sharding" in params:
+        extra["sharding"] = (world.strategy, world.size)
+    out = method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry,
+                         **extra)
+    if world.collective and world.main:
+        world.agree(dict(ckpt.carry))
+    return out

@@ -30,6 +30,7 @@ INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds included) hold no more
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")  # train.autocast_factory, train.param_dtype
+STRATEGIES = ("single", "ddp", "fsdp")  # distributed.py
 
 
 @dataclasses.dataclass
@@ -75,6 +76,9 @@ class Trainer:
     max_batch_multiple: int = 1
     cuda_context_gb: float | None = None
     estimate: bool = False
+    strategy: str = "single"
+    world_size: int | None = None
+    fault_rank: int | None = None
 
     @classmethod
     def from_config(cls, node: DictConfig | dict[str, Any]) -> Trainer:
@@ -125,6 +129,15 @@ class Trainer:
         if self.fault is not None:
             check_choice("trainer.fault", self.fault, FAULTS)
         check_range("trainer.fault_step", self.fault_step, 0)
+        if self.fault_rank is not None:
+            check_range("trainer.fault_rank", self.fault_rank, 0)
+        check_choice("trainer.strategy", self.strategy, STRATEGIES)
+        if self.world_size is not None:
+            check_range("trainer.world_size", self.world_size, 1)
+            if self.strategy == "single" and self.world_size > 1:
+                raise ConfigError(f"trainer.world_size={self.world_size} with "
+                                  f"trainer.strategy=single: several ranks need "
+                                  f"trainer.strategy=ddp or trainer.strategy=fsdp")
         if self.gpu_memory_gb is not None:
             check_range("trainer.gpu_memory_gb", self.gpu_memory_gb, 0, None, lo_open=True)
         check_range("trainer.max_batch_headroom", self.max_batch_headroom, 0, 1, hi_open=True)

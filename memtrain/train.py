@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import measure, resume
+from memtrain import distributed, measure, resume
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
 from memtrain.faults import Fault
@@ -98,6 +98,9 @@ def evaluate(model: nn.Module, split: Split, device: torch.device, batch_size: i
         correct5 += int(hit.any(dim=-1).sum())
         n += y.shape[0]
     model.train(was_training)
+    # several ranks: each evaluated its slice of every batch; the sums are the whole split's
+    n, correct1, correct5, loss_sum = distributed.reduce_sums([n, correct1, correct5, loss_sum],
+                                                              device)
     if n == 0:
         return {"acc": float("nan"), "acc5": float("nan"), "loss": float("nan")}
     return {"acc": correct1 / n, "acc5": correct5 / n, "loss": loss_sum / n}
@@ -153,11 +156,11 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
     fwd, shuffle_gen = _ready(model, t, device)
     update = functools.partial(_update, model, optimizer, scheduler, scaler, t.grad_clip)
-    fault = Fault(t.fault, t.fault_step) if t.fault else None
+    fault = _fault(t)
 
     rec, t_start = Records(metric_prefix, loggers), time.perf_counter()
     meas = measure.Measurement(device, total_steps, t.warmup_steps, t.account_memory, rec.summary,
-                               resident, part=metric_prefix.rstrip("."))
+                               resident, metric_prefix.rstrip("."), distributed.settle_steps(model))
     step, start_epoch, loss_val = _resume(checkpointer, metric_prefix, model, optimizer,
                                           scheduler, scaler, shuffle_gen, rec, meas)
     replay = step - start_epoch * steps_per_epoch  # resumed: skip the epoch's batches done
@@ -196,7 +199,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                     scaler.scale(loss).backward()
                     update(meas)
                 del out
-                loss_val = float(loss.detach())
+                loss_val = distributed.reduce_step(loss, checkpointer)  # several ranks: agreed
                 if not math.isfinite(loss_val):
                     raise rec.failed("diverged", f"loss became {loss_val} at step {step}", step)
                 if step % t.log_every == 0 or step == total_steps - 1:
@@ -228,6 +231,14 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
 
     rec.summary.update(_end_columns(meas, t.batch_size, loss_val, step, epochs, t_start))
     return TrainResult(rec.summary, rec.metrics)
+
+
+def _fault(t: Trainer) -> Fault | None:
+    """`trainer.fault` on this rank (`trainer.fault_rank`: one rank of several; null: all)."""
+    world = distributed.World.active
+    if not t.fault or t.fault_rank not in (None, world.rank if world else 0):
+        return None
+    return Fault(t.fault, t.fault_step)
 
 
 def _quality(res: dict[str, float], task: str, eval_name: str) -> str:

@@ -27,6 +27,28 @@ else:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _ranks_alone(request, tmp_path_factory):
+    """A test marked `ranks` starts the processes of a job of several ranks (torchrun: two ranks
+    and its agent) and runs with no other test beside it: two ranks beside a busy test worker on
+    two cores slow gloo's collectives to a crawl. make test runs `--dist worksteal`, which
+    ignores xdist groups (they need `--dist loadgroup`), so the workers share two lock files in
+    the session's temporary folder: every test holds the lock shared, a `ranks` test holds it
+    alone (and the gate first, so that tests that start meanwhile wait behind it)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    alone = request.node.get_closest_marker("ranks") is not None
+    mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
+    with open(root / "ranks.gate", "a") as gate, open(root / "ranks.lock", "a") as hold:
+        fcntl.flock(gate, mode)
+        fcntl.flock(hold, mode)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+
+
 def conf_options(group: str) -> list[str]:
     """Every option of a config group: the folder is the registry."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))

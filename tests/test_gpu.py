@@ -175,3 +175,22 @@ def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
     assert out["mem_estimate_device"] == "cuda"
     assert out["mem_estimate_saved_bytes"] == pytest.approx(12 * s * b * h * (34 + 5 * a * s / h),
                                                             rel=0.05)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_gpu_row_of_each_strategy(in_tmp, strategy):
+    """trainer.strategy=ddp|fsdp on one GPU without a launcher (nccl, a group of one): an ok
+    row whose loss is one process's, the CUDA peak beside the tracker's breakdown, the whole
+    model state on the one rank; offload (CUDA only) composes with the strategy."""
+    over = [*TINY, "model=resnet18", "trainer.batch_size=16", "trainer.save_weights=true"]
+    one = api.run(over, out_dir=in_tmp / "one")
+    row = api.run([*over, f"trainer.strategy={strategy}"], out_dir=in_tmp / strategy)
+    assert row["status"] == "ok" and row["mem_peak_source"] == "cuda", row.get("error")
+    assert row["world_size"] == 1 and row["local_batch_size"] == 16
+    assert row["mem_params_bytes"] == one["mem_params_bytes"]
+    assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-4)
+    off = api.run([*over, f"trainer.strategy={strategy}", "method=offload"],
+                  out_dir=in_tmp / "offload")
+    assert off["status"] == "ok", off.get("error")
+    assert off["mem_act_saved_host_bytes"] > 0
+    assert off["mem_peak_act_bytes"] < row["mem_peak_act_bytes"]

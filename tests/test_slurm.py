@@ -209,3 +209,23 @@ def test_scancel_leaves_rows_and_the_continue_command_resumes_on_slurm(cluster, 
     assert sorted(t["ArrayTaskId"] for t in new) == ["0", "1", "2"]  # on SLURM, three jobs
     assert {t["JobState"] for t in new} == {"COMPLETED"}
 
+
+
+@pytest.mark.ranks
+@pytest.mark.xdist_group("ranks")
+def test_a_sharded_run_is_one_job_of_one_task_per_rank(cluster, in_tmp):
+    """`trainer.strategy=ddp trainer.world_size=2` under hydra/launcher=slurm: one SLURM job of
+    two tasks, the ranks (gloo between them, through submitit's env:// variables), and one ok
+    row, written by the first task alone."""
+    sweep = in_tmp / "sw"
+    p = _memtrain(cluster, "-m", "hydra/launcher=slurm", *TINY, "trainer.strategy=ddp",
+                  "trainer.world_size=2", NO_REPORT, f"hydra.sweep.dir={sweep}", cwd=in_tmp)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _rows(sweep)
+    assert list(rows) == [0] and rows[0]["status"] == "ok", rows
+    assert rows[0]["world_size"] == 2 and rows[0]["local_batch_size"] == 4
+    assert rows[0]["rank_max.mem_params_bytes"] == rows[0]["mem_params_bytes"]
+    (task,) = _ended(cluster, sweep)
+    assert task["JobState"] == "COMPLETED" and task.get("NumTasks", "2") == "2", task
+    assert sorted(p.name for p in job_dir(sweep, 0).iterdir() if not p.name.startswith(".")) \
+        == ["memtrain.log", "metrics.csv", "summary.json"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,15 +79,24 @@ class Stack:
             if hasattr(m, "check_device"):
                 m.check_device(device)
 
+    def check_strategy(self, strategy: str) -> None:
+        for m in self.members:
+            if hasattr(m, "check_strategy"):
+                m.check_strategy(strategy)
+
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None,
+                sharding: tuple[str, int] | None = None) -> dict[str, Any]:
         """Every member's `prepare`, innermost first (checkpoint, the outermost, profiles the
-        model with the others in place); their summary columns together."""
+        model with the others in place); their summary columns together. `sharding`: a sharded
+        run's (strategy, world size), for the members that take it."""
         out: dict[str, Any] = {}
         for key, m in reversed(list(zip(self.keys, self.members, strict=True))):
             if hasattr(m, "prepare"):
+                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
+                    inspect.signature(m.prepare).parameters else {}
                 try:
-                    out.update(m.prepare(model, x, y, autocast, carry))
+                    out.update(m.prepare(model, x, y, autocast, carry, **extra))
                 except ConfigError as e:  # a member names its options as `method.<option>`
                     raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
         return out
@@ -99,12 +109,16 @@ class Stack:
         return []
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list[ProbeStep]:
+                    num_classes: int,
+                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
         """The member's own probe steps (checkpoint: its plan applied to the stacked model),
         else the one step of the stacked model."""
         for m in self.members:  # at most one member has them (_check)
             if hasattr(m, "probe_steps"):
-                return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes)
+                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
+                    inspect.signature(m.probe_steps).parameters else {}
+                return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes,
+                                     **extra)
         return [ProbeStep(model, x, y)]
 
 

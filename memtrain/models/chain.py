@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from memtrain import distributed
 from memtrain.errors import ConfigError
 
 
@@ -90,3 +91,13 @@ def chain_of(model: nn.Module, who: str = "this method") -> Chain:
 def _sequential(model: nn.Module) -> Chain:
     # Any nn.Sequential is a chain of its children.
     return Chain([Segment(k, model, (k,)) for k, _ in model.named_children()])
+
+
+@distributed.blocks_rule
+def _blocks(model: nn.Module) -> list[list[nn.Module]] | None:
+    """FSDP's units (`trainer.strategy=fsdp`): one per segment of the model's chain, the units
+    the methods already recompute and cut between (torchtitan shards a transformer per block)."""
+    try:
+        return [s.modules() for s in chain_of(model, "trainer.strategy=fsdp").segments]
+    except ConfigError:  # no chain: the root alone is sharded
+        return None

@@ -34,11 +34,11 @@ from memtrain.report.draw import (
 )
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
 from memtrain.report.names import Names
-from memtrain.report.plots_memory import breakdown, budget, sequence
+from memtrain.report.plots_memory import breakdown, budget, sequence, sharding
 from memtrain.report.style import Memory, byte_unit, order_settings, panels, setting_styles
 
 __all__ = ["Plot", "all_plots", "breakdown", "budget", "curves", "failures", "pareto_front",
-           "save", "sequence", "throughput", "tradeoff"]
+           "save", "sequence", "sharding", "throughput", "tradeoff"]
 
 
 # ---------------------------------------------------------------- 1. memory-accuracy trade-off
@@ -457,6 +457,7 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
         "throughput": (lambda: throughput(agg, mem, names), "no throughput or memory"),
         "curves": (lambda: curves(agg, metrics, names), "no setting evaluated twice or more"),
         "sequence": (lambda: sequence(agg, names), None),  # only when seq_len varies
+        "sharding": (lambda: sharding(agg, names), None),  # only when the world size varies
         "budget": (lambda: budget(agg, mem, baseline, names),
                    "no measured method=checkpoint run with a method.budget_fraction"),
         "failures": (lambda: failures(agg, names), "every run ended ok"),

@@ -1,4 +1,5 @@
-"""Memory figures: the breakdown at the activation peak and the checkpoint budget figure."""
+"""Memory figures: the breakdown at the activation peak, the checkpoint budget figure, memory
+against sequence length and per-rank memory against the number of ranks."""
 
 from __future__ import annotations
 
@@ -287,3 +288,54 @@ def sequence(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     data = pd.DataFrame(drawn)
     draw.finish(fig, colors, draw.drawn_labels(data))
     return Plot("sequence", fig, data)
+
+
+# ---------------------------------------------------------------- 7. per-rank memory against ranks
+
+WORLD = "trainer.world_size"
+STRATEGY = "trainer.strategy"
+_WORLD_LABEL = r" world_size=\S+"
+
+
+@style.styled
+def sharding(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
+    """One rank's peak against the number of ranks (trainer.world_size), one line per method
+    and strategy (a run of one process: its point at 1 rank), one panel per model and dataset:
+    how much of the per-rank memory sharding takes off (FSDP: parameters, gradients and
+    optimizer state / N) and what a method still buys beside it. The peak is the measured one
+    (`mem_peak_alloc_bytes`, the highest rank's) where the runs trained, else one rank's
+    GPU-free estimate (`mem_estimate_bytes`). Drawn when a sweep varies the world size."""
+    if WORLD not in agg or pd.to_numeric(agg[WORLD], errors="coerce").nunique() < 2:
+        return None
+    measured = columns.PEAK in agg and agg[columns.PEAK].notna().any()
+    col = columns.PEAK if measured else columns.ESTIMATE
+    if col not in agg or not agg[col].notna().any():
+        return None
+    single = agg[STRATEGY].astype(str).eq("single") if STRATEGY in agg else \
+        pd.Series(False, index=agg.index)
+    ranks = pd.to_numeric(agg[WORLD], errors="coerce").where(~single, 1)
+    agg = agg.assign(line=agg["label"].str.replace(_WORLD_LABEL, "", regex=True).str.strip(),
+                     ranks=ranks)
+    div, unit = byte_unit(agg[col])
+    colors = setting_styles(agg.assign(label=agg["line"]))
+    fig, axes = style.subplots(len(panels(agg, names)))
+    drawn = []
+    for ax, (title, g) in zip(axes, panels(agg, names)):
+        ok = draw.ok_rows(g)
+        for line, h in order_settings(ok.assign(label=ok["line"])).groupby("label", sort=False):
+            h = h[h[col].notna() & h["ranks"].notna()].sort_values("ranks")
+            if h.empty:
+                continue
+            ax.plot(h["ranks"], h[col] / div, label=line, linewidth=style.line_width(1.0),
+                    **colors[line])
+            drawn += [{"panel": title, "label": line, "method": r["method"],
+                       "ranks": int(r["ranks"]), "bytes": r[col]} for _, r in h.iterrows()]
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+        draw.note(ax, draw.failed_lines(g), panel=title)
+        what = columns.axis(columns.PEAK) + ("" if measured else ", estimated,")
+        ax.set(title=title, xlabel="ranks (trainer.world_size)",
+               ylabel=f"{what} per rank ({unit})")
+    data = pd.DataFrame(drawn)
+    draw.finish(fig, colors, draw.drawn_labels(data))
+    return Plot("sharding", fig, data)

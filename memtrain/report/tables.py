@@ -32,6 +32,7 @@ SOURCE = "source"
 # A run's baseline: the `none` run that differs from it only in the method (the documented rule).
 DEFAULT_BASELINE = "method=none"
 DEFAULT_MATCH = ("model", "dataset", "trainer.batch_size", "trainer.precision", SEED)
+SHARDING = ("trainer.strategy", "trainer.world_size")  # matched too, where rows have them
 # Columns made relative to the baseline (ratio) or differenced (delta), per run.
 RATIOS = {
     "mem_peak_alloc_bytes": "mem_peak_rel",
@@ -273,8 +274,10 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
     warnings: list[str] = []
     where = parse_baseline(baseline)
     if tuple(match) == DEFAULT_MATCH:  # the workload's own options too: a none of another
-        # sequence length, attention kernel or image size is not this run's baseline
-        match = [*match, *(c for c in df.columns if c.startswith(("model.", "dataset.")))]
+        # sequence length, attention kernel or image size is not this run's baseline, nor one
+        # of another strategy or number of ranks (rows since those options exist)
+        match = [*match, *(c for c in df.columns if c.startswith(("model.", "dataset."))),
+                 *(c for c in SHARDING if c in df)]
     for k in [*where, *match]:
         if k not in df:
             warnings.append(f"column {k!r} (in --baseline/--match) is in no run; it matches "

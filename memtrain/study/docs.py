@@ -42,6 +42,7 @@ from pathlib import Path
 import pandas as pd
 
 from memtrain import bench
+from memtrain.bench.ranks import table as ranks_table
 from memtrain.columns import ACT_PEAK, ESTIMATE, ESTIMATE_ACT, PEAK
 from memtrain.report import markdown
 from memtrain.report import tables as report
@@ -219,6 +220,9 @@ SWEEPS: dict[str, Sweep] = {
         "-m", "method=checkpoint", "method.budget_fraction=0.01",
         "model=mlp6,resnet18,resnet34,resnet50,efficientnet_b0,resmlp12,resmlp24",
         "trainer.estimate=true", "trainer.max_steps=0", *CPU1)),
+    # README's sharding figure: one rank's estimated peak against the number of ranks
+    # (conf/experiment/sharding_study.yaml: fake process group, no ranks needed)
+    "sharding_study_cpu": Sweep(("-m", "experiment=sharding_study", *CPU1)),
     # README's pool table: the exact add-ons, pooling without them, pooling, at two sizes
     "pool_sizes_cpu": Sweep((
         "-m", "hydra/sweeper=variants", "model=resnet18,resnet50", "dataset.image_size=32,224",
@@ -684,6 +688,48 @@ def checkpoint_least(root: Path, doc_dir: Path) -> list[str]:
             + ", ".join(cells) + "."]
 
 
+def sharding(root: Path, doc_dir: Path) -> list[str]:
+    """README's sharding figure and its values: one rank's estimated peak against the number
+    of ranks (conf/experiment/sharding_study.yaml), per model, method and strategy."""
+    name = "sharding_study_cpu"
+    d = report.load_summary_csv(root / DATA / name / "summary.csv").copy()  # defragmented
+    img = _rel(root, doc_dir, Path("docs/figures/sharding.png"))
+    ranks = sorted({int(n) for n in pd.to_numeric(d["trainer.world_size"], errors="coerce")
+                    .dropna()})
+    single = d["trainer.strategy"].eq("single")
+    d = d.assign(ranks=pd.to_numeric(d["trainer.world_size"], errors="coerce")
+                 .where(~single, 1))
+    unit, div = tables.unit_of(d[ESTIMATE])
+    lines = [_sweep_head(root, doc_dir, name, sweep_rows(root, name)), "",
+             f"![One rank's estimated peak against the number of ranks: resnet50 and "
+             f"gpt2_small, none, checkpoint and quantize under ddp and fsdp]({img})", "",
+             f"One rank's peak ({unit}, the GPU-free estimate on torch's fake process group: "
+             f"the rank's shards and its batch of the global one; a failed point says why):", "",
+             "| model | method | strategy | " + " | ".join(f"{n} rank{'s' * (n > 1)}"
+                                                      for n in ranks) + " |",
+             "|" + " --- |" * (3 + len(ranks))]
+    models = list(dict.fromkeys(d["model"]))
+    methods = list(dict.fromkeys(d["method"]))
+    for model in models:
+        for method in methods:
+            for strategy in ("single", "ddp", "fsdp"):
+                g = d[(d["model"] == model) & (d["method"] == method)
+                      & (d["trainer.strategy"] == strategy)]
+                if g.empty:
+                    continue
+                cells = []
+                for n in ranks:
+                    h = g[g["ranks"] == n]
+                    if h.empty:
+                        cells.append("")
+                    elif h.iloc[0]["status"] != "ok":
+                        cells.append(f"{h.iloc[0]['status']}")
+                    else:
+                        cells.append(tables.fmt(h.iloc[0][ESTIMATE] / div, 2))
+                lines.append(f"| {model} | {method} | {strategy} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # ---------------------------------------------------------------- README's method tables
 
 
@@ -966,6 +1012,8 @@ BLOCKS = [
     Block("checkpoint-overhead", "README.md", checkpoint_overhead),
     Block("checkpoint-least", "README.md", checkpoint_least),
     Block("stacks", "README.md", stacks),
+    Block("sharding", "README.md", sharding),
+    Block("ranks", "README.md", _bench_table("ranks_cpu.csv", ranks_table, "0", "1 accounted")),
     # RESULTS.md
     Block("headlines", "docs/RESULTS.md", results_headlines),
     Block("study-ratios", "docs/RESULTS.md", study_ratios),

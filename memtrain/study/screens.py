@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtrain.report import plots, plots_timeline, style
+from memtrain.report import plots, plots_memory, plots_timeline, style
 from memtrain.report import tables as report_tables
 from memtrain.report.build import analyse
 from memtrain.study import view
@@ -49,6 +49,7 @@ class Screen:
 FIGURES = {"cost": lambda runs, settings, mem: plots.cost(settings, mem),
            "estimates": lambda runs, settings, mem: plots.estimates(settings),
            "sequence": lambda runs, settings, mem: plots.sequence(settings),
+           "sharding": lambda runs, settings, mem: plots_memory.sharding(settings),
            "timeline": lambda runs, settings, mem: plots_timeline.timelines(runs),
            "layers": lambda runs, settings, mem: plots_timeline.layers_figure(runs),
            "anatomy": lambda runs, settings, mem: plots_timeline.anatomy(runs)}
@@ -57,6 +58,7 @@ SCREENS = (
     Screen("headline", "headline_fmnist_cpu", "cost"),  # README's first figure
     Screen("estimates", "estimates_resnet50_224_cpu", "estimates"),
     Screen("sequence", "transformer_study_cpu", "sequence"),  # make transformer-study-cpu
+    Screen("sharding", "sharding_study_cpu", "sharding"),  # experiment=sharding_study
     Screen("timeline", TIMELINE_ROWS, "timeline"),
     Screen("layers", TIMELINE_ROWS, "layers"),
     Screen("anatomy", TIMELINE_ROWS, "anatomy"),

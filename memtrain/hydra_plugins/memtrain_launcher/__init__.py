@@ -19,6 +19,9 @@ SLURM scheduler, tests/test_slurm.py):
   Once the row is written, submitit's own handler requeues the job while
   `hydra.launcher.max_num_timeout` allows; the requeued job resumes with `trainer.resume=true`.
   Past that, the row stays `interrupted` and the sweep prints its continue command.
+- (SLURM) A sharded run (`trainer.strategy=ddp|fsdp`) is one job of one task per rank
+  (conf/hydra/launcher/slurm.yaml's `tasks_per_node`); in each task `as_rank` exports torch's
+  env:// variables (submitit's) and keeps every task but the first out of the job's folder.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import copy
 import io
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -259,12 +263,36 @@ def _no_submission(sweep_dir: Path, executor: str, error: str) -> NoReturn:
     sys.exit(2)
 
 
+def as_rank(sweep_overrides: list[str]) -> list[str]:
+    """In a SLURM task of a job of several (trainer.strategy=ddp|fsdp: one task per GPU): the
+    environment torch.distributed's env:// rendezvous reads (submitit's; every task sees every
+    GPU of its node and takes its local rank's), and for the tasks but the first, overrides
+    that keep Hydra from writing into the job's folder (rank 0 writes the row, the log and
+    .hydra/; the others warn on their console)."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    if env.num_tasks <= 1:
+        return list(sweep_overrides)
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+    if env.num_nodes == 1:  # every rank on this node: the loopback, whatever names resolve
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    if env.global_rank == 0:
+        return list(sweep_overrides)
+    ours = ("hydra.output_subdir=", "hydra/job_logging=", "hydra.job_logging.")
+    return [*[o for o in sweep_overrides if not o.startswith(ours)],
+            "hydra.output_subdir=null", "hydra/job_logging=stdout",
+            "hydra.job_logging.root.level=WARNING"]
+
+
 class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
     """`hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml)."""
 
-    def __call__(self, *args, **kwargs) -> JobReturn:  # in the SLURM job
+    def __call__(self, sweep_overrides, *args, **kwargs) -> JobReturn:  # in the SLURM job
         with TimeLimit() as limit:
-            ret = super().__call__(*args, **kwargs)
+            ret = super().__call__(as_rank(sweep_overrides), *args, **kwargs)
         value = ret._return_value if ret.status == JobStatus.COMPLETED else None
         if limit.hit and isinstance(value, dict) and value.get("status") == "interrupted":
             limit.requeue()

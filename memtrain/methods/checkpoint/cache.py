@@ -54,7 +54,8 @@ def load(folder: Path, k: str) -> tuple[planner.Profile, opplan.OpProfile | None
 def save(folder: Path, k: str, prof: planner.Profile, ops: opplan.OpProfile | None) -> None:
     path = Path(folder) / FOLDER / f"{k}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    d = {"profile": dataclasses.asdict(prof),
+    # a sharded run's gathered parameters are its own, no measurement of the model
+    d = {"profile": {**dataclasses.asdict(prof), "gathered": []},
          "ops": None if ops is None else [[dataclasses.asdict(o) for o in seg] for seg in ops.ops],
          "compact": [] if ops is None else [dataclasses.asdict(c) for c in ops.compact]}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

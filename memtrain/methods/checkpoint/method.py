@@ -32,7 +32,7 @@ import memtrain.methods.checkpoint.compact as compaction
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
 import memtrain.methods.common.hooks as hooks
-from memtrain.errors import check_choice, check_range
+from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.estimate import ProbeStep
 from memtrain.losses import cross_entropy
 from memtrain.methods.checkpoint.segments import Segment, apply_groups, discover
@@ -183,6 +183,7 @@ class CheckpointMethod:
         self.profile: planner.Profile | None = None
         self.ops: opplan.OpProfile | None = None
         self.raised_to: int | None = None  # the budget raised to the smallest feasible peak
+        self.sharding: tuple[str, int] | None = None  # a sharded run's (strategy, world size)
         # a stack's inner saved-tensor hooks, entered inside every checkpoint too (stack.py)
         self.inside: Callable[[], contextlib.AbstractContextManager] | None = None
 
@@ -209,15 +210,34 @@ class CheckpointMethod:
                          policy=_save_matmul_conv, inside=self.inside)
         return model
 
+    def check_strategy(self, strategy: str) -> None:
+        """Under DDP or FSDP every strategy but torch.compile's runs (compiling a sharded model
+        is not supported here yet: trainer.compile is refused there too)."""
+        if self.strategy == "compile":
+            raise ConfigError(f"method.strategy=compile with trainer.strategy={strategy}: "
+                              f"compiling a DDP or FSDP model is not supported here yet; use "
+                              f"method.strategy=budget (or uniform, sqrt, selective)")
+
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
                 carry: dict[str, Any] | None = None, cache_dir: str | None = None,
-                model_config: dict | None = None) -> dict[str, Any]:
+                model_config: dict | None = None,
+                sharding: tuple[str, int] | None = None) -> dict[str, Any]:
         """Before the first step, on the run's first batch and device: profile the segments on
         `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
         in place; `cache_dir` (the sweep folder) keeps one profile per model, input, precision
         and device for every job of the sweep (`model_config`: the run's model options, part
         of the profile's key). Returns the plan's summary columns; with
-        `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there."""
+        `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there.
+
+        `sharding`: (strategy, world size) of a sharded run; prepared per rank, on its batch,
+        before the model is wrapped. Under FSDP a recomputed group's forward gathers the
+        parameters of its segments again, one unit at a time (the last one's backward holds
+        its own anyway): the planner counts what that gathers beyond the rank's shard in the
+        group's recompute peak (`Profile.gathered`), so the budget holds the sharded parameter
+        memory a plan brings back. FSDP's hooks run ops of their own inside a recomputed
+        forward, where op plans check the op sequence: plans there are of whole groups
+        (`plan_granularity=block`, a warning)."""
+        self._shard(sharding)
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -411,6 +431,7 @@ class CheckpointMethod:
                                                              autocast, 1, scale).inner
         else:
             self.profile, ops = got
+        self.profile.gathered = self._gathered()
         if self.by_op and ops is None:
             ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
                                        scale)
@@ -424,14 +445,35 @@ class CheckpointMethod:
                          x.device.type)
         self.ops = ops if self.by_op else None
 
+    def _shard(self, sharding: tuple[str, int] | None) -> None:
+        """A sharded run's (strategy, world size), before anything is planned (`prepare`)."""
+        if sharding is not None and sharding[0] == "fsdp" and self.by_op:
+            log.warning("checkpoint granularity=op under trainer.strategy=fsdp: FSDP's hooks run "
+                        "ops of their own inside a recomputed forward, where an op plan checks "
+                        "the sequence of ops; planning whole groups (granularity block, the "
+                        "row's plan_granularity)")
+            self.by_op = False
+        self.sharding = sharding
+
+    def _gathered(self) -> list[int]:
+        """Per segment, the parameter bytes an FSDP rank gathers beyond its shard to run the
+        segment's forward (N - 1 of N parts); [] unless sharded by FSDP."""
+        if getattr(self, "sharding", None) is None or self.sharding[0] != "fsdp":
+            return []
+        n = self.sharding[1]
+        return [sum(p.numel() * p.element_size() for m in seg.modules() for p in m.parameters())
+                * (n - 1) // n for seg in self.segments]
+
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list[ProbeStep]:
+                    num_classes: int,
+                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
         """For the probes (`estimate.probe_steps`): the step a run measures, the plan that
         `prepare` would choose on this batch applied (profiled on the probe's own batch: on fake
         tensors bytes and FLOPs are exact, times meaningless: block plans minimise FLOPs, op
         plans the roofline there, where a run's op plans minimise measured times; both hold
         the same budget, so the estimate's plan peaks where the run's does, not always by the
-        same ops)."""
+        same ops). `sharding`: one rank of a sharded run, planned as its `prepare` plans."""
+        self._shard(sharding)
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
             self._apply(model)

@@ -71,6 +71,10 @@ class Profile:
     # saves (`rec_last`: a recompute stops there, torch's early stop), empty: not measured
     rec_peak: list[int] = field(default_factory=list)
     rec_last: list[int] = field(default_factory=list)
+    # FSDP (set by the method, never cached): the parameter bytes a rank gathers beyond its
+    # shard to run each segment's forward; a recomputed group gathers its earlier segments
+    # again, one at a time, while its last one's are gathered for its backward anyway
+    gathered: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -124,14 +128,15 @@ def _recompute_bytes(p: Profile, a: int, e: int) -> int:
     over what the segments before it in the group hold (a block's downsample output, alive
     until the residual add; the stem's max-pool output)."""
     inner = p.recompute or p.inner
-    kept = sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0)
+    gathered = max(p.gathered[a:e], default=0) if p.gathered else 0
+    kept = sum(inner[a:e + 1]) + sum(p.out[a:e]) + (p.out[e] if p.out_saved[e] else 0) + gathered
     if not p.rec_peak or p.recompute:
         return kept
     before, most = 0, 0
     for i in range(a, e + 1):
         most = max(most, before + (p.rec_last[i] if i == e else p.rec_peak[i]))
         before += inner[i] + p.out[i]
-    return max(kept, most)
+    return max(kept, most + gathered)
 
 
 def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,

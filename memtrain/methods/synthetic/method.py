@@ -125,6 +125,14 @@ class Synthetic:
 
     # ------------------------------------------------------------ surgery
 
+    def check_strategy(self, strategy: str) -> None:
+        """A sharded run (ddp, fsdp) trains one model across the ranks; synthetic trains its
+        partitions one phase after another, each a model of its own with its own loop."""
+        raise ConfigError(f"method=synthetic with trainer.strategy={strategy}: synthetic trains "
+                          f"its partitions one phase at a time, each a model of its own, which "
+                          f"the strategy's wrapper of one model does not cover; use "
+                          f"trainer.strategy=single")
+
     def wrap(self, model: nn.Module) -> Partitioned:
         """The model as `Partitioned` (same parameters and names; the forward gains only the
         fixed `LabelStandardize` at each cut). Explicit cuts apply now; automatic ones when
