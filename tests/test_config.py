@@ -129,3 +129,49 @@ def test_missing_dataset_folder_names_the_path(in_tmp):
     assert "dataset cifar10 not found (looked in" in p.stderr and "nodata" in p.stderr
     assert "dataset.download=true" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_path, monkeypatch):
+    """config.hydra_compose caches a composition within a process (each api.run composes ~7
+    times): an edited preset, a new preset file, another folder (hydra.runtime.cwd) or an edited
+    structured config composes afresh, and each caller gets its own copy to change."""
+    from hydra.core.config_store import ConfigStore
+
+    from memtrain import config
+
+    mine = tmp_path / "mine" / "trainer"
+    mine.mkdir(parents=True)
+    preset = mine / "mine.yaml"
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 3\n")
+
+    def batch(overrides=("trainer=mine",)):
+        with config.session(config_dir=str(tmp_path / "mine")):
+            return config.hydra_compose("config", list(overrides), return_hydra_config=True)
+
+    first = batch()
+    assert first.trainer.batch_size == 3
+    first.trainer.batch_size = 99  # the caller's copy: the cache keeps its own
+    assert batch().trainer.batch_size == 3
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 5\n")  # same size, new bytes
+    assert batch().trainer.batch_size == 5
+    (mine / "other.yaml").write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 6\n")
+    assert batch(["trainer=other"]).trainer.batch_size == 6
+    assert batch().hydra.runtime.cwd != str(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert batch().hydra.runtime.cwd == str(tmp_path)  # another folder: composed there
+    with config.session():
+        assert "hydra" not in config.hydra_compose("config", ["trainer=smoke"])
+        assert config.hydra_compose("config", ["trainer=smoke"]).trainer.batch_size == 8
+
+    cs = ConfigStore.instance()
+    node = cs.repo["trainer"]["base_trainer.yaml"]
+    with config.session():
+        before = config._session_state()
+    try:  # a structured config stored again (a plugin, a test): the key changes
+        cs.store(group="trainer", name="base_trainer", node=node.node, provider=node.provider)
+        with config.session():
+            assert config._session_state() != before
+    finally:
+        cs.repo["trainer"]["base_trainer.yaml"] = node
+    with config.session():
+        assert config._session_state() == before
