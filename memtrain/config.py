@@ -175,16 +175,17 @@ def _trim() -> None:
         _composed.pop(next(iter(_composed)))
 
 
-def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False, *,
+                  shared: bool = False) -> DictConfig:
     """`hydra.compose(name, overrides, return_hydra_config)` inside `session()`, the same config
-    from a cache when nothing it is made of changed (a deep copy: the caller may change it)."""
+    from a cache when nothing it is made of changed: a deep copy the caller may change, or with
+    `shared` the cached object itself, for callers that only read it (the checks)."""
     import copy
     import os
 
     from hydra import compose as hcompose
     from hydra.core.utils import JobRuntime
     from hydra.version import getbase
-    from omegaconf import open_dict
 
     state = _session_state()
     key = None
@@ -192,15 +193,15 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
                                      for o in overrides):
         key = ("compose", name, tuple(overrides), os.getcwd(), str(getbase()),
                JobRuntime().get("name"), state)
-    hit = _composed.get(key) if key is not None else None
-    cfg = None
-    if hit is not None:
-        extra_paths, extra_state, env, cached = hit
-        if (_sources_state(extra_paths) == extra_state
-                and {k: os.environ.get(k) for k in env} == env):
-            cfg = copy.deepcopy(cached)
+    entry = _composed.get(key) if key is not None else None
+    if entry is not None:
+        extra_paths, extra_state, env, _ = entry
+        if (_sources_state(extra_paths) != extra_state
+                or {k: os.environ.get(k) for k in env} != env):
+            entry = None
+        else:
             _composed[key] = _composed.pop(key)  # most recently used last
-    if cfg is None:
+    if entry is None:
         cfg = hcompose(name, overrides=list(overrides), return_hydra_config=True)
         try:
             extra_paths = tuple(("hydra.searchpath", str(p))
@@ -208,11 +209,27 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
             extra_state = _sources_state(extra_paths)
         except Exception:  # an unresolvable search path: Hydra said what it could; no cache
             extra_state = None
-        if key is not None and extra_state is not None:
-            env = {k: os.environ.get(k) for k in cfg.hydra.job.get("env_copy") or []}
-            _composed[key] = (extra_paths, extra_state, env, copy.deepcopy(cfg))
-            _trim()
-    if not return_hydra_config and "hydra" in cfg:  # as hydra.compose does
+        if key is None or extra_state is None:
+            return cfg if return_hydra_config else _without_hydra(cfg)
+        env = {k: os.environ.get(k) for k in cfg.hydra.job.get("env_copy") or []}
+        entry = _composed[key] = (extra_paths, extra_state, env, {True: cfg})
+        _trim()
+    variants = entry[3]
+    if return_hydra_config not in variants:
+        variants[return_hydra_config] = _without_hydra(copy.deepcopy(variants[True]))
+    cfg = variants[return_hydra_config]
+    if shared:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.clear_cache(cfg)  # as composed: no resolver's value (${now:}) kept from a reader
+    return cfg
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    """The config without its hydra node, as hydra.compose(return_hydra_config=False) gives it."""
+    from omegaconf import open_dict
+
+    if "hydra" in cfg:
         with open_dict(cfg):
             del cfg["hydra"]
     return cfg
@@ -238,7 +255,9 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
             return [o for o in group_options(group, name, search) if not o.startswith("base_")]
 
         def compose(selection: list[str], hydra: bool = False) -> DictConfig:
-            return hydra_compose(name, [*selection, *search], return_hydra_config=hydra)
+            # read, never changed, by the checks: the cached object itself
+            return hydra_compose(name, [*selection, *search], return_hydra_config=hydra,
+                                 shared=True)
 
         validate.check(parsed, options, compose)
         if multirun is not False:
@@ -305,7 +324,7 @@ def check_default_output_dir(overrides: list[str], multirun: bool, *,
     if any(o.key_or_group == key for o in parsed):
         return  # named on the command line: validate.check_output_dirs made and probed it
     with session(config_path, config_dir):
-        cfg = hydra_compose(config_name or "config", return_hydra_config=True,
+        cfg = hydra_compose(config_name or "config", return_hydra_config=True, shared=True,
                             overrides=[o.input_line for o in parsed if not o.is_sweep_override()])
     value = str(OmegaConf.to_container(cfg.hydra, resolve=False)[key.split(".")[1]]["dir"])
     prefix = value.split("${")[0]
@@ -330,7 +349,7 @@ def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, s
     overrides = list(overrides or [])
     check_overrides(overrides)
     with session():
-        cfg = hydra_compose("config", overrides, return_hydra_config=True)
+        cfg = hydra_compose("config", overrides, return_hydra_config=True, shared=True)  # read
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
     with_hydra.pop("hydra", None)

@@ -162,6 +162,10 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
     with config.session():
         assert "hydra" not in config.hydra_compose("config", ["trainer=smoke"])
         assert config.hydra_compose("config", ["trainer=smoke"]).trainer.batch_size == 8
+        one, two = (config.hydra_compose("config", ["trainer=smoke"], shared=True)
+                    for _ in range(2))
+        assert one is two and "hydra" not in one  # the readers' object: one, never changed
+        assert config.hydra_compose("config", ["trainer=smoke"]) is not one
 
     cs = ConfigStore.instance()
     node = cs.repo["trainer"]["base_trainer.yaml"]
