@@ -19,7 +19,7 @@ import functools
 import math
 
 import torch
-from memtrain.kernels import is_fake, triton_available
+from memtrain.kernels import chunk_starts, is_fake, triton_available
 
 BLOCK_BYTES = 1024  # bytes per program in the pack kernel (8x as many elements)
 BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
@@ -137,7 +137,8 @@ def pack_torch(x: torch.Tensor) -> torch.Tensor:
     per_row = n // rows.shape[0]
     step = 8 // math.gcd(per_row, 8)  # rows per chunk a multiple of this: chunks start on a byte
     size = max(step, -(-rows.shape[0] // PACK_CHUNKS) // step * step)
-    for start in range(0, rows.shape[0], size):
+    # on fake tensors (the estimate) the first and last chunk stand for all (chunk_starts)
+    for start in chunk_starts(rows.shape[0], size, is_fake(x)):
         part = _pack_flat(rows[start:start + size].reshape(-1))  # a copy only of a strided slice
         first = start * per_row // 8
         bits[first:first + part.numel()] = part

@@ -47,10 +47,192 @@ def session(config_path: str | None = None, config_dir: str | None = None):
                        anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
     Hydra.create_main_hydra2(task_name="memtrain", config_search_path=search)
+    global _search_path, _search_state
+    outer = _search_path, _search_state
+    _search_path, _search_state = tuple((e.provider, e.path) for e in search.get_path()), None
     try:
         yield
     finally:
+        _search_path, _search_state = outer
         GlobalHydra.instance().clear()
+
+
+# ---------------------------------------------------------------- the composed configs, cached
+
+# One process composes the same configs many times (each api.run checks its overrides with ~6
+# compositions, the test suite and a notebook run many): Hydra's compose reads and merges every
+# file of the defaults list each time (~0.1-0.2 s). A composition is a function of the search
+# path's files (their bytes), the structured configs in Hydra's ConfigStore, the overrides, the
+# current folder (hydra.runtime.cwd), the job name, Hydra's version base and the environment
+# variables hydra.job.env_copy names: the cache is keyed on all of them and hands out a copy.
+_search_path: tuple | None = None  # the session's search path: (provider, path) pairs
+_search_state: tuple | None = None  # its files and structured configs, read once per session
+_composed: dict[tuple, tuple] = {}
+_COMPOSED_MAX = 256
+
+
+def _source_files(path: str) -> tuple | None:
+    """(relative path, bytes) of every file Hydra can read under a search-path entry, or None
+    where the entry is not a folder this can read (the composition is then not cached)."""
+    import importlib.util
+    import os
+
+    if path.startswith("file://") or "://" not in path:  # Hydra's default scheme: file
+        roots = [path.removeprefix("file://")]
+    elif path.startswith("pkg://"):
+        try:
+            spec = importlib.util.find_spec(path[len("pkg://"):].replace("/", "."))
+        except (ImportError, ValueError):
+            return None
+        roots = list(spec.submodule_search_locations or []) if spec else []
+        if not roots:
+            return None
+    else:
+        return None
+    files = []
+    for root in roots:
+        if not os.path.isdir(root):
+            files.append((root, None))
+            continue
+        for folder, dirs, names in os.walk(root):
+            dirs.sort()
+            for name in sorted(names):
+                full = os.path.join(folder, name)
+                try:
+                    with open(full, "rb") as f:
+                        files.append((full, f.read()))
+                except OSError:
+                    return None
+    return tuple(files)
+
+
+def _sources_state(paths) -> tuple | None:
+    state = []
+    for provider, path in paths:
+        if path.startswith("structured://"):
+            from hydra.core.config_store import ConfigStore
+
+            def walk(node, prefix=""):
+                for k, v in sorted(node.items()):
+                    if isinstance(v, dict):
+                        yield from walk(v, f"{prefix}{k}/")
+                    else:
+                        yield f"{prefix}{k}", v
+            # the stored nodes themselves: kept alive by the key, compared by identity
+            state.append((path, tuple((k, _Same(v)) for k, v in walk(ConfigStore.instance().repo))))
+            continue
+        files = _source_files(path)
+        if files is None:
+            return None
+        state.append((provider, path, files))
+    return tuple(state)
+
+
+class _Same:
+    """An object compared by identity (a ConfigStore node: replacing it changes the key)."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def _session_state() -> tuple | None:
+    """What the session's search path holds (None: not cacheable, or no session)."""
+    global _search_state
+    if _search_path is None:
+        return None
+    if _search_state is None:
+        _search_state = _sources_state(_search_path) or ()
+    return _search_state or None
+
+
+def group_options(group: str, name: str, search: list[str]) -> list[str]:
+    """The options of a config group Hydra finds in this session (`search`: the command's
+    hydra.searchpath overrides), cached like `hydra_compose`."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    state = _session_state()
+    key = ("options", group, name, state) if state is not None and not search else None
+    if key is not None and key in _composed:
+        return list(_composed[key])
+    found = GlobalHydra.instance().config_loader().get_group_options(
+        group, ObjectType.CONFIG, name, search)
+    if key is not None:
+        _composed[key] = tuple(found)
+        _trim()
+    return list(found)
+
+
+def _trim() -> None:
+    while len(_composed) > _COMPOSED_MAX:
+        _composed.pop(next(iter(_composed)))
+
+
+def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False, *,
+                  shared: bool = False) -> DictConfig:
+    """`hydra.compose(name, overrides, return_hydra_config)` inside `session()`, the same config
+    from a cache when nothing it is made of changed: a deep copy the caller may change, or with
+    `shared` the cached object itself, for callers that only read it (the checks)."""
+    import copy
+    import os
+
+    from hydra import compose as hcompose
+    from hydra.core.utils import JobRuntime
+    from hydra.version import getbase
+
+    state = _session_state()
+    key = None
+    if state is not None and not any(o.split("=")[0].lstrip("+~") == "hydra.searchpath"
+                                     for o in overrides):
+        key = ("compose", name, tuple(overrides), os.getcwd(), str(getbase()),
+               JobRuntime().get("name"), state)
+    entry = _composed.get(key) if key is not None else None
+    if entry is not None:
+        extra_paths, extra_state, env, _ = entry
+        if (_sources_state(extra_paths) != extra_state
+                or {k: os.environ.get(k) for k in env} != env):
+            entry = None
+        else:
+            _composed[key] = _composed.pop(key)  # most recently used last
+    if entry is None:
+        cfg = hcompose(name, overrides=list(overrides), return_hydra_config=True)
+        try:
+            extra_paths = tuple(("hydra.searchpath", str(p))
+                                for p in (cfg.hydra.get("searchpath") or []))
+            extra_state = _sources_state(extra_paths)
+        except Exception:  # an unresolvable search path: Hydra said what it could; no cache
+            extra_state = None
+        if key is None or extra_state is None:
+            return cfg if return_hydra_config else _without_hydra(cfg)
+        env = {k: os.environ.get(k) for k in cfg.hydra.job.get("env_copy") or []}
+        entry = _composed[key] = (extra_paths, extra_state, env, {True: cfg})
+        _trim()
+    variants = entry[3]
+    if return_hydra_config not in variants:
+        variants[return_hydra_config] = _without_hydra(copy.deepcopy(variants[True]))
+    cfg = variants[return_hydra_config]
+    if shared:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.clear_cache(cfg)  # as composed: no resolver's value (${now:}) kept from a reader
+    return cfg
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    """The config without its hydra node, as hydra.compose(return_hydra_config=False) gives it."""
+    from omegaconf import open_dict
+
+    if "hydra" in cfg:
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return cfg
 
 
 def check_overrides(overrides: list[str], *, config_path: str | None = None,
@@ -62,10 +244,6 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
     (`--config-dir`, `hydra.searchpath` included). `multirun`: also check the sweep (its params
     and variants) the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI
     without -m). A single job (the API) is checked as itself."""
-    from hydra import compose as hcompose
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.object_type import ObjectType
-
     from memtrain import validate
 
     parsed = validate.parse(overrides)
@@ -73,14 +251,13 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
     # the user's search path applies to every config the checks compose
     search = [o.input_line for o in parsed if o.key_or_group == "hydra.searchpath"]
     with session(config_path, config_dir):
-        loader = GlobalHydra.instance().config_loader()
-
         def options(group: str) -> list[str]:  # schemas (base_*) are extended, not chosen
-            return [o for o in loader.get_group_options(group, ObjectType.CONFIG, name, search)
-                    if not o.startswith("base_")]
+            return [o for o in group_options(group, name, search) if not o.startswith("base_")]
 
         def compose(selection: list[str], hydra: bool = False) -> DictConfig:
-            return hcompose(name, overrides=[*selection, *search], return_hydra_config=hydra)
+            # read, never changed, by the checks: the cached object itself
+            return hydra_compose(name, [*selection, *search], return_hydra_config=hydra,
+                                 shared=True)
 
         validate.check(parsed, options, compose)
         if multirun is not False:
@@ -140,8 +317,6 @@ def check_default_output_dir(overrides: list[str], multirun: bool, *,
     call after check_overrides (the overrides are known to compose)."""
     import os
 
-    from hydra import compose as hcompose
-
     from memtrain import validate
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -149,8 +324,8 @@ def check_default_output_dir(overrides: list[str], multirun: bool, *,
     if any(o.key_or_group == key for o in parsed):
         return  # named on the command line: validate.check_output_dirs made and probed it
     with session(config_path, config_dir):
-        cfg = hcompose(config_name or "config", return_hydra_config=True,
-                       overrides=[o.input_line for o in parsed if not o.is_sweep_override()])
+        cfg = hydra_compose(config_name or "config", return_hydra_config=True, shared=True,
+                            overrides=[o.input_line for o in parsed if not o.is_sweep_override()])
     value = str(OmegaConf.to_container(cfg.hydra, resolve=False)[key.split(".")[1]]["dir"])
     prefix = value.split("${")[0]
     if "${" not in value:
@@ -170,12 +345,11 @@ def check_default_output_dir(overrides: list[str], multirun: bool, *,
 def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
     """The config the CLI would compose for these overrides (hydra node removed), and the group
     choices: Hydra's compose API over the same conf/."""
-    from hydra import compose as hcompose
 
     overrides = list(overrides or [])
     check_overrides(overrides)
     with session():
-        cfg = hcompose("config", overrides=overrides, return_hydra_config=True)
+        cfg = hydra_compose("config", overrides, return_hydra_config=True, shared=True)  # read
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     with_hydra = OmegaConf.to_container(cfg, resolve=False)
     with_hydra.pop("hydra", None)

@@ -1,12 +1,13 @@
 """Every conf option composes; bad input fails with one line that names the valid choices."""
 
 import dataclasses
+import json
 
 import hydra.utils
 import pytest
 import torch
 import yaml
-from conftest import CONF, conf_options, run_memtrain
+from conftest import CONF, conf_options
 from omegaconf import OmegaConf
 
 from memtrain import api, runner
@@ -108,9 +109,15 @@ def test_unknown_option_is_one_line_error(in_tmp, cli_checks, override, expected
      "trainer.precision must be one of fp32, bf16, fp16, bf16-true, got 'fp8'"),
     ("trainer.epochs=0", "trainer.epochs must be in [1, inf], got 0"),
 ])
-@pytest.mark.slow
 def test_bad_trainer_value_is_one_line_error(in_tmp, override, expected):
-    _one_line_exit_2(run_memtrain(override, "trainer=smoke", cwd=in_tmp, timeout=120), expected)
+    """The trainer's ranges are checked inside the job (schema.Trainer), before training: in
+    process here; the same path through the real command (a trainer range refused in Hydra's
+    task: exit 2, one line, no traceback) is test_validate.py::test_cli_exits_2_with_one_line."""
+    with pytest.raises(ConfigError) as e:
+        api.run([override, "trainer=smoke"], out_dir=in_tmp / "run")
+    msg = str(e.value)
+    assert expected in msg and "\n" not in msg, msg
+    assert "steps" not in json.loads((in_tmp / "run" / "summary.json").read_text())
 
 
 def _one_line_exit_2(p, expected: str) -> None:
@@ -121,11 +128,62 @@ def _one_line_exit_2(p, expected: str) -> None:
     assert len(err.splitlines()) == 1, err
 
 
-@pytest.mark.slow
 def test_missing_dataset_folder_names_the_path(in_tmp):
-    p = run_memtrain("dataset=cifar10", f"dataset.data_dir={in_tmp}/nodata", "trainer=smoke",
-                     cwd=in_tmp, timeout=120)
-    assert p.returncode == 2
-    assert "dataset cifar10 not found (looked in" in p.stderr and "nodata" in p.stderr
-    assert "dataset.download=true" in p.stderr
-    assert "Traceback" not in p.stderr
+    """In process (the job's ConfigError; exit 2 and one line from the real command:
+    test_validate.py::test_cli_exits_2_with_one_line holds that path)."""
+    with pytest.raises(ConfigError) as e:
+        api.run(["dataset=cifar10", f"dataset.data_dir={in_tmp}/nodata", "trainer=smoke"],
+                out_dir=in_tmp / "run")
+    msg = str(e.value)
+    assert "dataset cifar10 not found (looked in" in msg and "nodata" in msg, msg
+    assert "dataset.download=true" in msg and "\n" not in msg, msg
+
+
+def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_path, monkeypatch):
+    """config.hydra_compose caches a composition within a process (each api.run composes ~7
+    times): an edited preset, a new preset file, another folder (hydra.runtime.cwd) or an edited
+    structured config composes afresh, and each caller gets its own copy to change."""
+    from hydra.core.config_store import ConfigStore
+
+    from memtrain import config
+
+    mine = tmp_path / "mine" / "trainer"
+    mine.mkdir(parents=True)
+    preset = mine / "mine.yaml"
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 3\n")
+
+    def batch(overrides=("trainer=mine",)):
+        with config.session(config_dir=str(tmp_path / "mine")):
+            return config.hydra_compose("config", list(overrides), return_hydra_config=True)
+
+    first = batch()
+    assert first.trainer.batch_size == 3
+    first.trainer.batch_size = 99  # the caller's copy: the cache keeps its own
+    assert batch().trainer.batch_size == 3
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 5\n")  # same size, new bytes
+    assert batch().trainer.batch_size == 5
+    (mine / "other.yaml").write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 6\n")
+    assert batch(["trainer=other"]).trainer.batch_size == 6
+    assert batch().hydra.runtime.cwd != str(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert batch().hydra.runtime.cwd == str(tmp_path)  # another folder: composed there
+    with config.session():
+        assert "hydra" not in config.hydra_compose("config", ["trainer=smoke"])
+        assert config.hydra_compose("config", ["trainer=smoke"]).trainer.batch_size == 8
+        one, two = (config.hydra_compose("config", ["trainer=smoke"], shared=True)
+                    for _ in range(2))
+        assert one is two and "hydra" not in one  # the readers' object: one, never changed
+        assert config.hydra_compose("config", ["trainer=smoke"]) is not one
+
+    cs = ConfigStore.instance()
+    node = cs.repo["trainer"]["base_trainer.yaml"]
+    with config.session():
+        before = config._session_state()
+    try:  # a structured config stored again (a plugin, a test): the key changes
+        cs.store(group="trainer", name="base_trainer", node=node.node, provider=node.provider)
+        with config.session():
+            assert config._session_state() != before
+    finally:
+        cs.repo["trainer"]["base_trainer.yaml"] = node
+    with config.session():
+        assert config._session_state() == before

@@ -128,13 +128,33 @@ def _bench_table(csv: str, table: Callable[[list[dict]], str] | None = None, see
     return render
 
 
+_READ: dict[tuple, object] = {}
+
+
+def _per_content(kind: str, csv: Path, make: Callable[[], object]):
+    """`make()`, computed once per content of `csv` (several blocks read the same rows; their
+    analysis costs seconds; `make` reads that file alone, so a copy of the checkout shares the
+    result): a copy of each frame for each caller, so none sees another's edits."""
+    key = (kind, csv.read_bytes())
+    if key not in _READ:
+        if len(_READ) >= 32:
+            _READ.clear()
+        _READ[key] = make()
+    value = _READ[key]
+    if isinstance(value, tuple):
+        return tuple(v.copy() for v in value)
+    return value.copy()
+
+
 def study_rows(root: Path, rel: Path = STUDY_CPU) -> pd.DataFrame:
     """A committed study's summary.csv as the study's rows: `part` and `step` from each run's
     folder (relative: runs/results/<name>/<part>/<step>/<job>), ratios against each run's none."""
-    df = report.load_summary_csv(root / rel)
-    parts = df["run_dir"].map(lambda d: Path(d).parts[-3:])
-    df = df.copy().assign(part=parts.str[0], step=parts.str[1])
-    return tables.prepare(df)
+    def make() -> pd.DataFrame:
+        df = report.load_summary_csv(root / rel)
+        parts = df["run_dir"].map(lambda d: Path(d).parts[-3:])
+        df = df.copy().assign(part=parts.str[0], step=parts.str[1])
+        return tables.prepare(df)
+    return _per_content("study_rows", root / rel, make)
 
 
 def _study_provenance(root: Path, doc_dir: Path, rel: Path, d: pd.DataFrame,
@@ -243,9 +263,11 @@ SWEEPS: dict[str, Sweep] = {
 
 def sweep_rows(root: Path, name: str) -> pd.DataFrame:
     """A committed sweep's rows with the study's ratios against each run's none."""
-    df = report.load_summary_csv(root / DATA / name / "summary.csv")
-    df = tables.prepare(df.copy().assign(part=name, step=name))
-    return df.assign(_label=report.add_labels(df)["label"])
+    def make() -> pd.DataFrame:
+        df = report.load_summary_csv(root / DATA / name / "summary.csv")
+        df = tables.prepare(df.copy().assign(part=name, step=name))
+        return df.assign(_label=report.add_labels(df)["label"])
+    return _per_content(f"sweep_rows {name}", root / DATA / name / "summary.csv", make)
 
 
 def _sweep_head(root: Path, doc_dir: Path, name: str, d: pd.DataFrame | None = None) -> str:
@@ -540,9 +562,11 @@ def headline_settings(root: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     analysis (the numbers its figure draws)."""
     from memtrain.report.build import analyse
 
-    raw = report.load_summary_csv(root / DATA / HEADLINE / "summary.csv")
-    runs, settings, _ = analyse(raw)
-    return runs, settings
+    def make() -> tuple[pd.DataFrame, pd.DataFrame]:
+        raw = report.load_summary_csv(root / DATA / HEADLINE / "summary.csv")
+        runs, settings, _ = analyse(raw)
+        return runs, settings
+    return _per_content("headline", root / DATA / HEADLINE / "summary.csv", make)
 
 
 def _training(runs: pd.DataFrame) -> str:
