@@ -251,6 +251,31 @@ SEQ_LEN = "dataset.seq_len"
 _SEQ_LABEL = r" seq_len=\S+"
 
 
+def _lines_against(agg: pd.DataFrame, names: Names, x: str, x_name: str, col: str,
+                   x_value=lambda v: v):
+    """One panel per model and dataset, one line per setting (agg's `line`) of `col` against
+    agg's `x` on a log-2 axis: the figure, its (axis, title) pairs, the values drawn (x as
+    `x_name`, through `x_value`), the lines' styles and the bytes' unit."""
+    div, unit = byte_unit(agg[col])
+    colors = setting_styles(agg.assign(label=agg["line"]))
+    fig, axes = style.subplots(len(panels(agg, names)))
+    drawn, titled = [], []
+    for ax, (title, g) in zip(axes, panels(agg, names)):
+        ok = draw.ok_rows(g)
+        for line, h in order_settings(ok.assign(label=ok["line"])).groupby("label", sort=False):
+            h = h[h[col].notna() & h[x].notna()].sort_values(x)
+            if h.empty:
+                continue
+            ax.plot(h[x], h[col] / div, label=line, linewidth=style.line_width(1.0),
+                    **colors[line])
+            drawn += [{"panel": title, "label": line, "method": r["method"],
+                       x_name: x_value(r[x]), "bytes": r[col]} for _, r in h.iterrows()]
+        ax.set_xscale("log", base=2)
+        draw.note(ax, draw.failed_lines(g), panel=title)
+        titled.append((ax, title))
+    return fig, titled, pd.DataFrame(drawn), colors, unit
+
+
 @style.styled
 def sequence(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     """Activation memory against the sequence length (the figure of Korthikanti et al.): one
@@ -265,27 +290,11 @@ def sequence(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
         return None
     agg = agg.assign(line=agg["label"].str.replace(_SEQ_LABEL, "", regex=True).str.strip(),
                      seq=pd.to_numeric(agg[SEQ_LEN], errors="coerce"))
-    div, unit = byte_unit(agg[col])
-    colors = setting_styles(agg.assign(label=agg["line"]))
-    fig, axes = style.subplots(len(panels(agg, names)))
-    drawn = []
-    for ax, (title, g) in zip(axes, panels(agg, names)):
-        ok = draw.ok_rows(g)
-        for line, h in order_settings(ok.assign(label=ok["line"])).groupby("label", sort=False):
-            h = h.sort_values("seq")
-            h = h[h[col].notna()]
-            if h.empty:
-                continue
-            st = colors[line]
-            ax.plot(h["seq"], h[col] / div, label=line, linewidth=style.line_width(1.0), **st)
-            drawn += [{"panel": title, "label": line, "method": r["method"], "seq_len": r["seq"],
-                       "bytes": r[col]} for _, r in h.iterrows()]
-        ax.set_xscale("log", base=2)
+    fig, panels_drawn, data, colors, unit = _lines_against(agg, names, "seq", "seq_len", col)
+    for ax, title in panels_drawn:
         ax.set_yscale("log")
-        draw.note(ax, draw.failed_lines(g), panel=title)
         ax.set(title=title, xlabel="sequence length (tokens)",
                ylabel=f"{columns.axis(col)} ({unit})")
-    data = pd.DataFrame(drawn)
     draw.finish(fig, colors, draw.drawn_labels(data))
     return Plot("sequence", fig, data)
 
@@ -316,26 +325,12 @@ def sharding(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     ranks = pd.to_numeric(agg[WORLD], errors="coerce").where(~single, 1)
     agg = agg.assign(line=agg["label"].str.replace(_WORLD_LABEL, "", regex=True).str.strip(),
                      ranks=ranks)
-    div, unit = byte_unit(agg[col])
-    colors = setting_styles(agg.assign(label=agg["line"]))
-    fig, axes = style.subplots(len(panels(agg, names)))
-    drawn = []
-    for ax, (title, g) in zip(axes, panels(agg, names)):
-        ok = draw.ok_rows(g)
-        for line, h in order_settings(ok.assign(label=ok["line"])).groupby("label", sort=False):
-            h = h[h[col].notna() & h["ranks"].notna()].sort_values("ranks")
-            if h.empty:
-                continue
-            ax.plot(h["ranks"], h[col] / div, label=line, linewidth=style.line_width(1.0),
-                    **colors[line])
-            drawn += [{"panel": title, "label": line, "method": r["method"],
-                       "ranks": int(r["ranks"]), "bytes": r[col]} for _, r in h.iterrows()]
-        ax.set_xscale("log", base=2)
+    fig, panels_drawn, data, colors, unit = _lines_against(agg, names, "ranks", "ranks", col,
+                                                           int)
+    what = columns.axis(columns.PEAK) + ("" if measured else ", estimated,")
+    for ax, title in panels_drawn:
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-        draw.note(ax, draw.failed_lines(g), panel=title)
-        what = columns.axis(columns.PEAK) + ("" if measured else ", estimated,")
         ax.set(title=title, xlabel="ranks (trainer.world_size)",
                ylabel=f"{what} per rank ({unit})")
-    data = pd.DataFrame(drawn)
     draw.finish(fig, colors, draw.drawn_labels(data))
     return Plot("sharding", fig, data)
