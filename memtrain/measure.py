@@ -266,18 +266,23 @@ class PeakTracker:
         hooks = hasattr(mt, "in_hook")
         made, moves, series = self._made, self._moves, self._series
 
+        # MemTracker's own categories one to one (FSDP's tracker: several behind some)
+        flat = [r[0] for r in refs] if all(len(r) == 1 for r in refs) else None
+        counted: dict = {}  # device -> whether its bytes count (the run's device type)
+
         def update(state):
-            vector = [0] * len(TRACKED)
+            vector = None
             for dev, snap in mt._curr_mem_snap.items():
                 total = snap[_TOTAL]
                 if mt._peak_mem.get(dev, 0) < total:
                     mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
-                if not self._counts(dev):
+                if not counted.setdefault(dev, self._counts(dev)):
                     continue
-                for i, r in enumerate(refs):
-                    for k in r:
-                        vector[i] += snap.get(k, 0)
-            series.append(vector)
+                get = snap.get
+                v = [get(k, 0) for k in flat] if flat is not None else \
+                    [sum(get(k, 0) for k in r) for r in refs]
+                vector = v if vector is None else [a + b for a, b in zip(vector, v)]
+            series.append(vector or [0] * len(TRACKED))
             if self.events is not None:
                 self._record(mt, vector)
 
@@ -439,20 +444,20 @@ class PeakTracker:
     def _refile(self) -> list[list[int]]:
         """The series of the step, each move applied: what it turned out to be, from the op it
         was made at (`from`, inclusive) to the op it was named at (`to`, exclusive)."""
-        n, width = len(self._series), len(self._series[0]) if self._series else 0
-        diff = [[0] * width for _ in range(n + 1)]
+        import numpy as np
+
+        if not self._series:
+            return []
+        series = np.asarray(self._series, dtype=np.int64).reshape(len(self._series), -1)
+        diff = np.zeros((series.shape[0] + 1, series.shape[1]), dtype=np.int64)
         for start, end, nbytes, cat, to in self._moves:
             if end > start and nbytes:
-                diff[start][cat] -= nbytes
-                diff[start][to] += nbytes
-                diff[end][cat] += nbytes
-                diff[end][to] -= nbytes
-        out, run = [], [0] * width
-        for v, d in zip(self._series, diff):
-            run = [r + x for r, x in zip(run, d)]
-            out.append([a + r for a, r in zip(v, run)])
+                diff[start, cat] -= nbytes
+                diff[start, to] += nbytes
+                diff[end, cat] += nbytes
+                diff[end, to] -= nbytes
         self._moves = []
-        return out
+        return (series + np.cumsum(diff[:-1], axis=0)).tolist()
 
 
 def _kinds(model) -> dict[str, list] | None:
