@@ -70,19 +70,21 @@ check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/res
 	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures >/dev/null || exit 1; \
 	  rm -f docs/results/studies/$$n/summary.parquet; \
 	  sed -i 's#$(CURDIR)/##g' docs/results/studies/$$n/*; done; \
-	$(BIN)/python -m memtrain.study.docs || exit 1; \
+	$(BIN)/python -m tools.docs || exit 1; \
 	echo "check-studies: reports in docs/results/studies/ (pytest exit $$rc)"; exit $$rc
 
-# Line coverage of memtrain/ and kernels/ over the whole suite (pyproject's [tool.coverage]:
-# subprocesses and xdist workers measured too, Triton kernels through the interpreter)
-coverage: $(STAMP) ## make test under coverage.py; prints the coverage of memtrain/ and kernels/
+# Line coverage over the whole suite (pyproject's [tool.coverage]: subprocesses and xdist
+# workers measured too, Triton kernels through the interpreter): the product (memtrain/ and
+# kernels/), then the tools beside it (benchmarks/ and tools/) on their own
+coverage: $(STAMP) ## make test under coverage.py; prints the coverage of memtrain/ + kernels/, then of benchmarks/ + tools/
 	rm -f .coverage .coverage.*
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(BIN)/coverage run -m pytest -q -n $(JOBS) --dist worksteal $(ARGS)
 	$(BIN)/coverage combine -q
-	$(BIN)/coverage report --skip-covered | tail -n 3
+	$(BIN)/coverage report --skip-covered --include='memtrain/*,kernels/*' | tail -n 3
+	$(BIN)/coverage report --skip-covered --include='benchmarks/*,tools/*' | tail -n 3
 
-lint: $(STAMP) ## ruff over the code and tests
-	$(BIN)/ruff check memtrain kernels tests
+lint: $(STAMP) ## ruff over the code, the tools beside it and the tests
+	$(BIN)/ruff check memtrain kernels benchmarks tools tests
 
 sweep: $(STAMP) ## run an experiment preset as a multirun: make sweep EXP=pool_study ARGS=trainer=smoke
 	$(BIN)/memtrain -m experiment=$(EXP) $(ARGS)
@@ -99,12 +101,12 @@ HEADLINE_DIR := runs/headline/$(shell date +%Y-%m-%d_%H-%M-%S)
 headline: $(STAMP) ## README's first figure: every CPU method at its defaults, Fashion-MNIST, mlp6 + resnet18, 3 seeds (36 runs)
 	MEMTRAIN_PARALLEL_JOBS=2 $(BIN)/memtrain -m experiment=headline hydra/launcher=parallel \
 	  trainer.device=cpu trainer.threads=1 hydra.sweep.dir=$(HEADLINE_DIR) $(ARGS)
-	$(BIN)/python -m memtrain.study.docs --capture $(HEADLINE_DIR) headline_fmnist_cpu
-	$(BIN)/python -m memtrain.study.screens
+	$(BIN)/python -m tools.docs --capture $(HEADLINE_DIR) headline_fmnist_cpu
+	$(BIN)/python -m tools.screens
 
 .PHONY: bench-overhead
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop
-	$(BIN)/python -m memtrain.bench.overhead $(ARGS)
+	$(BIN)/python -m benchmarks.overhead $(ARGS)
 
 .PHONY: bench-baseline
 bench-baseline: $(STAMP) ## GPU: resnet50 at 224 px, batch 64, none: peak and breakdown
@@ -118,46 +120,47 @@ bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block,
 	$(BIN)/memtrain-report runs/bench/checkpoint_study
 
 bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
-	$(BIN)/python -m memtrain.bench.checkpoint $(ARGS)
+	$(BIN)/python -m benchmarks.checkpoint $(ARGS)
 
 .PHONY: transformer-study-cpu
 transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/rows/transformer_study_cpu/, docs/figures/sequence.png
 	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \
 	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
 	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
-	$(BIN)/python -m memtrain.study.docs --capture runs/transformer_study_cpu transformer_study_cpu
-	$(BIN)/python -m memtrain.study.screens
+	$(BIN)/python -m tools.docs --capture runs/transformer_study_cpu transformer_study_cpu
+	$(BIN)/python -m tools.screens
 
 .PHONY: bench-transformer
 bench-transformer: $(STAMP) ## the decoder layer against Korthikanti's formula, and gpt2_small's op vs block checkpoint plans (CPU profile) -> docs/results/rows/transformer_*_cpu*.csv; then make results-docs
-	$(BIN)/python -m memtrain.bench.transformer
-	$(BIN)/python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 --batch 1 \
+	$(BIN)/python -m benchmarks.transformer
+	$(BIN)/python -m benchmarks.checkpoint --frontier --model gpt2_small --size 1024 --batch 1 \
 	  --profile-batch 1 --device cpu --threads 1 --costs time,flops,roofline \
 	  --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
-	$(BIN)/python -m memtrain.study.docs
+	$(BIN)/python -m tools.docs
 
 .PHONY: bench-timeline
 bench-timeline: $(STAMP) ## trainer.memory_timeline's cost: the accounting step and the run with and without it (CPU) -> docs/results/rows/timeline_cost_cpu.csv
-	$(BIN)/python -m memtrain.bench.timeline --csv docs/results/rows/timeline_cost_cpu.csv $(ARGS)
+	$(BIN)/python -m benchmarks.timeline --csv docs/results/rows/timeline_cost_cpu.csv $(ARGS)
 
 .PHONY: bench-pool
 bench-pool: $(STAMP) ## method=pool vs none: GPU peak/throughput (resnet50 224 px), CPU saved bytes/step time
-	$(BIN)/python -m memtrain.bench.pool $(ARGS)
+	$(BIN)/python -m benchmarks.pool $(ARGS)
 
 .PHONY: bench-synthetic
 bench-synthetic: $(STAMP) ## method synthetic: per-partition peak, time to target, accuracy vs none (mlp6, resnet18; K=2,3,4)
-	$(BIN)/python -m memtrain.bench.synthetic $(ARGS)
+	$(BIN)/python -m benchmarks.synthetic $(ARGS)
 
 .PHONY: bench-prune
 bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torch BSR, then resmlp24 end to end
-	$(BIN)/python -m memtrain.kernels.bench prune $(ARGS)
-	$(BIN)/python -m memtrain.bench.prune
+	$(BIN)/python -m benchmarks.kernels prune $(ARGS)
+	$(BIN)/python -m benchmarks.prune
 
 clean: ## remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info .coverage .coverage.*
 
-# The whole study (memtrain/study/): every part a row of its own, raw results in
-# runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>).
+# The whole study (tools/study/): every part a row of its own, raw results in
+# runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>),
+# then `make results-docs` (not after ARGS=--dry-run, which writes nothing).
 # Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/README.md).
 DEVICE   ?= cuda
 PARTS    ?=
@@ -171,11 +174,11 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
   $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
 
 .PHONY: results results-docs results-figures gpu-env
-results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RESULTS.md and docs/results/*.md again from the committed CSVs
-	$(RESULTS_PY) -m memtrain.study.docs
+results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RESULTS.md and docs/results/*.md again from the committed CSVs (ARGS=--check: compare only)
+	$(RESULTS_PY) -m tools.docs $(ARGS)
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
-	$(RESULTS_PY) -m memtrain.study.screens
+	$(RESULTS_PY) -m tools.screens
 
 # The step-anatomy pictures from a real sweep (trainer.memory_timeline=true): the issue's
 # command at batch 64, so activations show beside parameters and optimizer state; the rows and
@@ -188,12 +191,12 @@ timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline
 	$(BIN)/memtrain -m method=none,checkpoint,quantize,pool model=resnet18 trainer=smoke \
 	  trainer.batch_size=64 trainer.device=cpu trainer.memory_timeline=true \
 	  hydra.sweep.dir=$(TIMELINE_DIR) +hydra.callbacks.report.enabled=false $(ARGS)
-	$(BIN)/python -m memtrain.study.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
+	$(BIN)/python -m tools.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
 
 results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
-	  $(RESULTS_PY) -m memtrain.study $(RESULTS_ARGS)
-	$(RESULTS_PY) -m memtrain.study.docs
+	  $(RESULTS_PY) -m tools.study $(RESULTS_ARGS)
+	$(if $(findstring --dry-run,$(ARGS)),,$(MAKE) --no-print-directory results-docs ARGS=)
 
 # memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
 # --no-build-isolation uses the box's setuptools and wheel instead of fetching them

@@ -11,7 +11,7 @@ oracle; a leaf package: it imports torch, triton and numpy only, never the rest 
 
 Kernels run on CUDA; on the CPU they run under TRITON_INTERPRET=1 (tests use small shapes), and
 every caller has a plain-torch fallback for machines without Triton. The benchmarks live in
-memtrain/bench/kernels.py (`python -m memtrain.kernels.bench prune|bitmask`).
+benchmarks/kernels.py (`python -m benchmarks.kernels prune|bitmask`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Three implementations with one signature each:
 - Plain-torch fallbacks `pack_torch` / `unpack_torch` / `masked_grad_torch`: any device.
 - `pack` / `masked_grad` pick Triton on CUDA when it imports, else the fallback.
 The eager oracle (numpy) lives in kernels/reference.py; the benchmark is
-`python -m memtrain.kernels.bench bitmask`.
+`python -m benchmarks.kernels bitmask`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 # The GPU study on a time-limited CUDA machine (docs/results/README.md), one third per call,
 # with nothing there but python3 with torch and Triton (no make, no Hydra, offline):
 #
-#   bash scripts/gpu-results.sh CALL [NAME] [-- more arguments of memtrain.study]
+#   bash scripts/gpu-results.sh CALL [NAME] [-- more arguments of tools.study]
 #
-# CALL 1, 2 or 3: the parts of `python -m memtrain.study --call CALL`; NAME: the study's
+# CALL 1, 2 or 3: the parts of `python -m tools.study --call CALL`; NAME: the study's
 # folder (default <date>_<gpu>; give the first call's to a call on a later UTC date).
 # Reads Hydra's wheels from $WHL (default .whl/, git-ignored: put Hydra's wheels there
 # and take the folder along). Writes $OUT/studyCALL.tar.gz (raw results and view, after every part)
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 call=${1:?usage: bash scripts/gpu-results.sh 1|2|3 [NAME] [-- ARGS]}
 case $call in
   1|2|3) shift ;;
-  *) echo "gpu-results: CALL is 1, 2 or 3 (memtrain.study --call), not '$call'" >&2
+  *) echo "gpu-results: CALL is 1, 2 or 3 (tools.study --call), not '$call'" >&2
      exit 2 ;;
 esac
 name=""
@@ -40,7 +40,7 @@ study() {
   export PYTHONPATH="$WHL/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$PY" -c "import hydra, memtrain.kernels, torch, triton; print('gpu-results: torch', \
 torch.__version__, 'triton', triton.__version__, 'hydra', hydra.__version__)"
-  "$PY" -m memtrain.study --call "$call" ${name:+--name "$name"} \
+  "$PY" -m tools.study --call "$call" ${name:+--name "$name"} \
     --deadline-s "${DEADLINE:-480}" --archive "$OUT/study$call.tar.gz" "$@"
 }
 study "$@" 2>&1 | tee "$OUT/study$call.log"  # pipefail: the study's status is the script's

@@ -300,9 +300,9 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
 
 
 def test_frontier_table_names_the_compactions():
-    """`python -m memtrain.bench.checkpoint --frontier`: one row per budget, the op plan's
+    """`python -m benchmarks.checkpoint --frontier`: one row per budget, the op plan's
     compacted segments in their column, the least peak with and without compaction."""
-    from memtrain.bench.checkpoint import FRONTIER, frontier
+    from benchmarks.checkpoint import FRONTIER, frontier
 
     text = frontier("resnet18", 64, 2, 2, torch.device("cpu"))
     rows = [ln for ln in text.splitlines() if ln.startswith("| 0.")]
@@ -404,7 +404,7 @@ def test_op_plan_at_a_third_of_a_decoders_activations_recomputes_a_fraction_of_b
     attention, one profile (`bench.checkpoint.profiled`): priced in FLOPs, the op plan at 0.35x
     of none's activation peak recomputes at most half the FLOPs of the block plan at the same
     budget (measured here: ~0.25), and the row reports both plans' solve times."""
-    from memtrain.bench import checkpoint as bench
+    from benchmarks import checkpoint as bench
 
     method, _, step_flops = bench.profiled(
         "gpt_nano", 256, 1, 1, torch.device("cpu"),

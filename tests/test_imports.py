@@ -1,5 +1,6 @@
 """The import graph, read from the source (ast): no cycle between memtrain's modules nor its
-packages, no method importing another, kernels/ a leaf, the report free of torch. Every import
+packages, no method importing another, kernels/ a leaf, the report free of torch, and the tools
+beside the package (benchmarks/, tools/) on top, imported by nothing of memtrain. Every import
 counts, those inside functions too (a lazy import is still a dependency); only a script's
 `if __name__ == "__main__":` block does not (it runs when the file is executed, never when it is
 imported)."""
@@ -12,10 +13,13 @@ from pathlib import Path
 
 from conftest import ROOT
 
-# where each package's files are (kernels/ installs as memtrain.kernels)
-SOURCES = {"memtrain": ROOT / "memtrain", "memtrain.kernels": ROOT / "kernels"}
-PACKAGES = ("memtrain.methods", "memtrain.models", "memtrain.report", "memtrain.bench",
-            "memtrain.study", "memtrain.kernels")
+# where each package's files are (kernels/ installs as memtrain.kernels; benchmarks/ and tools/
+# are not installed: they run from a checkout)
+SOURCES = {"memtrain": ROOT / "memtrain", "memtrain.kernels": ROOT / "kernels",
+           "benchmarks": ROOT / "benchmarks", "tools": ROOT / "tools"}
+PACKAGES = ("memtrain.methods", "memtrain.models", "memtrain.report", "memtrain.kernels",
+            "benchmarks", "tools")
+TOOLS = ("benchmarks", "tools")  # beside the package, never part of it
 
 
 def _modules() -> dict[str, Path]:
@@ -208,11 +212,19 @@ def test_the_report_reaches_only_torch_free_core_modules():
                     if d.split(".")[0] == "torch"}, m
 
 
-def test_nothing_imports_the_studies():
-    """study/ sits on top: it imports the report and the core, nothing imports it."""
-    for m, deps in graph().items():
-        if package_of(m) != "memtrain.study":
-            assert not {d for d in deps if package_of(d) == "memtrain.study"}, m
+def test_nothing_of_memtrain_imports_the_tools():
+    """benchmarks/ and tools/ sit on top, beside the package: they import memtrain, nothing of
+    memtrain (nor kernels/) imports them, so the installed wheel, which leaves them out, misses
+    nothing; and benchmarks/ never imports tools/ (the docs generator renders benchmarks' tables,
+    not the other way)."""
+    edges = graph()
+    assert {"benchmarks.kernels", "tools.docs", "tools.study.results"} <= set(edges)
+    assert "benchmarks.ranks" in edges["tools.docs"]  # the edge the checks look along exists
+    for m, deps in edges.items():
+        if package_of(m) not in TOOLS:
+            assert not {d for d in deps if package_of(d) in TOOLS}, m
+        elif package_of(m) == "benchmarks":
+            assert not {d for d in deps if package_of(d) == "tools"}, m
 
 
 def test_the_training_loop_reads_in_one_screen():

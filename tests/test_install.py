@@ -2,36 +2,96 @@
 the repository. An editable install hides two things a wheel shows: where conf/ lives (the
 installed `memtrain.conf`, a namespace package: `config.installed_conf_dir` once returned a
 MultiplexedPath whose str() was no path, so every group had no options) and how Hydra finds
-memtrain's plugins (the variants sweeper, the submitit launchers)."""
+memtrain's plugins (the variants sweeper, the submitit launchers). The wheel holds the product
+only: memtrain/, kernels/ and conf/, never the tools beside them (benchmarks/, tools/)."""
 
+import importlib.metadata
 import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# what the wheel is built from: the package's sources and the tools beside them (present, so a
+# package list that took them in would show it)
+SOURCES = ("memtrain", "kernels", "conf", "benchmarks", "tools")
+
+
+def _setuptools_builds_offline() -> bool:
+    """setuptools 70.1 on builds a wheel without the `wheel` package (pyproject's dev extra)."""
+    try:
+        major, minor = importlib.metadata.version("setuptools").split(".")[:2]
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return (int(major), int(minor)) >= (70, 1)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip wheel . --no-deps` makes, built offline by this environment's setuptools
+    (its PEP 517 backend, as `pip wheel --no-build-isolation` calls it) from a copy of the
+    checkout's sources, so that the build's build/ and egg-info stay out of the checkout."""
+    if not _setuptools_builds_offline():
+        pytest.skip("building the wheel offline needs setuptools >= 70.1 (make install)")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src, out = tmp / "src", tmp / "out"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in SOURCES:
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run(
+        [sys.executable, "-c", "import sys; from setuptools import build_meta; "
+         "build_meta.build_wheel(sys.argv[1])", str(out)],
+        cwd=src, capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (whl,) = out.glob("*.whl")
+    return whl
+
+
+def test_the_wheel_holds_the_product_only(wheel):
+    """Every module of memtrain/ (its Hydra plugins under hydra_plugins/), kernels/ as
+    memtrain.kernels and every config of conf/ as memtrain.conf, and nothing else: no
+    benchmark, study or doc-generator module."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    py = {n for n in names if n.endswith(".py")}
+    assert not {n for n in names if n.split("/")[0] in ("benchmarks", "tools")
+                or n.startswith(("memtrain/bench/", "memtrain/study/"))}
+    expected = set()
+    for f in (ROOT / "memtrain").rglob("*.py"):
+        rel = f.relative_to(ROOT / "memtrain")
+        plugin = rel.parts[0] == "hydra_plugins"  # installed as the hydra_plugins namespace
+        expected.add(rel.as_posix() if plugin else f"memtrain/{rel.as_posix()}")
+    expected |= {f"memtrain/kernels/{f.relative_to(ROOT / 'kernels').as_posix()}"
+                 for f in (ROOT / "kernels").rglob("*.py")}
+    assert py == expected, (sorted(py - expected), sorted(expected - py))
+    conf = {f"memtrain/conf/{f.relative_to(ROOT / 'conf').as_posix()}"
+            for f in (ROOT / "conf").rglob("*.yaml")}
+    assert conf == {n for n in names if n.startswith("memtrain/conf/")}
+    (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    assert set(zipfile.ZipFile(wheel).read(top).decode().split()) == {"hydra_plugins",
+                                                                       "memtrain"}
 
 
 @pytest.mark.slow
-def test_wheel_install_runs_a_variants_sweep(tmp_path):
-    wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                            str(wheels), str(ROOT)], capture_output=True, text=True, timeout=600)
-    if build.returncode != 0:  # pip's isolated build needs setuptools from the package index
-        pytest.skip(f"cannot build the wheel here: {build.stderr.strip().splitlines()[-1:]}")
+def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
-    # the dependencies come from this environment (a plain path: its editable memtrain is not
-    # activated, so `memtrain` below is the wheel's)
-    (site / "zz_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # the dependencies come from this environment's site folders, those it chains to included
+    # (plain paths: their .pth files, the editable memtrain's among them, are not run, so
+    # `memtrain` below is the wheel's)
+    deps = dict.fromkeys([sysconfig.get_paths()["purelib"],
+                          *(p for p in sys.path if p.endswith("site-packages"))])
+    (site / "zz_deps.pth").write_text("".join(f"{p}\n" for p in deps))
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    *map(str, wheels.glob("*.whl"))], check=True, timeout=300)
+                    str(wheel)], check=True, timeout=300)
     where = subprocess.run([str(py), "-c", "import memtrain; print(memtrain.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site)), where.stdout

@@ -1,4 +1,4 @@
-"""`make results` (memtrain/study/): every command of the GPU and CPU studies is a
+"""`make results` (tools/study/): every command of the GPU and CPU studies is a
 valid configuration, a failing part is recorded and the next one runs, the tables take each
 ratio against the right `none`, and the view survives what a killed study leaves behind."""
 
@@ -16,10 +16,10 @@ from conftest import ROOT
 from PIL import Image
 
 from memtrain import api, record
-from memtrain.study import plan as results_plan
-from memtrain.study import results
-from memtrain.study import tables as results_tables
-from memtrain.study import view as results_view
+from tools.study import plan as results_plan
+from tools.study import results
+from tools.study import tables as results_tables
+from tools.study import view as results_view
 
 
 def _sweep_points(overrides: list[str]) -> list[list[str]]:

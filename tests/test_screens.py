@@ -5,7 +5,7 @@ across matplotlib versions, so the pixels are not compared)."""
 
 import pytest
 
-from memtrain.study import screens
+from tools import screens
 
 
 @pytest.mark.slow  # the figure drawn and stamped: ~4 s

@@ -11,8 +11,8 @@ peak of a real run depends on when its asynchronous collectives end, so it can d
 to run by a unit's gathered parameters and buffers; the estimate replays collectives that end
 where they are issued.
 
-    python -m memtrain.bench.ranks                        # mlp6 at 32 px, global batch 8, 2 ranks
-    python -m memtrain.bench.ranks --csv docs/results/rows/ranks_cpu.csv
+    python -m benchmarks.ranks                        # mlp6 at 32 px, global batch 8, 2 ranks
+    python -m benchmarks.ranks --csv docs/results/rows/ranks_cpu.csv
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from memtrain import bench
+import benchmarks as bench
 
 MB = 1e6
 
@@ -94,7 +94,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.bench.ranks", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ranks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="mlp6")
     ap.add_argument("--image-size", type=int, default=32)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = measure(base, args.ranks, args.batch_size, Path(tmp))
     print(table(rows), end="")
     bench.write_rows(rows, args.csv, bench.device(args.device),
-                     bench.command("memtrain.bench.ranks", argv))
+                     bench.command("benchmarks.ranks", argv))
     return rows
 
 

@@ -5,9 +5,9 @@ front, on the device) with the same optimizer settings; each step is timed the s
 (synchronise, host clock, synchronise). The two loops alternate for several rounds so that drift
 of the machine hits both alike; the figure is the ratio of median step times (goal <= 1.03).
 
-    python -m memtrain.bench.overhead --model resnet18 --batch-size 64 --image-size 32
-    python -m memtrain.bench.overhead --out docs/results/overhead_cpu.md
-    python -m memtrain.bench.overhead --model mlp6 --csv docs/results/rows/overhead_cpu.csv
+    python -m benchmarks.overhead --model resnet18 --batch-size 64 --image-size 32
+    python -m benchmarks.overhead --out docs/results/overhead_cpu.md
+    python -m benchmarks.overhead --model mlp6 --csv docs/results/rows/overhead_cpu.csv
 (--csv appends this invocation's row, with its provenance, to the CSV's rows)
 """
 
@@ -21,7 +21,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, bench
+import benchmarks as bench
+from memtrain import api
 from memtrain.data import Data, Split
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.schema import Trainer
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{args.image_size} | {args.batch_size} | {plain * 1e3:.2f} | "
                     f"{mt * 1e3:.2f} | {mt / plain:.3f} | {torch.__version__} |\n")
     bench.write_rows([{k: result[k] for k in COLUMNS}], args.csv, device,
-                     bench.command("memtrain.bench.overhead", argv), append=True)
+                     bench.command("benchmarks.overhead", argv), append=True)
     return result
 
 

@@ -166,8 +166,8 @@ def baseline(df: pd.DataFrame, runs: Path) -> list[str]:
               "`other` is the CUDA peak minus the tracked tensors: allocator rounding and "
               "workspaces; on the CPU it holds the batch)."]
     overhead = runs / "baseline" / "overhead.md"
-    if overhead.exists():  # rows appended by `memtrain.bench.overhead --out`
-        lines += ["", "Runner overhead (`python -m memtrain.bench.overhead`: memtrain's loop "
+    if overhead.exists():  # rows appended by `benchmarks.overhead --out`
+        lines += ["", "Runner overhead (`python -m benchmarks.overhead`: memtrain's loop "
                   "against a plain PyTorch loop, same model, batches and optimizer; median step "
                   "time over the rounds):", "", OVERHEAD_HEAD, "|" + " --- |" * 9,
                   *overhead.read_text().strip().splitlines()]
@@ -204,7 +204,7 @@ def prune(df: pd.DataFrame, runs: Path) -> list[str]:
     kernels = runs / "prune" / "kernels.md"
     if kernels.exists():
         body = [ln for ln in kernels.read_text().strip().splitlines() if not ln.startswith("# ")]
-        lines += ["", "Kernels (`python -m memtrain.kernels.bench prune`):", *body]
+        lines += ["", "Kernels (`python -m benchmarks.kernels prune`):", *body]
     return lines
 
 

@@ -1,7 +1,7 @@
 """What `make results` runs: the parts of the study, their sizes and their command lines.
 
 Every measurement is a command a user could type (`memtrain -m ...`, `python -m
-memtrain.bench.overhead`, `python -m memtrain.kernels.bench prune`, `pytest -m gpu`), so the
+benchmarks.overhead`, `python -m benchmarks.kernels prune`, `pytest -m gpu`), so the
 study measures exactly what users get. Sizes live in PROFILES, one dict per part; every value can
 be changed from the command line (`--set pool.batches=64`). `gpu` is the CUDA study (an H100:
 ~18 min in all by the budgets below); `cpu` the same study at a size this project's 2-core CPU
@@ -195,7 +195,7 @@ def baseline(ctx: Context) -> list[Step]:
         ctx.sweep("baseline", "none", ["method=none", *_cells(ctx, r["batches"], r["precisions"])],
                   _n(r["batches"]) * _n(r["precisions"]), r["job_s"]),
         Step("baseline", "overhead",
-             ["-m", "memtrain.bench.overhead", "--model", "resnet50",
+             ["-m", "benchmarks.overhead", "--model", "resnet50",
               "--image-size", str(r["image_size"]), "--batch-size", str(s["overhead_batch"]),
               "--steps", str(s["overhead_steps"]), "--warmup", str(r["warmup"] or 1),
               "--rounds", str(s["overhead_rounds"]), "--device", ctx.device, "--out", str(out)],
@@ -224,7 +224,7 @@ def prune(ctx: Context) -> list[Step]:
               "trainer.eval_max_batches=1", "optim=adamw"]
     n = _n(s["precisions"])
     return [Step("prune", "kernels",
-                 ["-m", "memtrain.kernels.bench", "prune", "--batch", str(s["kernel_batch"]),
+                 ["-m", "benchmarks.kernels", "prune", "--batch", str(s["kernel_batch"]),
                   "--dtypes", s["kernel_dtypes"], "--blocks", s["kernel_blocks"],
                   "--sparsity", s["sparsities"], "--out", str(out)], s["kernel_s"], out),
             ctx.sweep("prune", "none", ["method=none", *common], n, s["job_s"]),

@@ -1,4 +1,4 @@
-"""Kernel benchmarks: `python -m memtrain.kernels.bench prune|bitmask [--batch 64] [--out FILE]`
+"""Kernel benchmarks: `python -m benchmarks.kernels prune|bitmask [--batch 64] [--out FILE]`
 (the command's stable name; the code lives here, with the other benchmarks).
 
 On CUDA, times are `triton.testing.do_bench` medians (ms); on the CPU (no Triton), the fastest of
@@ -13,10 +13,10 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-
-from memtrain import bench
-from memtrain.bench import device_line, kernel_ms, markdown, publish
 from memtrain.kernels import bitmask, bsr
+
+import benchmarks as bench
+from benchmarks import device_line, kernel_ms, markdown, publish
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     title = f"{args.which} kernels ({device.type})" if args.which == "bitmask" else \
         f"prune kernels: grad_weight and compaction ({device.type})"
     publish(f"# {title}\n\n{note}\n\n{table(rows)}", args.out)
-    bench.write_rows(rows, args.csv, device, bench.command("memtrain.kernels.bench", argv))
+    bench.write_rows(rows, args.csv, device, bench.command("benchmarks.kernels", argv))
 
 
 if __name__ == "__main__":

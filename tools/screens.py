@@ -2,8 +2,8 @@
 committed rows, so a picture in docs/ is what memtrain-report draws from those runs, not a
 hand-made one.
 
-    python -m memtrain.study.screens          # docs/figures/<name>.png and .csv, from its rows
-    python -m memtrain.study.screens --capture-timeline RUNS NAME   # first commit a sweep's
+    python -m tools.screens          # docs/figures/<name>.png and .csv, from its rows
+    python -m tools.screens --capture-timeline RUNS NAME   # first commit a sweep's
                                               # rows and step files as docs/results/rows/NAME/
 
 Each entry of SCREENS names a folder under docs/results/rows/ holding memtrain-report's summary.csv
@@ -30,9 +30,9 @@ from pathlib import Path
 from memtrain.report import plots, plots_memory, plots_timeline, style
 from memtrain.report import tables as report_tables
 from memtrain.report.build import analyse
-from memtrain.study import view
+from tools.study import view
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = Path("docs/results/rows")
 OUT = Path("docs/figures")
 
@@ -77,7 +77,7 @@ def capture_timeline(runs: Path, name: str, root: Path = ROOT) -> Path:
     import pandas as pd
 
     from memtrain import timeline
-    from memtrain.study.docs import capture
+    from tools.docs import capture
 
     out = capture(runs, name, root)
     csv = out / "summary.csv"
@@ -138,7 +138,7 @@ def draw(screen: Screen, root: Path = ROOT, out: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.study.screens", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.screens", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help=f"where the PNGs go (default: {OUT})")
     ap.add_argument("--capture-timeline", nargs=2, metavar=("RUNS", "NAME"),

@@ -17,8 +17,8 @@ their range:
   `timed` = its `step_time_s_median` with / without, which recording does not touch (its spread
   is the machine's noise), and `accounting` = its `mem_accounting_step_s` with / without.
 
-    python -m memtrain.bench.timeline                       # resnet18 none and quantize, CPU
-    python -m memtrain.bench.timeline --csv docs/results/rows/timeline_cost_cpu.csv
+    python -m benchmarks.timeline                       # resnet18 none and quantize, CPU
+    python -m benchmarks.timeline --csv docs/results/rows/timeline_cost_cpu.csv
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, bench, layers, measure, timeline
+import benchmarks as bench
+from memtrain import api, layers, measure, timeline
 
 COLUMNS = ["date", "device", "model", "method", "image px", "batch", "events", "rounds",
            "plain step s", "accounting step s", "recording step s", "tracker ratio",
@@ -137,7 +138,7 @@ def measure_one(model: str, method: str, image_size: int, batch: int, rounds: in
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.bench.timeline", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.timeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="resnet18")
     ap.add_argument("--methods", default="none,quantize")

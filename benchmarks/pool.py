@@ -7,10 +7,10 @@ upsample and pooled) over none. Goals: peak ratio <= 0.71 (the paper's -29%), be
 throughput ratio >= 0.90.
 CPU: saved-activation bytes per step (`measure.SavedBytes`) and step time, at small sizes.
 
-    python -m memtrain.bench.pool                           # CUDA when present, else the CPU
-    python -m memtrain.bench.pool --device cpu --models resnet18 --sizes 32 --batches 8
-    python -m memtrain.bench.pool --out docs/results/pool_gpu.md
-    python -m memtrain.bench.pool ... --csv docs/results/rows/pool_cpu.csv   # the rows, as CSV
+    python -m benchmarks.pool                           # CUDA when present, else the CPU
+    python -m benchmarks.pool --device cpu --models resnet18 --sizes 32 --batches 8
+    python -m benchmarks.pool --out docs/results/pool_gpu.md
+    python -m benchmarks.pool ... --csv docs/results/rows/pool_cpu.csv   # the rows, as CSV
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from memtrain import bench, measure, models
+import benchmarks as bench
+from memtrain import measure, models
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
 from memtrain.train import PRECISIONS
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"Device: {bench.device_line(device)}. Median of {steps} timed steps after {warmup} "
             f"warm-up; saved bytes: one forward, per storage, parameters excluded.")
     bench.publish(f"# method=pool vs none ({device})\n\n{note}\n\n{table(rows)}", a.out)
-    bench.write_rows(rows, a.csv, device, bench.command("memtrain.bench.pool", argv))
+    bench.write_rows(rows, a.csv, device, bench.command("benchmarks.pool", argv))
 
 
 if __name__ == "__main__":

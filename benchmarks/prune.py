@@ -1,9 +1,9 @@
 """End-to-end benchmark of method=prune: ResMLP-S24 at 224 px, prune at several sparsities against
 none, in one process, through the same `api.run` as the CLI (so the same measurement protocol).
 
-    python -m memtrain.bench.prune                      # CUDA: batch 64, bf16, 30 steps
-    python -m memtrain.bench.prune --out docs/results/prune_e2e_cpu.md   # CPU: batch 2, 4 steps
-    python -m memtrain.bench.prune --csv docs/results/rows/prune_e2e_cpu.csv   # the rows, as CSV
+    python -m benchmarks.prune                      # CUDA: batch 64, bf16, 30 steps
+    python -m benchmarks.prune --out docs/results/prune_e2e_cpu.md   # CPU: batch 2, 4 steps
+    python -m benchmarks.prune --csv docs/results/rows/prune_e2e_cpu.csv   # the rows, as CSV
 
 Columns: peak memory (CUDA max_memory_allocated over the timed steps, or on the CPU the
 live-tensor tracker's peak), saved-activation bytes, the activation peak with and without
@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain import api, bench
-from memtrain.bench import device_line, markdown, publish
+import benchmarks as bench
+from benchmarks import device_line, markdown, publish
+from memtrain import api
 
 MIB = 2**20
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{precision}, {steps} steps (warm-up excluded), AdamW; one process, same protocol "
             f"as `memtrain` (peak source: {rows[0]['source']}).")
     publish(f"# prune end to end: resmlp24 ({device.type})\n\n{note}\n\n{table(rows)}", args.out)
-    bench.write_rows(rows, args.csv, device, bench.command("memtrain.bench.prune", argv))
+    bench.write_rows(rows, args.csv, device, bench.command("benchmarks.prune", argv))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ accuracy first reaches `target` x none's final accuracy, at epoch granularity (w
 right_input=left the last partition's per-epoch evaluation is the composed model's); earlier
 phases count whole.
 
-    python -m memtrain.bench.synthetic              # GPU sizes when CUDA is present, else CPU
-    python -m memtrain.bench.synthetic --cpu --out docs/results/synthetic_cpu.md
-    python -m memtrain.bench.synthetic --cpu --csv docs/results/rows/synthetic_cpu.csv
+    python -m benchmarks.synthetic              # GPU sizes when CUDA is present, else CPU
+    python -m benchmarks.synthetic --cpu --out docs/results/synthetic_cpu.md
+    python -m benchmarks.synthetic --cpu --csv docs/results/rows/synthetic_cpu.csv
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from memtrain import api, bench
-from memtrain.bench import device_line, markdown, publish
+import benchmarks as bench
+from benchmarks import device_line, markdown, publish
+from memtrain import api
 
 MIB = 2**20
 
@@ -122,13 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = run_all(cpu, a.k, a.target, a.overrides, runs)
     cmd = " ".join(sys.argv[1:] if argv is None else argv)
     device = torch.device("cpu" if cpu else "cuda")
-    note = (f"Device: {device_line(device)}\n\n`python -m memtrain.bench.synthetic {cmd}`\n\n"
+    note = (f"Device: {device_line(device)}\n\n`python -m benchmarks.synthetic {cmd}`\n\n"
             f"target accuracy = {a.target} x none's final test_acc; peaks from "
             f"`{rows[0]['peak_source']}` on {rows[0]['device']}.")
     title = f"method synthetic benchmark ({'CPU' if cpu else 'GPU'})"
     publish(f"# {title}\n\n{note}\n\n{table(rows)}", a.out)
     bench.write_rows([{k: v for k, v in r.items() if k != "device"} for r in rows], a.csv,
-                     device, bench.command("memtrain.bench.synthetic", argv))
+                     device, bench.command("benchmarks.synthetic", argv))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`make results-docs`: every generated block of the results documents, made again from
 committed CSVs.
 
-    python -m memtrain.study.docs            # rewrite the blocks in place
-    python -m memtrain.study.docs --check    # exit 1 and name each block whose text differs
-    python -m memtrain.study.docs --sweep NAME   # run a committed sweep again, commit its rows
+    python -m tools.docs            # rewrite the blocks in place
+    python -m tools.docs --check    # exit 1 and name each block whose text differs
+    python -m tools.docs --sweep NAME   # run a committed sweep again, commit its rows
 
 A block sits between `<!-- generated:NAME begin -->` and `<!-- generated:NAME end -->` in
 README.md, docs/RESULTS.md or docs/results/*.md; everything between the markers is this module's
@@ -19,7 +19,7 @@ Sources, all committed under docs/results/rows/:
   wrote them (report.tables.load_summary_csv), ratios through report.tables.ratio /
   study.tables.add_ratios or the report's own analysis (report.build.analyse: the figures'
   numbers), labels through study.tables.setting, numbers through study.tables.fmt;
-- `<table>.csv` that a benchmark wrote (`--csv`, memtrain/bench): each row with the device, torch,
+- `<table>.csv` that a benchmark wrote (`--csv`, benchmarks/): each row with the device, torch,
   commit, date and command that made it; rendered by the benchmark's own `table()`;
 - `<table>.csv` copied from a benchmark's printed table where the raw output was not kept and a
   run again costs more than this CPU gives (its device, date, seeds, steps, command and why in
@@ -41,14 +41,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain import bench
-from memtrain.bench.ranks import table as ranks_table
+import benchmarks as bench
+from benchmarks.ranks import table as ranks_table
 from memtrain.columns import ACT_PEAK, ESTIMATE, ESTIMATE_ACT, PEAK
 from memtrain.report import markdown
 from memtrain.report import tables as report
-from memtrain.study import tables
+from tools.study import tables
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("docs/results/rows")
 STUDY_CPU = Path("docs/results/2026-11-23_cpu/summary.csv")
 MARK = re.compile(r"(<!-- generated:(?P<name>[\w.-]+) begin -->\n)(?P<body>.*?)"
@@ -159,7 +159,7 @@ def study_rows(root: Path, rel: Path = STUDY_CPU) -> pd.DataFrame:
 
 def _study_provenance(root: Path, doc_dir: Path, rel: Path, d: pd.DataFrame,
                       command: str) -> str:
-    from memtrain.study.view import provenance as prov
+    from tools.study.view import provenance as prov
 
     p = prov(d)
     seeds = ",".join(sorted({str(int(s)) for s in d["trainer.seed"].dropna()}))
@@ -182,7 +182,7 @@ def study_ratios(root: Path, doc_dir: Path) -> list[str]:
     ok = ok.assign(_set=ok.apply(tables.setting, axis=1))
     ok = ok.sort_values(["part", "model", "_set"], kind="stable")
     head = _study_provenance(root, doc_dir, STUDY_CPU, ok,
-                             "make results DEVICE=cpu (python -m memtrain.study --device cpu)")
+                             "make results DEVICE=cpu (python -m tools.study --device cpu)")
     return [head, "", *tables.table(ok, {
         "part": lambda r: r["part"], "model": lambda r: r["model"],
         "px": lambda r: int(r["dataset.image_size"]),
@@ -391,7 +391,7 @@ CKPT_OPS = "transformer_checkpoint_cpu_ops.csv"
 
 def timeline_cost_reading(root: Path, doc_dir: Path) -> list[str]:
     """What `trainer.memory_timeline` costs, one sentence per measured method, from the rows
-    python -m memtrain.bench.timeline wrote."""
+    python -m benchmarks.timeline wrote."""
     csv = "timeline_cost_cpu.csv"
     df = pd.read_csv(root / DATA / csv, dtype=str, keep_default_na=False)
     said = []
@@ -820,7 +820,7 @@ def _checkpoint_table(model: str) -> Callable[[list[dict]], str]:
     def table(rows: list[dict]) -> str:
         import torch
 
-        from memtrain.bench import checkpoint
+        from benchmarks import checkpoint
 
         return checkpoint.table([r for r in rows if r.get("model") == model],
                                 torch.device("cpu"))
@@ -829,7 +829,7 @@ def _checkpoint_table(model: str) -> Callable[[list[dict]], str]:
 
 def _frontier(model: str) -> Callable[[list[dict]], str]:
     def table(rows: list[dict]) -> str:
-        from memtrain.bench import checkpoint
+        from benchmarks import checkpoint
 
         rows = [r for r in rows if r["model"] == model]
         above, below = checkpoint.frontier_summary(rows[0])
@@ -1015,7 +1015,7 @@ def _bench(module: str) -> Callable[[list[dict]], str]:
     def table(rows: list[dict]) -> str:
         import importlib
 
-        return importlib.import_module(f"memtrain.bench.{module}").table(rows)
+        return importlib.import_module(f"benchmarks.{module}").table(rows)
     return table
 
 
@@ -1140,7 +1140,7 @@ def capture(runs: Path, name: str, root: Path = ROOT) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.study.docs", description=__doc__
+    ap = argparse.ArgumentParser(prog="python -m tools.docs", description=__doc__
                                  .split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
                     help="change nothing; exit 1 when a block differs from its CSVs")

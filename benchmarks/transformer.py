@@ -9,7 +9,7 @@ layer alone is also measured term by term (`measured_terms`: each tensor its aut
 saves, named by the formula's term). The rows go to CSVs under docs/results/rows/, from which
 `make results-docs` renders docs/results/transformer_formula_cpu.md.
 
-    python -m memtrain.bench.transformer
+    python -m benchmarks.transformer
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ data (the `quantize_accuracy` experiment's recipe; that preset runs the same stu
 seeds side by side), none and bits 8/4/2, per seed; the acceptance: bits=4 within 1 point of
 none, bits=2 within 3.
 
-    python -m memtrain.bench.quantize saved --out docs/results/quantize_saved_cpu.md
-    python -m memtrain.bench.quantize accuracy --seeds 0 1 --out docs/results/quantize_acc_cpu.md
-    python -m memtrain.bench.quantize saved --csv docs/results/rows/quantize_saved_cpu.csv
+    python -m benchmarks.quantize saved --out docs/results/quantize_saved_cpu.md
+    python -m benchmarks.quantize accuracy --seeds 0 1 --out docs/results/quantize_acc_cpu.md
+    python -m benchmarks.quantize saved --csv docs/results/rows/quantize_saved_cpu.csv
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, bench, measure, models
+import benchmarks as bench
+from memtrain import api, measure, models
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.quantize import QuantizeMethod
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"suites: " + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in SUITES.items()))
         title = "method=quantize vs none: accuracy"
     bench.publish(f"# {title}\n\n{note}\n\n{table(rows)}", a.out)
-    bench.write_rows(rows, a.csv, device, bench.command("memtrain.bench.quantize", argv))
+    bench.write_rows(rows, a.csv, device, bench.command("benchmarks.quantize", argv))
 
 
 def table(rows: list[dict]) -> str:

@@ -23,7 +23,7 @@ import pandas as pd
 
 from memtrain.record import atomic_write
 from memtrain.report.tables import ratio as report_ratio
-from memtrain.study import tables
+from tools.study import tables
 
 # the columns a run shares with its `none` (the report's --match): the parts measure none
 # at several sizes, step counts and probe settings, and each ratio must use its own
@@ -208,7 +208,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
              f"Device: {prov['device']}; torch {prov['torch']}, "
              f"CUDA {prov['cuda']}, Triton {prov['triton']}; git {prov['git']}; "
              f"measured {prov['date']}. Made by `make results` "
-             f"(`python -m memtrain.study`); raw runs in `{runs}`.", "",
+             f"(`python -m tools.study`); raw runs in `{runs}`.", "",
              "| part | status |", "| --- | --- |"]
     parts = [*tables.SECTIONS]
     for sec in parts:
@@ -233,7 +233,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
         lines += ["", "## Problems", "", *[f"- {p}" for p in problems]]
     sizes = {p: st[p]["size"] for p in sorted(st) if "size" in st[p]}
     if sizes:
-        lines += ["", "## Sizes", "", "Each part as it ran (memtrain/study/plan.py; "
+        lines += ["", "## Sizes", "", "Each part as it ran (tools/study/plan.py; "
                   "`--set PART.KEY=VALUE` changes one):", "", "```json",
                   json.dumps(sizes, indent=1), "```"]
     atomic_write(out / "results.md", "\n".join(lines) + "\n")

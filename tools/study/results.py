@@ -1,9 +1,9 @@
 """`make results`: the whole study in one command, each part a row of its own.
 
-    python -m memtrain.study                       # CUDA: the gpu profile (~18 min, H100)
-    python -m memtrain.study --device cpu          # the same study, tiny, on the CPU
-    python -m memtrain.study --parts pool --set pool.batches=64 --dry-run
-    python -m memtrain.study --parts report --name 2026-11-30_h100-80gb-hbm3
+    python -m tools.study                       # CUDA: the gpu profile (~18 min, H100)
+    python -m tools.study --device cpu          # the same study, tiny, on the CPU
+    python -m tools.study --parts pool --set pool.batches=64 --dry-run
+    python -m tools.study --parts report --name 2026-11-30_h100-80gb-hbm3
 
 Raw results go to runs/results/<name>/<part>/ (its sweeps, benchmark tables, logs and a
 status.json); the view, docs/results/<name>/ (results.md with every table, and memtrain-report's
@@ -11,7 +11,7 @@ summary.csv, report.md and figures/), is made again from all raw results at the 
 invocation, so parts run in several invocations (or on several machines, their archives unpacked
 over each other) end in one view. A part that fails or times out is recorded as such and the
 next part runs. `--archive FILE` packs raw results and view into one .tar.gz after every part,
-so a killed study still leaves what it measured. Sizes: memtrain/study/plan.py.
+so a killed study still leaves what it measured. Sizes: tools/study/plan.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from memtrain.record import atomic_write
-from memtrain.study import plan, view
+from tools.study import plan, view
 
 STATUS = "status.json"
 VIEW_RESERVE_S = 60  # of a deadline, kept for the view and the archive
@@ -170,7 +170,7 @@ def pack(path: Path, folders: list[Path]) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.study",
+    ap = argparse.ArgumentParser(prog="python -m tools.study",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])

@@ -1,9 +1,9 @@
 """Checkpointing benchmark: memory and step time of every strategy against none, same process.
 
-    python -m memtrain.bench.checkpoint                      # GPU: resnet50 224 px, batch search
-    python -m memtrain.bench.checkpoint --device cpu --size 64 --batch 8 --out docs/results/x.md
-    python -m memtrain.bench.checkpoint --frontier --device cpu --batch 184 --profile-batch 8
-    python -m memtrain.bench.checkpoint ... --csv docs/results/rows/x.csv   # the rows, as CSV
+    python -m benchmarks.checkpoint                      # GPU: resnet50 224 px, batch search
+    python -m benchmarks.checkpoint --device cpu --size 64 --batch 8 --out docs/results/x.md
+    python -m benchmarks.checkpoint --frontier --device cpu --batch 184 --profile-batch 8
+    python -m benchmarks.checkpoint ... --csv docs/results/rows/x.csv   # the rows, as CSV
 
 `--frontier`: the planner alone (no training): one profile, then op- and block-granularity plans
 at every budget on it, modelled peak, predicted overhead and solve time (MONeT's comparison).
@@ -11,7 +11,7 @@ With `--costs` (and `--csv`), any model (a language model's `--size` is its sequ
 `--set` passes model options) and every op cost of `--costs`, the overhead also in FLOPs, as
 rows for `make results-docs` (docs/results/transformer_checkpoint_cpu.md):
 
-    python -m memtrain.bench.checkpoint --frontier --model gpt2_small --size 1024 \\
+    python -m benchmarks.checkpoint --frontier --model gpt2_small --size 1024 \\
       --batch 1 --profile-batch 1 --device cpu --threads 1 --costs time,flops \\
       --budgets 0.25,0.3,0.35,0.4,0.5 --csv docs/results/rows/transformer_checkpoint_cpu.csv
 
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, bench, measure
+import benchmarks as bench
+from memtrain import api, measure
 from memtrain.losses import cross_entropy
 from memtrain.methods.checkpoint import CheckpointMethod
 
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"\n\n{below}\n")
         bench.publish(text, args.out)
         bench.write_rows(rows, args.csv, device,
-                         bench.command("memtrain.bench.checkpoint", argv), append=True)
+                         bench.command("benchmarks.checkpoint", argv), append=True)
         return
     batch = args.batch or (largest_batch(args.model, args.size, device)
                            if device.type == "cuda" else 8)
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Device: {bench.device_line(device)}; {args.steps} timed steps after {args.warmup} "
             f"warm-up, median.\n\n{table(rows, device)}\n")
     bench.publish(text, args.out)
-    bench.write_rows(rows, args.csv, device, bench.command("memtrain.bench.checkpoint", argv),
+    bench.write_rows(rows, args.csv, device, bench.command("benchmarks.checkpoint", argv),
                      append=True)
 
 

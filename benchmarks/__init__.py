@@ -1,4 +1,5 @@
-"""Benchmarks: scripts that measure ratios against a baseline in the same process.
+"""Benchmarks: scripts that measure ratios against a baseline in the same process, run from a
+checkout (`python -m benchmarks.<name>`, the Makefile's bench-* targets) and never installed.
 
 What they share lives here, so every table is timed and labelled the same way: `timings` (how a
 step is timed: `measure.StepTimer`, as memtrain's own loop does) and `kernel_ms` (a kernel's
@@ -6,7 +7,7 @@ time), `device_line` (the one description of the device and versions; `device_na
 part), `markdown` and `publish`; and the rows a table is made of, as CSV (`write_rows`,
 `read_rows`): every row carries the device, the versions, the commit, the date and the command
 that made it, so docs/results' tables are made from what a benchmark wrote
-(memtrain/study/docs.py), not from its printed table.
+(tools/docs.py), not from its printed table.
 """
 
 from __future__ import annotations

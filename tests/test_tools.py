@@ -1,0 +1,73 @@
+"""The tools beside the package (benchmarks/, tools/) run from a checkout: every module that the
+Makefile, scripts/*.sh and the study's plan start with `python -m` is found from the repository's
+root, and each benchmark's and tool's command line answers --help (its `main(argv)`, all in this
+process rather than a subprocess each)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import re
+
+import pytest
+from conftest import ROOT
+
+import benchmarks
+from tools.study import plan
+
+# `python -m X` as the Makefile and the scripts spell it: $(BIN)/python, $(RESULTS_PY), "$PY",
+# $(PYTHON), coverage run
+RUN = re.compile(r"(?:python3?|PY\)|PY\"|PYTHON\)|coverage run) -m ([A-Za-z_][\w.]*)")
+# a package run as `python -m PKG` whose __main__ hands over to this module's main
+MAIN = {"tools.study": "tools.study.results"}
+
+
+def commands() -> dict[str, set[str]]:
+    """file -> the modules it runs with `python -m` (the study's plan: every part's steps at
+    the smoke size)."""
+    out = {str(p.relative_to(ROOT)): set(RUN.findall(p.read_text(encoding="utf-8")))
+           for p in [ROOT / "Makefile", *sorted((ROOT / "scripts").glob("*.sh"))]}
+    ctx = plan.Context("cpu", ROOT / "runs" / "unused", plan.PROFILES["smoke"])
+    out["tools/study/plan.py"] = {s.argv[1] for part in plan.PARTS
+                                  for s in plan.BUILDERS[part](ctx) if s.argv[0] == "-m"}
+    return out
+
+
+def command_lines() -> list[str]:
+    """Every benchmark (each module of benchmarks/) and every tool (the study, the docs
+    generator, README's pictures): the modules run as commands."""
+    found = [f"benchmarks.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)]
+    return sorted([*found, "tools.docs", "tools.screens", "tools.study"])
+
+
+def test_every_module_a_command_runs_is_found_from_the_checkout():
+    """A command that names a module that moved (or never was) fails here, not on a GPU box."""
+    named = commands()
+    assert {"tools.docs", "tools.screens", "tools.study", "benchmarks.kernels",
+            "benchmarks.prune"} <= named["Makefile"]
+    assert "tools.study" in named["scripts/gpu-results.sh"]
+    assert {"memtrain", "benchmarks.overhead", "benchmarks.kernels", "pytest"} <= \
+        named["tools/study/plan.py"]
+    missing = sorted(f"{file}: python -m {m}" for file, mods in named.items() for m in mods
+                     if importlib.util.find_spec(m) is None)
+    assert missing == [], missing
+    ours = {m for mods in named.values() for m in mods if m.split(".")[0] in ("benchmarks",
+                                                                               "tools")}
+    assert ours <= set(command_lines()), ours - set(command_lines())
+
+
+def test_each_benchmark_and_tool_answers_help(capsys):
+    """`python -m benchmarks.<name> --help` for every benchmark, and the study's, the docs
+    generator's and the pictures' --help: usage on stdout, exit 0."""
+    names = command_lines()
+    assert len(names) >= 13 and "benchmarks.ranks" in names
+    failed = []
+    for name in names:
+        main = importlib.import_module(MAIN.get(name, name)).main
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        out = capsys.readouterr().out
+        if e.value.code != 0 or not out.startswith("usage:"):
+            failed.append(f"{name}: exit {e.value.code}, {out[:80]!r}")
+    assert failed == [], failed
