@@ -4,9 +4,11 @@ is one ConfigError line.
 
 Types come from the defaults in conf/: an option whose default is an integer takes integers, a
 boolean takes true/false, a list takes a list; a default of null takes anything (the builders
-check those). Ranges and choices are checked by the builders, the methods and
-`cli.check_trainer` when a job starts, so inside a multirun a bad value is that job's
-`status=error` row while a wrong key or type stops the whole sweep at once (every job would fail).
+check those). Ranges, choices and the data's memory are each job's own checks
+(`runner.check`), which config.check_overrides runs on the jobs before anything is written: a
+single run's bad value is one line and no folder; in a multirun a value bad for every job stops
+the sweep at once, one bad for some jobs only is their `status=error` rows. A wrong key or type
+stops the whole sweep at once (every job would fail).
 """
 
 from __future__ import annotations
