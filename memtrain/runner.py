@@ -176,13 +176,19 @@ def default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(old)
 
 
-def build_method(node: DictConfig) -> Method:
+def build_method(node: DictConfig, where: str = "method") -> Method:
     """The method a conf/method node describes; a stack's members (its keys whose node has a
-    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name."""
-    kwargs = {k: build_method(v) if isinstance(v, DictConfig) and "_target_" in v else
-              (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
+    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name, a
+    member's refusal naming its options as `method.<member>.<option>`."""
+    kwargs = {k: build_method(v, f"{where}.{k}") if isinstance(v, DictConfig) and "_target_" in v
+              else (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
               for k, v in node.items() if k != "_target_"}
-    return _target(node, "method")(**kwargs)
+    try:
+        return _target(node, "method")(**kwargs)
+    except ConfigError as e:
+        if where == "method":
+            raise
+        raise ConfigError(str(e).replace("method.", f"{where}.")) from None
 
 
 # ---------------------------------------------------------------- one job

@@ -168,6 +168,7 @@ def test_a_bad_value_leaves_no_folder(in_tmp, cli_checks):
     assert list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.slow  # a `memtrain` process: its imports alone take ~5 s
 def test_a_bad_value_leaves_no_folder_from_the_real_command(in_tmp):
     """The same in a real `memtrain` process: nothing but the one line, nothing written."""
     p = run_memtrain("trainer.batch_size=-4", cwd=in_tmp, timeout=300)
@@ -375,3 +376,21 @@ def test_a_full_disk_is_named_with_the_file(tmp_path, monkeypatch, failure):
                        match=r"no space left on device writing .*state\.pt \(0 MiB free\)"):
         record.atomic_write(tmp_path / "state.pt", writer)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("asked,reason", [
+    (["trainer.account_memory=false"], "which trainer.account_memory=false leaves out"),
+    (["trainer.max_steps=0", "trainer.estimate=true"], "which trainer.max_steps=0 leaves out"),
+    (["method=checkpoint", "method.dry_run=true"], "with method.dry_run=true would record no "
+                                                   "step"),
+    (["method=checkpoint+quantize", "method.checkpoint.dry_run=true"],
+     "with method.checkpoint.dry_run=true would record no step"),
+])
+def test_a_timeline_that_would_not_be_recorded_is_refused(in_tmp, cli_checks, asked, reason):
+    """trainer.memory_timeline=true where no accounting step would run ended ok with
+    `memory_timeline: True` and no timeline: one line before anything runs instead."""
+    p = cli_checks(*TINY, "trainer.memory_timeline=true", *asked)
+    assert p.returncode == 2
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("memtrain: error: trainer.memory_timeline=true ") and reason in line
+    assert list(in_tmp.iterdir()) == []
