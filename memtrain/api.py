@@ -31,8 +31,10 @@ def build(overrides: list[str] | None = None):
 
 def run(overrides: list[str] | None = None, out_dir: str | Path | None = None) -> dict[str, Any]:
     """Train one run and return its summary record; the run folder is `out_dir` (default
-    runs/api/<date>/<time>_<method>_<model>_<dataset>). Bad input raises its ConfigError after
-    the row is written; every other failure is the row's status."""
+    runs/api/<date>/<time>_<method>_<model>_<dataset>). Bad input the checks see in the values
+    (types, ranges, the data's memory: config.check_overrides) raises its ConfigError before
+    anything is written; bad input found while the job builds (a missing file) raises after its
+    row is written; every other failure is the row's status."""
     cfg, choices = compose(overrides)
     if out_dir is None:
         stamp = time.strftime("%Y-%m-%d/%H-%M-%S")

@@ -54,8 +54,10 @@ def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
              + (f" (did not learn: {summary['not_learned_why']})"
                 if summary.get("learned") is False else ""))
     if status == "interrupted" and not worker:  # the user or the cluster wants it to stop
+        # stopped before its first step (faults.Stopped): no checkpoint, the same command again
+        saved = f"checkpoint saved in {run_dir}; " if "failed_step" in summary else ""
         _fail(faults.exit_code(summary.get("signal")),
-              f"interrupted ({summary.get('error')}); checkpoint saved in {run_dir}; continue "
+              f"interrupted ({summary.get('error')}); {saved}continue "
               f"with: {_resume_command(hc, multirun, run_dir)}")
     if not multirun and status != "ok":
         msg = summary.get("error") or (str(out.error) if out.error else status)
@@ -152,10 +154,11 @@ def main() -> None:
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
     if not (args.shell_completion or args.experimental_rerun):
         try:
+            shows = bool(args.cfg or args.info or args.help or args.hydra_help)  # writes nothing
             config.check_overrides(args.overrides, config_path=args.config_path,
                                    config_dir=args.config_dir, config_name=args.config_name,
-                                   multirun=True if args.multirun else None)
-            if not (args.cfg or args.info or args.help or args.hydra_help):  # they write nothing
+                                   multirun=True if args.multirun else None, jobs=not shows)
+            if not shows:
                 config.check_default_output_dir(args.overrides, bool(args.multirun),
                                                 config_path=args.config_path,
                                                 config_dir=args.config_dir,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,13 +238,16 @@ def _without_hydra(cfg: DictConfig) -> DictConfig:
 
 def check_overrides(overrides: list[str], *, config_path: str | None = None,
                     config_dir: str | None = None, config_name: str | None = None,
-                    multirun: bool | None = False) -> None:
+                    multirun: bool | None = False, jobs: bool = True) -> None:
     """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
     and keys (did-you-mean), wrong types, bad syntax, presets that do not compose
-    (memtrain/validate.py). The groups' options are those Hydra finds on the search path
-    (`--config-dir`, `hydra.searchpath` included). `multirun`: also check the sweep (its params
-    and variants) the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI
-    without -m). A single job (the API) is checked as itself."""
+    (memtrain/validate.py), then the values of the jobs to run (`_check_jobs`: ranges, the
+    data's memory, options a method cannot honour), so that bad input leaves no folder. The
+    groups' options are those Hydra finds on the search path (`--config-dir`,
+    `hydra.searchpath` included). `multirun`: also check the sweep (its params and variants)
+    the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI without -m). A
+    single job (the API) is checked as itself. `jobs=False`: the values are left unchecked (a
+    command that only shows the config, `--cfg` or `--info`)."""
     from memtrain import validate
 
     parsed = validate.parse(overrides)
@@ -260,14 +264,18 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
                                  shared=True)
 
         validate.check(parsed, options, compose)
-        if multirun is not False:
-            _check_sweep(parsed, options, compose, multirun)
+        sweep = _check_sweep(parsed, options, compose, multirun) if multirun is not False \
+            else None
+        if jobs:
+            _check_jobs(parsed, name, sweep)
     validate.check_output_dirs(parsed)  # last: it makes the folders
 
 
-def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
+def _check_sweep(parsed: list, options, compose, multirun: bool | None
+                 ) -> tuple[DictConfig, list[str], list[str]] | None:
     """The sweep a command configures: `hydra.sweeper.params` with the command's overrides, and
-    each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides."""
+    each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides.
+    Returns (hydra node, the common overrides, the variants) of a multirun, else None."""
     from memtrain import validate
     from memtrain.sweeper import variant_overrides
 
@@ -280,7 +288,7 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
         hint = "; variants need hydra/sweeper=variants" if "variants" in str(e) else ""
         raise ConfigError(f"{e}{hint}") from None
     if multirun is None and str(hydra.mode) != "MULTIRUN":
-        return
+        return None
     _check_launcher(hydra)
     sweeper = hydra.sweeper
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
@@ -294,6 +302,71 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None) -> None:
             where = f"hydra.sweeper.variants[{i}] ({variant})" if variant else \
                 "hydra.sweeper.params"
             raise ConfigError(f"{where}: {e}") from None
+    return hydra, common, [str(v) for v in variants]
+
+
+def _check_jobs(parsed: list, name: str,
+                sweep: tuple[DictConfig, list[str], list[str]] | None) -> None:
+    """The values of the jobs the command runs, checked as each job checks them when it starts
+    (`runner.check`), before Hydra makes a folder or the API writes one: a single run's bad
+    value is one line (exit 2); a sweep is refused when every one of its jobs would be (they
+    are composed in Hydra's order until one passes), while a value bad for some jobs only
+    leaves their `status=error` rows and the sweep goes on. A job whose values interpolate
+    Hydra's run-time settings (`${hydra:...}`) is left to itself."""
+    import logging
+
+    from memtrain import runner, validate
+
+    if sweep is None:
+        jobs: Iterable[list[str]] = [[o.input_line for o in parsed if not o.is_sweep_override()]]
+        here = True
+    else:
+        hydra, common, variants = sweep
+        jobs = _sweep_jobs(common, variants)
+        target = str(hydra.launcher.get("_target_", ""))
+        here = "Slurm" not in target.rsplit(".", 1)[-1]  # a SLURM job runs on a cluster's node
+    first = None
+    logging.disable(logging.WARNING)  # the checks' own warnings are the job's to log
+    try:
+        for lines in jobs:
+            try:
+                cfg = validate.one_line(
+                    lambda o, **_: hydra_compose(name, o, return_hydra_config=True,
+                                                 shared=True))(lines)
+                if _interpolates_hydra(cfg):
+                    return
+                runner.check(cfg, here)
+                return
+            except ConfigError as e:
+                first = first or e
+    finally:
+        logging.disable(logging.NOTSET)
+    if first is not None:
+        raise first if sweep is None else ConfigError(
+            f"{first} (every job of the sweep is refused: nothing would run)")
+
+
+def _sweep_jobs(common: list[str], variants: list[str]) -> Iterator[list[str]]:
+    """Each job's overrides, in the order Hydra's basic sweeper (and the variants sweeper,
+    memtrain/sweeper.py) launches them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from memtrain.sweeper import variant_overrides
+
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    for variant in variants or [None]:
+        lines = variant_overrides(common, variant) if variant else common
+        yield from BasicSweeper.split_arguments(parser.parse_overrides(lines), None)[0]
+
+
+def _interpolates_hydra(cfg: DictConfig) -> bool:
+    """Whether a job's options (its groups, not Hydra's node) interpolate Hydra's run-time
+    settings, known only when the job runs."""
+    node = OmegaConf.to_container(cfg, resolve=False)
+    node.pop("hydra", None)
+    return "${hydra" in json.dumps(node, default=str)
 
 
 def _check_launcher(hydra: DictConfig) -> None:

@@ -12,15 +12,16 @@ import gzip
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from memtrain.errors import ConfigError, check_range
+from memtrain.errors import ConfigError, check_choice, check_range
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,59 @@ def host_memory_bytes() -> int:
 
 def check_fits(key: str, value, nbytes: int, what: str) -> None:
     """A value whose data cannot fit in this machine's memory is refused before the run, naming
-    the key (the allocation would fail mid-run with a message that names no option)."""
+    the key (the allocation would fail mid-run with a message that names no option, or the
+    kernel would kill the process)."""
+    check_memory({key: value}, nbytes, what)
+
+
+def check_memory(options: dict[str, Any], nbytes: int, what: str) -> None:
+    """`check_fits` for data whose size several options decide: the one line names them all."""
     if nbytes > host_memory_bytes():
-        raise ConfigError(f"{key}={value} needs {nbytes / 2**30:.1f} GiB for {what}, more than "
+        given = ", ".join(f"{k}={v}" for k, v in options.items())
+        verb = "needs" if len(options) == 1 else "need"
+        raise ConfigError(f"{given} {verb} {nbytes / 2**30:.1f} GiB for {what}, more than "
                           f"this machine's {host_memory_bytes() / 2**30:.1f} GiB of memory")
+
+
+# ---------------------------------------------------------------- option checks
+
+# A builder's options are checked, and the memory its data will take is counted, before it is
+# built: by the builder itself, and by the command's checks before anything is written
+# (`check_options`, from runner.check), so that a bad value is one line with exit status 2 and
+# no run folder. A check takes the builder's keyword arguments and `here`: whether the data will
+# be built on this machine (False for a SLURM job: its files and memory are the cluster node's).
+
+
+def options_check(check: Callable[..., None]) -> Callable[[Callable], Callable]:
+    """Mark a builder with the check of its options (`check(**options, here=...)`)."""
+    def mark(build: Callable) -> Callable:
+        build.check_options = check  # type: ignore[attr-defined]
+        return build
+    return mark
+
+
+def check_options(build: Callable, options: dict[str, Any], here: bool = True) -> None:
+    """A dataset builder's options checked without building it (a builder of a registered
+    package without a check: nothing to check here, it checks when it builds)."""
+    check = getattr(build, "check_options", None)
+    if check is not None:
+        check(**options, here=here)
+
+
+def check_image_size(image_size, channels: int, here: bool) -> None:
+    """An image size a dataset resizes to on the fly (None: the files' own): positive, and a
+    batch of 128 fp32 images of that size must fit in memory."""
+    if image_size is None:
+        return
+    check_range("dataset.image_size", image_size, 1)
+    if here:
+        check_fits("dataset.image_size", image_size, channels * image_size * image_size * 4 * 128,
+                   f"a batch of 128 {channels}x{image_size}x{image_size} fp32 images")
+
+
+def check_folder(data_dir) -> None:
+    if data_dir is not None and not isinstance(data_dir, str):
+        raise ConfigError(f"dataset.data_dir must be a folder path, got {data_dir!r}")
 
 
 def check_labels(name: str, labels, num_classes: int, sources=None, first: int = 0) -> None:
@@ -222,16 +272,12 @@ class SyntheticSplit(Split):
         return x[0], y[0]
 
 
-def synthetic(
-    seed: int = 0, num_classes: int = 10, channels: int = 3, image_size: int = 32,
-    train_size: int = 10000, test_size: int = 2000, noise: float = 1.2, max_shift: int = 3,
-    data_dir: str | None = None, download: bool = False,
-) -> Data:
-    """The embedded default: learnable, deterministic, no files.
-
-    Templates are low-frequency random images (a 4x4 random grid upsampled bicubically), so
-    convolutions and MLPs can both learn them and the task does not get easier with resolution.
-    """
+def _check_synthetic(seed: int = 0, num_classes: int = 10, channels: int = 3,
+                     image_size: int = 32, train_size: int = 10000, test_size: int = 2000,
+                     noise: float = 1.2, max_shift: int = 3, data_dir: str | None = None,
+                     download: bool = False, *, here: bool = True) -> None:
+    """synthetic's options; its memory: the class templates, and an epoch's sample order (a
+    permutation of the training split's indices)."""
     if num_classes < 2:
         raise ConfigError(f"dataset.num_classes must be >= 2, got {num_classes}")
     if image_size < 4:
@@ -242,8 +288,26 @@ def synthetic(
             raise ConfigError(f"dataset.{key} must be >= 1, got {value}")
     check_range("dataset.noise", noise, 0, 1e6)  # a noise std past the pixels' range x 1e6
     check_range("dataset.max_shift", max_shift, 0, image_size)
-    check_fits("dataset.image_size", image_size, num_classes * channels * image_size ** 2 * 4,
-               f"{num_classes} class templates of {channels}x{image_size}x{image_size} fp32")
+    if here:
+        check_fits("dataset.image_size", image_size, num_classes * channels * image_size ** 2 * 4,
+                   f"{num_classes} class templates of {channels}x{image_size}x{image_size} fp32")
+        check_memory({"dataset.train_size": train_size, "dataset.test_size": test_size},
+                     2 * 8 * max(train_size, test_size), "an epoch's sample order (int64)")
+
+
+@options_check(_check_synthetic)
+def synthetic(
+    seed: int = 0, num_classes: int = 10, channels: int = 3, image_size: int = 32,
+    train_size: int = 10000, test_size: int = 2000, noise: float = 1.2, max_shift: int = 3,
+    data_dir: str | None = None, download: bool = False,
+) -> Data:
+    """The embedded default: learnable, deterministic, no files.
+
+    Templates are low-frequency random images (a 4x4 random grid upsampled bicubically), so
+    convolutions and MLPs can both learn them and the task does not get easier with resolution.
+    """
+    _check_synthetic(seed, num_classes, channels, image_size, train_size, test_size, noise,
+                     max_shift, data_dir, download)
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(num_classes, channels, 4, 4, generator=g)
     templates = F.interpolate(coarse, size=(image_size, image_size), mode="bicubic",
@@ -334,8 +398,7 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment, num_c
     ytr = torch.as_tensor(np.asarray(ytr), dtype=torch.int64)
     yte = torch.as_tensor(np.asarray(yte), dtype=torch.int64)
     size = image_size or xtr.shape[-1]
-    check_fits("dataset.image_size", size, xtr.shape[1] * size * size * 4 * 128,
-               f"a batch of 128 {xtr.shape[1]}x{size}x{size} fp32 images")
+    check_image_size(size, xtr.shape[1], here=True)
     for split, x, y in (("train", xtr, ytr), ("test", xte, yte)):
         if len(y) == 0 or len(x) != len(y):
             raise ConfigError(f"dataset {name}: the {split} split has {len(x)} images and "
@@ -347,14 +410,35 @@ def _tensor_data(name, xtr, ytr, xte, yte, mean, std, image_size, augment, num_c
     return Data(train, test, num_classes, (xtr.shape[1], size, size), name)
 
 
+def _check_grey(data_dir: str | None = None, download: bool = False,
+                image_size: int | None = None, seed: int = 0, augment: bool = False,
+                split: str = "balanced", *, here: bool = True) -> None:
+    """The MNIST family's options (grey images; EMNIST's split)."""
+    check_folder(data_dir)
+    check_image_size(image_size, 1, here)
+    check_choice("dataset.split", split, EMNIST_SPLITS)
+
+
+def _check_colour(data_dir: str | None = None, download: bool = False,
+                  image_size: int | None = None, seed: int = 0, augment: bool = True, *,
+                  here: bool = True) -> None:
+    """CIFAR's options."""
+    check_folder(data_dir)
+    check_image_size(image_size, 3, here)
+
+
+@options_check(_check_grey)
 def fashion_mnist(data_dir: str | None = None, download: bool = False,
                   image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
+    _check_grey(data_dir, download, image_size, seed, augment)
     return _mnist_like("fashion_mnist", "FashionMNIST", (0.2860,), (0.3530,), data_dir,
                        download, image_size, seed, augment)
 
 
+@options_check(_check_grey)
 def mnist(data_dir: str | None = None, download: bool = False,
           image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
+    _check_grey(data_dir, download, image_size, seed, augment)
     return _mnist_like("mnist", "MNIST", (0.1307,), (0.3081,), data_dir, download, image_size,
                        seed, augment)
 
@@ -364,10 +448,10 @@ EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "d
                  "mnist": 10}
 
 
+@options_check(_check_grey)
 def emnist(split: str = "balanced", data_dir: str | None = None, download: bool = False,
            image_size: int | None = None, seed: int = 0, augment: bool = False) -> Data:
-    if split not in EMNIST_SPLITS:
-        raise ConfigError(f"dataset.split must be one of {', '.join(EMNIST_SPLITS)}, got {split!r}")
+    _check_grey(data_dir, download, image_size, seed, augment, split)
     return _mnist_like("emnist", "EMNIST", (0.1751,), (0.3332,), data_dir, download, image_size,
                        seed, augment, num_classes=EMNIST_SPLITS[split],
                        first=1 if split == "letters" else 0, split=split)
@@ -392,14 +476,18 @@ def _cifar(name, tv_name, mean, std, data_dir, download, image_size, augment,
                         (f"{root} (train)", f"{root} (test)"))
 
 
+@options_check(_check_colour)
 def cifar10(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
             seed: int = 0, augment: bool = True) -> Data:
+    _check_colour(data_dir, download, image_size, seed, augment)
     return _cifar("cifar10", "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
                   data_dir, download, image_size, augment, 10)
 
 
+@options_check(_check_colour)
 def cifar100(data_dir: str | None = None, download: bool = False, image_size: int | None = None,
              seed: int = 0, augment: bool = True) -> Data:
+    _check_colour(data_dir, download, image_size, seed, augment)
     return _cifar("cifar100", "CIFAR100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
                   data_dir, download, image_size, augment, 100)
 

@@ -128,9 +128,20 @@ class SweepStop:
         return True
 
 
+class Stopped(Exception):
+    """A stop signal that arrived before the run's first step (`StopSignals.at_once`): there is
+    no step's end to wait for and nothing to save, so the run ends at once, `interrupted`."""
+
+    def __init__(self, signal_name: str, doing: str):
+        super().__init__(f"{signal_name} received while {doing}; stopped before training")
+        self.signal = signal_name
+
+
 class StopSignals:
     """While active, SIGTERM and the first Ctrl-C only set `requested`; the training loop stops
-    at the end of the current step, saves a checkpoint and reports `status=interrupted`.
+    at the end of the current step, saves a checkpoint and reports `status=interrupted`. Inside
+    `at_once` (building the data and the model, the probes: before the first step) a signal
+    raises `Stopped` at once instead, so a long build is no reason to be killed.
 
     A second Ctrl-C raises KeyboardInterrupt at once. Only the main thread may install handlers;
     elsewhere (a joblib worker thread) this is a no-op.
@@ -142,11 +153,27 @@ class StopSignals:
     def __init__(self):
         self.requested: str | None = SweepStop.stopped()  # the sweep was stopped before us
         self._old: dict = {}
+        self._doing: str | None = None  # inside `at_once`: what the run is doing
 
     def _handle(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.request(self.SIGNALS.get(signum, str(signum)))
+        name = self.SIGNALS.get(signum, str(signum))
+        if self._doing is not None:
+            self.requested = name
+            raise Stopped(name, self._doing)
+        self.request(name)
+
+    @contextlib.contextmanager
+    def at_once(self, doing: str):
+        """Inside, a stop signal raises `Stopped` (naming `doing`) where the run is, instead of
+        waiting for a step's end: before training there is none. A stop asked for before (a
+        stopped sweep's next job) still trains its one step and saves its checkpoint."""
+        self._doing = doing
+        try:
+            yield
+        finally:
+            self._doing = None
 
     def request(self, name: str, why: str = "") -> None:
         """Stop at the end of the current step (a signal, or a launcher that caught one)."""

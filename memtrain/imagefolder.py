@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from memtrain.data import Data, Split, _missing
-from memtrain.errors import ConfigError
+from memtrain.data import Data, Split, _missing, check_folder, check_image_size, options_check
+from memtrain.errors import ConfigError, check_range
 
 
 class LoaderSplit(Split):
@@ -48,21 +48,41 @@ def _read_image(path: str):
                           f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
+MAX_WORKERS = 256  # DataLoader worker processes (each a Python process with torch)
+
+
+def _check_imagenet(data_dir: str | None = None, image_size: int = 224,
+                    workers: int | None = None, download: bool = False, seed: int = 0, *,
+                    here: bool = True) -> None:
+    """imagenet's options; on this machine, its two folders and the memory of a batch of
+    images at `image_size` (the files are read lazily, batch by batch)."""
+    if not data_dir or data_dir == "???":  # ??? : conf/dataset/imagenet.yaml's required value
+        raise ConfigError("dataset imagenet needs dataset.data_dir=PATH (a folder with train/ "
+                          "and val/ subfolders, one folder per class)")
+    check_folder(data_dir)
+    if download:
+        raise ConfigError("dataset imagenet cannot be downloaded; point dataset.data_dir at it")
+    check_range("dataset.image_size", image_size, 1)
+    if workers is not None:
+        check_range("dataset.workers", workers, 0, MAX_WORKERS)
+    if not here:
+        return
+    root = Path(data_dir).expanduser()
+    tried = [root / "train", root / "val"]
+    if not all(p.is_dir() for p in tried):
+        raise _missing("imagenet", tried, " (ImageFolder layout: train/CLASS/*.jpg, val/CLASS/*)")
+    check_image_size(image_size, 3, here)
+
+
+@options_check(_check_imagenet)
 def imagenet(data_dir: str | None = None, image_size: int = 224, workers: int | None = None,
              download: bool = False, seed: int = 0) -> Data:
     """An ImageFolder root with train/ and val/ subfolders (one folder per class)."""
     from torchvision import datasets
     from torchvision import transforms as T
 
-    if not data_dir:
-        raise ConfigError("dataset imagenet needs dataset.data_dir=PATH (a folder with train/ "
-                          "and val/ subfolders, one folder per class)")
+    _check_imagenet(data_dir, image_size, workers, download, seed)
     root = Path(data_dir).expanduser()
-    if download:
-        raise ConfigError("dataset imagenet cannot be downloaded; point dataset.data_dir at it")
-    tried = [root / "train", root / "val"]
-    if not all(p.is_dir() for p in tried):
-        raise _missing("imagenet", tried, " (ImageFolder layout: train/CLASS/*.jpg, val/CLASS/*)")
     norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(),
                           norm])

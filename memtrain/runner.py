@@ -41,7 +41,7 @@ from memtrain import (
     trust,
 )
 from memtrain.config import identity
-from memtrain.data import Data, cast_batches, place
+from memtrain.data import Data, cast_batches, check_options, place
 from memtrain.errors import ConfigError
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.record import GROUPS
@@ -68,6 +68,9 @@ class Method(Protocol):
 
     - optional `check_device(device)`: before probes and training; a one-line ConfigError for
       a device the method cannot use (offload on the CPU).
+    - optional `check_trainer(trainer)`: before anything is written (`check`); a one-line
+      ConfigError for trainer options the method would leave undone (synthetic's parallel
+      workers and `trainer.memory_timeline`), never silently ignored.
     - optional `plan_rows(model) -> list[dict]`: the plan the method applied, one row per
       segment (memtrain/layers.py's plan.csv), written with `trainer.memory_timeline`.
 
@@ -94,10 +97,33 @@ def _target(node: DictConfig, where: str):
     return trust.locate(node._target_, f"{where}._target_")
 
 
-def trainer_of(cfg: DictConfig) -> Trainer:
+def trainer_of(cfg: DictConfig, here: bool = True) -> Trainer:
     """The typed trainer options, after every option of the config has been checked."""
     schema.check_config(cfg, GROUPS)
-    return Trainer.from_config(cfg.trainer)
+    return Trainer.from_config(cfg.trainer, here)
+
+
+def check(cfg: DictConfig, here: bool = True) -> Trainer:
+    """The checks of one job's values that need nothing built: every option's type (resolved),
+    the trainer's ranges and probes, the dataset's options and the memory its data will take
+    (memtrain/data.py's option checks), the method's options and the trainer options it cannot
+    honour (its optional `check_trainer`). The first problem is a one-line ConfigError.
+
+    The command's and the API's checks call it on each job before anything is written
+    (config.check_overrides), the runner again when a job starts (launchers' jobs, presets).
+    `here`: the job runs on this machine (False: a cluster's node, whose devices, memory and
+    files are not this machine's)."""
+    t = trainer_of(cfg, here)
+    if here:
+        probes.check(t)
+    if "_target_" in cfg.dataset:
+        check_options(_target(cfg.dataset, "dataset"), _kwargs(cfg.dataset), here)
+    method = build_method(cfg.method)
+    if hasattr(method, "check_trainer"):  # optional: trainer options the method cannot honour
+        method.check_trainer(t)
+    if t.strategy != "single" and hasattr(method, "check_strategy"):  # as distributed's check
+        method.check_strategy(t.strategy)
+    return t
 
 
 def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.nn.Module, Method]:
@@ -150,13 +176,19 @@ def default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(old)
 
 
-def build_method(node: DictConfig) -> Method:
+def build_method(node: DictConfig, where: str = "method") -> Method:
     """The method a conf/method node describes; a stack's members (its keys whose node has a
-    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name."""
-    kwargs = {k: build_method(v) if isinstance(v, DictConfig) and "_target_" in v else
-              (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
+    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name, a
+    member's refusal naming its options as `method.<member>.<option>`."""
+    kwargs = {k: build_method(v, f"{where}.{k}") if isinstance(v, DictConfig) and "_target_" in v
+              else (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
               for k, v in node.items() if k != "_target_"}
-    return _target(node, "method")(**kwargs)
+    try:
+        return _target(node, "method")(**kwargs)
+    except ConfigError as e:
+        if where == "method":
+            raise
+        raise ConfigError(str(e).replace("method.", f"{where}.")) from None
 
 
 # ---------------------------------------------------------------- one job
@@ -262,6 +294,9 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Pa
                 if e.status == "interrupted":
                     summary["signal"] = stop.requested
                 log.warning("run ended with status=%s at step %d: %s", e.status, e.step, e)
+            except faults.Stopped as e:  # a stop signal before the first step: nothing to save
+                summary.update(status="interrupted", error=str(e), signal=e.signal)
+                log.warning("run ended with status=interrupted: %s", e)
             except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, probes
                 summary.update(status="oom", error=str(e).splitlines()[0])
                 log.warning("run ended with status=oom: %s", summary["error"])
@@ -394,8 +429,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
          world: distributed.World | None = None) -> list[dict]:
     """The body of one job: device, build, probes, training; fills `summary`, returns metrics."""
     world = world or distributed.World()
-    t = trainer_of(cfg)  # before the device and the memory cap use any value
-    probes.check(t)
+    t = check(cfg)  # before the device and the memory cap use any value
     distributed.check(world, t, t.world_size)
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -403,7 +437,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         stack.enter_context(capacity.claim_device(t.device))
     summary.update(measure.provenance(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
-    data, model, method = build(cfg, t)
+    with stop.at_once("building the data, the model and the method"):
+        data, model, method = build(cfg, t)
     if hasattr(method, "check_device"):  # optional: a method that needs a device kind (offload)
         method.check_device(device)
     distributed.check_method(method, world)  # a method that cannot run sharded: one line
@@ -423,8 +458,9 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         summary.update(world_size=t.world_size or world.size,
                        local_batch_size=t.batch_size // (t.world_size or world.size))
     optim = _kwargs(cfg.optim)
-    summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
-                              lambda m: build_optimizer(m, **optim)))
+    with stop.at_once("running the probes"):
+        summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
+                                  lambda m: build_optimizer(m, **optim)))
     total_steps = t.schedule(len(data.train))[1]
     if total_steps == 0:
         log.info("trainer.max_steps=0: probes only, no training")

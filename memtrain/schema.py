@@ -81,8 +81,9 @@ class Trainer:
     fault_rank: int | None = None
 
     @classmethod
-    def from_config(cls, node: DictConfig | dict[str, Any]) -> Trainer:
-        """The options of `cfg.trainer` (resolved), validated (`check`)."""
+    def from_config(cls, node: DictConfig | dict[str, Any], here: bool = True) -> Trainer:
+        """The options of `cfg.trainer` (resolved), validated (`check`; `here`: on the machine
+        that will run the job)."""
         values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
             else dict(node)
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
@@ -92,11 +93,13 @@ class Trainer:
         # Hydra reads a bare `nan` as a float: a fault's name is text, and null means none
         if t.fault is not None:
             t.fault = None if str(t.fault).lower() in ("", "null", "none") else str(t.fault).lower()
-        t.check()
+        t.check(here)
         return t
 
-    def check(self) -> None:
-        """Ranges and choices, each a one-line ConfigError (types: `check_config`)."""
+    def check(self, here: bool = True) -> None:
+        """Ranges and choices, each a one-line ConfigError (types: `check_config`); with `here`
+        (the job runs on this machine, not on a cluster's node) also what this machine has: a
+        CUDA device where one is asked for, the packages of `trainer.logger`."""
         from memtrain.faults import FAULTS
 
         check_range("trainer.batch_size", self.batch_size, 1)
@@ -116,7 +119,10 @@ class Trainer:
         check_range("trainer.eval_every_steps", self.eval_every_steps, 0)
         from memtrain import loggers
 
-        loggers.check(self.logger)
+        if here:
+            loggers.check(self.logger)
+        else:
+            check_choice("trainer.logger", self.logger, loggers.LOGGERS)
         dev = str(self.device)
         if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
             raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")
@@ -131,6 +137,11 @@ class Trainer:
         check_range("trainer.fault_step", self.fault_step, 0)
         if self.fault_rank is not None:
             check_range("trainer.fault_rank", self.fault_rank, 0)
+        if self.memory_timeline and (self.max_steps == 0 or not self.account_memory):
+            off = "trainer.max_steps=0" if self.max_steps == 0 else "trainer.account_memory=false"
+            raise ConfigError(f"trainer.memory_timeline=true records the accounting step, which "
+                              f"{off} leaves out: the run would end with no timeline; drop one "
+                              f"of them")
         check_choice("trainer.strategy", self.strategy, STRATEGIES)
         if self.world_size is not None:
             check_range("trainer.world_size", self.world_size, 1)
@@ -144,7 +155,7 @@ class Trainer:
         check_range("trainer.max_batch_multiple", self.max_batch_multiple, 1)
         if self.cuda_context_gb is not None:
             check_range("trainer.cuda_context_gb", self.cuda_context_gb, 0)
-        if dev.startswith("cuda"):
+        if dev.startswith("cuda") and here:
             import torch
 
             if not torch.cuda.is_available():

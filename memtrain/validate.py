@@ -4,9 +4,11 @@ is one ConfigError line.
 
 Types come from the defaults in conf/: an option whose default is an integer takes integers, a
 boolean takes true/false, a list takes a list; a default of null takes anything (the builders
-check those). Ranges and choices are checked by the builders, the methods and
-`cli.check_trainer` when a job starts, so inside a multirun a bad value is that job's
-`status=error` row while a wrong key or type stops the whole sweep at once (every job would fail).
+check those). Ranges, choices and the data's memory are each job's own checks
+(`runner.check`), which config.check_overrides runs on the jobs before anything is written: a
+single run's bad value is one line and no folder; in a multirun a value bad for every job stops
+the sweep at once, one bad for some jobs only is their `status=error` rows. A wrong key or type
+stops the whole sweep at once (every job would fail).
 """
 
 from __future__ import annotations
@@ -223,9 +225,12 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
              and o.key_or_group not in GROUPS
              and not o.key_or_group.startswith(("hydra.sweeper.params", "hydra.sweeper.variants"))]
     for o in parsed:  # a sweep over a build key: each of its values
-        if o.is_sweep_override() and o.key_or_group.split(".")[-1] in ("_target_", "class", "()"):
+        if o.is_sweep_override() and o.key_or_group.split(".")[-1] == "_target_":
             for v in _values(o):
                 trust.locate(str(v), o.key_or_group)
+    # a sweep over a logging setting (or the job's name, which names the log file): each value
+    logs = [o for o in parsed if o.is_sweep_override() and not o.is_delete()
+            and o.key_or_group.startswith((*trust.LOGGING, "hydra.job.name"))]
     chosen = selection(parsed)
     selections = [chosen]
     for o in parsed:
@@ -238,6 +243,9 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
         cfg = compose(sel + plain, hydra=True)
         container = OmegaConf.to_container(cfg, resolve=False)
         trust.check_config(container)
+        for o in logs:
+            for v in _values(o):
+                trust.check_logging(_with(container["hydra"], o.key_or_group, v))
         choices = container["hydra"]["runtime"]["choices"]
         for group in BUILT:
             if not choices.get(group) or group not in container:
@@ -254,6 +262,21 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
                         f"{named.get(key)}; a row names the option chosen, so choose the option "
                         f"that builds what you want ({group}=<name>, or a preset of yours under "
                         "--config-dir) instead of changing its _target_")
+
+
+def _with(hydra: dict, key: str, value: Any) -> dict:
+    """A copy of a (container) hydra node with `key` (hydra.a.b) set to `value`."""
+    import copy
+
+    out = copy.deepcopy(hydra)
+    *parents, last = key.split(".")[1:]
+    node = out
+    for p in parents:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[last] = value
+    return out
 
 
 def check(parsed: list, options: Callable[[str], list[str]],

@@ -1,6 +1,7 @@
 """Bad input and broken files end in one line (or a row that says what is wrong), never in a
 traceback or an `ok` row that measured nothing (issue 15, classes 8 and 9)."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -151,12 +152,64 @@ def test_report_out_naming_a_file_exits_2(in_tmp, capsys):
     (["trainer.max_steps=0"], "trainer.max_steps=0 runs the probes only, and none is asked"),
 ])
 def test_runs_that_would_measure_nothing_are_errors(in_tmp, overrides, match):
+    """Refused before api.run writes anything: no run folder, no row a report would pick up."""
     row = None
     with pytest.raises(ConfigError, match=match):
         row = api.run([*TINY, *overrides], out_dir=in_tmp / "r")
-    assert row is None
-    saved = json.loads((in_tmp / "r" / "summary.json").read_text())
-    assert saved["status"] == "error"
+    assert row is None and list(in_tmp.iterdir()) == []
+
+
+def test_a_bad_value_leaves_no_folder(in_tmp, cli_checks):
+    """`memtrain trainer.batch_size=-4` from an empty folder: one line, exit 2, and no
+    runs/<date>/<time>_.../summary.json (status error) for a later memtrain-report to pick up."""
+    p = cli_checks("trainer.batch_size=-4")
+    assert p.returncode == 2
+    assert p.stderr.strip() == "memtrain: error: trainer.batch_size must be in [1, inf], got -4"
+    assert list(in_tmp.iterdir()) == []
+
+
+@pytest.mark.slow  # a `memtrain` process: its imports alone take ~5 s
+def test_a_bad_value_leaves_no_folder_from_the_real_command(in_tmp):
+    """The same in a real `memtrain` process: nothing but the one line, nothing written."""
+    p = run_memtrain("trainer.batch_size=-4", cwd=in_tmp, timeout=300)
+    assert (p.returncode, p.stdout, p.stderr.strip()) == (
+        2, "", "memtrain: error: trainer.batch_size must be in [1, inf], got -4")
+    assert list(in_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,refused", [
+    (["-m", "trainer.seed=0,1", "trainer.batch_size=-4"], True),  # bad for every job
+    (["-m", "trainer.batch_size=-4,8"], False),  # bad for one: its row, the sweep goes on
+    (["-m", "hydra/sweeper=variants",
+      "hydra.sweeper.variants=['trainer.batch_size=0','trainer.batch_size=-1']"], True),
+    (["-m", "hydra/sweeper=variants",
+      "hydra.sweeper.variants=['trainer.batch_size=0','method=pool']"], False),
+    (["-m", "dataset.test_size=0,8"], False),
+])
+def test_a_sweep_is_refused_when_every_job_would_be(in_tmp, monkeypatch, capsys, args, refused):
+    """Before launch (exit 2, no folder) when each job's values are bad; a value bad for some
+    jobs only reaches Hydra, whose jobs record their own rows."""
+    import sys
+
+    import hydra
+
+    from memtrain import cli, faults
+
+    launched = []
+    monkeypatch.setattr(hydra, "main", lambda **_: lambda task: lambda: launched.append(task))
+    monkeypatch.setattr(faults.SweepStop, "install_main", staticmethod(lambda: None))
+    monkeypatch.setattr(sys, "argv", ["memtrain", *args, *TINY])
+    with pytest.raises(SystemExit) if refused else contextlib.nullcontext() as e:
+        cli.main()
+    err = capsys.readouterr().err.strip()
+    if refused:
+        assert e.value.code == 2 and not launched
+        (line,) = err.splitlines()
+        assert line.startswith("memtrain: error: trainer.batch_size must be in [1, inf], got ")
+        assert line.endswith("(every job of the sweep is refused: nothing would run)")
+    else:
+        assert len(launched) == 1 and err == ""
+    assert list(in_tmp.iterdir()) == []
 
 
 def test_corrupt_checkpoint_and_partial_files_fall_back_to_a_fresh_start(in_tmp):
@@ -323,3 +376,21 @@ def test_a_full_disk_is_named_with_the_file(tmp_path, monkeypatch, failure):
                        match=r"no space left on device writing .*state\.pt \(0 MiB free\)"):
         record.atomic_write(tmp_path / "state.pt", writer)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("asked,reason", [
+    (["trainer.account_memory=false"], "which trainer.account_memory=false leaves out"),
+    (["trainer.max_steps=0", "trainer.estimate=true"], "which trainer.max_steps=0 leaves out"),
+    (["method=checkpoint", "method.dry_run=true"], "with method.dry_run=true would record no "
+                                                   "step"),
+    (["method=checkpoint+quantize", "method.checkpoint.dry_run=true"],
+     "with method.checkpoint.dry_run=true would record no step"),
+])
+def test_a_timeline_that_would_not_be_recorded_is_refused(in_tmp, cli_checks, asked, reason):
+    """trainer.memory_timeline=true where no accounting step would run ended ok with
+    `memory_timeline: True` and no timeline: one line before anything runs instead."""
+    p = cli_checks(*TINY, "trainer.memory_timeline=true", *asked)
+    assert p.returncode == 2
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("memtrain: error: trainer.memory_timeline=true ") and reason in line
+    assert list(in_tmp.iterdir()) == []

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import fashion_mnist_available
 
-from memtrain import api
+from memtrain import api, tokens
 from memtrain import data as D
 from memtrain.errors import ConfigError
 
@@ -77,3 +77,123 @@ def test_real_fashion_mnist_loads_from_debian_package():
     assert (len(d.train), len(d.test), d.num_classes) == (60000, 10000, 10)
     x, y = next(d.test.batches(16, CPU))
     assert x.shape == (16, 1, 28, 28)
+
+
+# ---------------------------------------------------------------- what building costs
+
+
+def test_every_dataset_builder_checks_its_options_before_building():
+    """Each conf/dataset option's builder has an option check (ranges, and on this machine the
+    memory its data takes) that the command runs before anything is written."""
+    import yaml
+    from conftest import CONF
+
+    from memtrain import trust
+
+    for path in sorted((CONF / "dataset").glob("*.yaml")):
+        options = yaml.safe_load(path.read_text())
+        build = trust.locate(options.pop("_target_"), "dataset._target_")
+        assert callable(getattr(build, "check_options", None)), path.name
+        if path.stem == "imagenet":  # its folder is required: data_dir: ???
+            with pytest.raises(ConfigError, match="needs dataset.data_dir=PATH"):
+                D.check_options(build, options, here=False)
+        else:
+            D.check_options(build, options, here=False)
+
+
+def test_the_token_chain_is_linear_in_the_vocabulary(monkeypatch):
+    """Above PERMUTED_VOCAB one permutation of the vocabulary is drawn, not one per token (V^2
+    draws, and V^2 x 8 bytes while each slice kept its permutation); each token's successors
+    are distinct and in range."""
+    drawn, real = [], torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda n, **kw: drawn.append(n) or real(n, **kw))
+    v = tokens.PERMUTED_VOCAB * 8
+    d = tokens.tokens(vocab_size=v, seq_len=16, train_size=8, test_size=8)
+    assert drawn == [v] and d.num_classes == v
+    assert int(d.train.windows.max()) < v and d.train.windows.shape == (8, 17)
+    succ = tokens.successors(v, 7, torch.Generator().manual_seed(1))
+    assert succ.shape == (v, 7) and int(succ.min()) >= 0 and int(succ.max()) < v
+    assert bool((succ.sort(dim=1).values.diff(dim=1) > 0).all())  # distinct in every row
+
+
+def test_a_small_vocabulary_keeps_its_chain_and_frees_each_permutation(monkeypatch):
+    """Up to PERMUTED_VOCAB the chain is the one the dataset has always drawn (the default's
+    windows hash as before this bound existed), and no token's permutation is alive when the
+    table is stacked (its slice is copied out)."""
+    import hashlib
+    import weakref
+
+    d = tokens.tokens()
+    digest = hashlib.sha256(d.train.windows.numpy().tobytes() + d.test.windows.numpy().tobytes())
+    assert digest.hexdigest()[:16] == "a0d0ebc73efd8afa"
+    made, alive, real_perm, real_stack = [], [], torch.randperm, torch.stack
+
+    def perm(n, **kw):
+        out = real_perm(n, **kw)
+        made.append(weakref.ref(out))
+        return out
+
+    def stack(xs, *a, **kw):
+        alive.append(sum(r() is not None for r in made))
+        return real_stack(xs, *a, **kw)
+
+    monkeypatch.setattr(torch, "randperm", perm)
+    monkeypatch.setattr(torch, "stack", stack)
+    tokens.successors(300, 4, torch.Generator().manual_seed(0))
+    assert len(made) == 300 and alive == [0]
+
+
+def test_data_that_cannot_fit_is_refused_by_its_keys_before_anything(in_tmp, monkeypatch):
+    """The memory a dataset's options ask for is counted before it is built: past this
+    machine's memory, one line naming the keys, no folder, nothing drawn."""
+    monkeypatch.setattr(D, "host_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(tokens, "successors", lambda *a: pytest.fail("the chain was drawn"))
+    with pytest.raises(ConfigError) as e:
+        api.run(["model=gpt_nano", "dataset=tokens", "dataset.vocab_size=100000",
+                 "dataset.seq_len=16", "dataset.train_size=8"], out_dir=in_tmp / "r")
+    assert str(e.value).startswith(
+        "dataset.train_size=8, dataset.test_size=200, dataset.seq_len=16, "
+        "dataset.vocab_size=100000, dataset.branching=4 need ")
+    assert "more than this machine's 0.0 GiB of memory" in str(e.value)
+    assert list(in_tmp.iterdir()) == []
+
+
+def test_sigterm_while_the_data_is_built_ends_the_run_interrupted(in_tmp, monkeypatch):
+    """A stop signal before the first step ends the run at once: a row with status
+    interrupted, no step done, not a build that goes on until the kernel kills it."""
+    import os
+    import signal
+    import time
+
+    finished = []
+
+    def slow_split(*args, **kwargs):  # a build that takes long after the signal arrives
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished.append(True)
+
+    monkeypatch.setattr(D, "SyntheticSplit", slow_split)
+    row = api.run(["trainer=smoke", "model=mlp6", "dataset.image_size=8"], out_dir=in_tmp / "r")
+    assert not finished
+    assert (row["status"], row["signal"]) == ("interrupted", "SIGTERM")
+    assert row["error"] == ("SIGTERM received while building the data, the model and the "
+                            "method; stopped before training")
+    assert "failed_step" not in row and "steps" not in row
+
+
+def test_text_from_a_folder_names_the_folder(tmp_path):
+    """`dataset.data_dir`: the row's data_source is the folder read (with the corpus' content
+    hash), not the running Python's standard library."""
+    import shutil
+
+    for name in tokens.STDLIB_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tokens.stdlib_root() / name, tmp_path / name)
+    own = tokens.text(seq_len=64)
+    copied = tokens.text(seq_len=64, data_dir=str(tmp_path))
+    assert own.data_source.startswith("python3.")
+    assert copied.data_source.startswith(f"{tmp_path.resolve()}, {len(tokens.STDLIB_FILES)} "
+                                         "files, ")
+    assert copied.data_hash == own.data_hash

@@ -457,3 +457,43 @@ def test_the_cost_figure_comes_first_and_answers_the_question(tmp_path):
     assert over.loc["pool", "yerr"] > 100  # the seeds' std, wider than the room below
     assert over.loc["pool", "y"] - over.loc["pool", "yerr_low"] == pytest.approx(-100.0)
     assert acc.loc["none", "y"] == 0 and over.loc["none", "y"] == 0
+
+
+HOSTILE = ("<script>alert(1)</script>", "<img src=x onerror=alert(1)>", "[x](javascript:a())")
+
+
+def test_run_fields_are_text_in_report_md_as_in_report_html(tmp_path):
+    """A method's name, a model's, an error and a warning from a run's row are shown as written
+    in report.md (entities, no link), never read as HTML: the same text report.html shows."""
+    r = tmp_path / "runs"
+    write_run(r / "a", model=HOSTILE[1])
+    write_run(r / "b", method=HOSTILE[0], model=HOSTILE[1], status="error",
+              extra={"error": f"RuntimeError: {HOSTILE[2]} {HOSTILE[0]}"})
+    assert report_main([str(r), "--no-figures"]) == 0
+    md = (r / "report.md").read_text()
+    for tag in ("<script", "<img", "](javascript"):
+        assert tag not in md
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md and "&lt;img src=x" in md
+    page = (r / "report.html").read_text()
+    assert "<script" not in page and "<img" not in page and 'href="javascript' not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page and "[x](javascript:a())" in page
+
+
+def test_a_row_of_impossible_types_is_skipped_naming_its_column(tmp_path, capsys):
+    """`{"status": "ok", "method": null, "model": 5}` is no run: the row is skipped with one
+    line naming the column and what goes there (memtrain/columns.py); the others report."""
+    r = tmp_path / "runs"
+    write_run(r / "good")
+    bad = [({"method": None, "model": 5}, "column 'method' holds None, null where text goes"),
+           ({"model": 5}, "column 'model' holds 5, a number where text goes"),
+           ({"status": "done"}, "column 'status' holds 'done', no status"),
+           ({"learned": "yes"}, "column 'learned' holds 'yes', text where true or false goes"),
+           ({"mem_peak_alloc_bytes": True}, "holds True, a boolean where a number goes")]
+    for i, (foreign, _) in enumerate(bad):
+        write_run(r / f"bad{i}", seed=i + 1, foreign=foreign)
+    assert report_main([str(r), "--no-figures"]) == 0
+    err = capsys.readouterr().err
+    for i, (_, why) in enumerate(bad):
+        (line,) = [ln for ln in err.splitlines() if f"bad{i}/summary.json" in ln]
+        assert why in line
+    assert list(pd.read_csv(r / "summary.csv")["run_dir"].str.rsplit("/", n=1).str[-1]) == ["good"]

@@ -51,6 +51,98 @@ def test_logging_factories_and_swept_targets_are_checked(cli_checks):
                                  "subprocess.run", *TINY), "method._target_")
 
 
+LOG = "hydra.job_logging"
+WRITES_ANYWHERE = [  # a log file of the config's choosing, whose lines a shell would run
+    f"+{LOG}.handlers.x.class=logging.FileHandler", f"+{LOG}.handlers.x.filename={{target}}",
+    f"+{LOG}.formatters.evil.format='touch PWNED #%(message)s'",
+    f"+{LOG}.handlers.x.formatter=evil",
+    f"{LOG}.root.handlers=[console,file,x]"]
+
+
+def test_a_log_file_of_the_configs_choosing_is_refused(in_tmp, cli_checks):
+    """The issue's command: exit 2, one line naming the key, no file written anywhere."""
+    target = in_tmp / "home" / ".bashrc"
+    target.parent.mkdir()
+    p = cli_checks(*TINY, "trainer.max_steps=1",
+                   *(a.format(target=target) for a in WRITES_ANYWHERE))
+    _one_line_refusal(p, f"{LOG}.handlers.x.filename")
+    assert "must be ${hydra.runtime.output_dir}/NAME.log" in p.stderr
+    assert not target.exists() and sorted(in_tmp.iterdir()) == [target.parent]
+
+
+def test_logging_config_file_loader_is_refused(in_tmp, cli_checks):
+    """logging.config.fileConfig runs code from its INI file: no handler memtrain uses."""
+    (in_tmp / "evil.ini").write_text("[loggers]\nkeys=root\n")
+    p = cli_checks(*TINY, f"+{LOG}.handlers.y.class=logging.config.fileConfig",
+                   f"+{LOG}.handlers.y.fname=evil.ini")
+    _one_line_refusal(p, f"{LOG}.handlers.y.class")
+    assert "logging.StreamHandler (the console) or logging.FileHandler" in p.stderr
+    assert sorted(p.name for p in in_tmp.iterdir()) == ["evil.ini"]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ([f"{LOG}.handlers.file.filename=${{hydra.runtime.output_dir}}/../up.log"],
+     f"{LOG}.handlers.file.filename"),
+    ([f"{LOG}.handlers.file.filename=${{hydra.runtime.output_dir}}/summary.json"],
+     f"{LOG}.handlers.file.filename"),
+    ([f"{LOG}.handlers.file.filename=${{oc.env:HOME}}/x.log"], f"{LOG}.handlers.file.filename"),
+    (["hydra.job.name=../../escaped"], "hydra.job.name"),
+    ([f"{LOG}.handlers.console.stream=ext://antigravity"], f"{LOG}.handlers.console.stream"),
+    ([f"{LOG}.handlers.console.class=logging.handlers.SysLogHandler"],
+     f"{LOG}.handlers.console.class"),
+    ([f"+{LOG}.formatters.simple.class=logging.BufferingFormatter"],
+     f"{LOG}.formatters.simple.class"),
+    ([f"+{LOG}.formatters.simple.style='{{'"], f"{LOG}.formatters.simple.style"),
+    ([f"{LOG}.formatters.simple.format=${{oc.env:HOME}}"], f"{LOG}.formatters.simple.format"),
+    ([f"{LOG}.root.handlers=[console,nowhere]"], f"{LOG}.root.handlers"),
+    (["+hydra.hydra_logging.handlers.f.class=logging.FileHandler",
+      "+hydra.hydra_logging.handlers.f.filename=${hydra.runtime.output_dir}/h.log"],
+     "hydra.hydra_logging.handlers.f.class"),
+    (["hydra/hydra_logging=hydra_debug"], "hydra.hydra_logging.handlers.file.class"),
+    (["-m", "trainer.seed=0,1", f"{LOG}.handlers.file.filename="
+      "${hydra.runtime.output_dir}/a.log,/tmp/b.log"], f"{LOG}.handlers.file.filename"),
+    (["-m", "hydra/sweeper=variants", "hydra.sweeper.variants=['method=none',"
+      f"'{LOG}.handlers.file.filename=/tmp/c.log']"], "hydra.sweeper.variants[1]"),
+])
+def test_logging_may_only_use_memtrains_handlers(in_tmp, cli_checks, overrides, key):
+    """Anything in a logging config but the console, a .log file in the run folder, plain
+    formatters and filters and plain values: one line, exit 2, nothing written."""
+    flags = [a for a in overrides if a.startswith("-")]  # before the overrides, as argparse's
+    p = cli_checks(*flags, *TINY, *(a for a in overrides if a not in flags))
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"memtrain: error: {key}"), line
+    assert list(in_tmp.iterdir()) == []
+
+
+def test_a_logging_preset_is_checked_and_memtrains_own_pass(in_tmp, cli_checks):
+    """A preset of the user's (hydra/job_logging=<name> under --config-dir) is held to the same
+    rule; Hydra's presets memtrain uses and a second .log file in the run folder pass."""
+    folder = in_tmp / "mine" / "hydra" / "job_logging"
+    folder.mkdir(parents=True)
+    (folder / "evil.yaml").write_text(
+        "version: 1\nhandlers:\n  f:\n    class: logging.FileHandler\n"
+        "    filename: /tmp/evil.log\nroot:\n  handlers: [f]\n")
+    (folder / "props.yaml").write_text(  # dictConfig's `.`: attributes set after building
+        "version: 1\nhandlers:\n  c:\n    class: logging.StreamHandler\n"
+        "    .:\n      baseFilename: /tmp/evil.log\nroot:\n  handlers: [c]\n")
+    (folder / "filter.yaml").write_text(  # a filter's factory may be any callable
+        "version: 1\nfilters:\n  f:\n    (): memtrain.report.cli.main\n"
+        "root:\n  filters: [f]\n")
+    for name, key in (("evil", "handlers.f.filename"), ("props", "handlers.c.."),
+                      ("filter", "filters.f.()")):
+        p = cli_checks("--config-dir", str(in_tmp / "mine"), f"hydra/job_logging={name}", *TINY)
+        _one_line_refusal(p, f"{LOG}.{key}")
+    from memtrain import config
+
+    for ok in ([], ["hydra/job_logging=stdout"], ["hydra/job_logging=disabled"],
+               [f"{LOG}.root.level=DEBUG", "hydra.verbose=true"],
+               [f"+{LOG}.handlers.x.class=logging.FileHandler",
+                f"+{LOG}.handlers.x.filename=${{hydra.runtime.output_dir}}/extra.log",
+                f"{LOG}.root.handlers=[console,file,x]"]):
+        config.check_overrides([*TINY, *ok])
+
+
 @pytest.mark.parametrize("preset,body,key", [
     ("method/evil", "_target_: os.system\ncommand: touch pwned\n", "method._target_"),
     ("model/evil", "_target_: builtins.exec\nsource: '1'\n", "model._target_"),

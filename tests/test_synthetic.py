@@ -133,6 +133,29 @@ def test_bad_options_are_config_errors(kwargs, msg):
     assert msg in str(e.value)
 
 
+@pytest.mark.parametrize("asked", ["trainer.memory_timeline=true", "trainer.memory_snapshot=true",
+                                   "trainer.save_every=10"])
+def test_parallel_refuses_what_its_workers_would_leave_undone(in_tmp, cli_checks, asked):
+    """The partitions' worker processes see no timeline, snapshot, checkpoint or live logger of
+    the run: asked for with method.parallel=true it is one line (exit 2) before anything runs,
+    never a row that says memory_timeline: True with no timeline. Sequential partitions keep
+    them; a launcher's job is held to it where it starts (runner.check)."""
+    p = cli_checks(*SYN, "method.parallel=true", asked)
+    assert p.returncode == 2
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"memtrain: error: {asked} with method.parallel=true would record ")
+    assert line.endswith(f"use method.parallel=false (the same partitions, one after another in "
+                         f"this process) or drop {asked.split('=')[0]}")
+    assert list(in_tmp.iterdir()) == []
+    from memtrain import config, runner
+
+    config.check_overrides([*SYN, asked])  # sequential: accepted
+    cfg, _ = config.compose([*SYN, asked])
+    cfg.method.parallel = True
+    with pytest.raises(ConfigError, match="with method.parallel=true would record"):
+        runner.check(cfg)
+
+
 def test_bad_cuts_and_epochs_fail_at_run_time(in_tmp):
     with pytest.raises(ConfigError, match=r"strictly increasing unit indices in \[1, 6\]"):
         api.build([*SYN, "method.cuts=[7]"])

@@ -79,6 +79,14 @@ class Stack:
             if hasattr(m, "check_device"):
                 m.check_device(device)
 
+    def check_trainer(self, trainer: Any) -> None:
+        for key, m in zip(self.keys, self.members, strict=True):
+            if hasattr(m, "check_trainer"):
+                try:
+                    m.check_trainer(trainer)
+                except ConfigError as e:  # a member names its options as `method.<option>`
+                    raise ConfigError(str(e).replace("method.", f"method.{key}.")) from None
+
     def check_strategy(self, strategy: str) -> None:
         for m in self.members:
             if hasattr(m, "check_strategy"):

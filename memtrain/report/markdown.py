@@ -3,6 +3,10 @@
 Numbers have a fixed precision per column: memory in the unit that suits the table (KiB, MiB or
 GiB) with the decimals its largest value needs, ratios (`x / none`) with two decimals, accuracy
 in % with one decimal, Δ in points with a sign; a spread over seeds takes its mean's decimals.
+
+Every text that comes from a run's row (a label, a model's name, an error, a module's name, a
+folder) is written by `text` or `code`: shown as written, never read as HTML or as a link
+(`<script>` in a method name is text here as in report.html, which renders this text).
 """
 
 from __future__ import annotations
@@ -21,6 +25,19 @@ from memtrain.report.style import Memory, byte_unit, order_settings
 from memtrain.report.tables import SOURCE, constant_params
 
 NOISY = "†"  # marks a throughput measured with noisy step times
+
+
+def text(v) -> str:
+    """A run's text as Markdown that shows it as written: `&`, `<` and `>` as entities (no HTML
+    tag, no autolink), `](` escaped (no link or image), one line (no new block)."""
+    s = str(v).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return " ".join(s.replace("](", "]\\(").splitlines())
+
+
+def code(v) -> str:
+    """A run's text as a code span (shown literally by every renderer): one line, its backticks
+    turned to quotes so that none ends the span."""
+    return "`" + " ".join(str(v).replace("`", "'").splitlines()) + "`"
 
 
 def number(v, decimals: int = 2, scale: float = 1.0, sign: bool = False, missing: str = "–",
@@ -70,9 +87,9 @@ def _setting(r: pd.Series, g: pd.DataFrame) -> list[str]:
     """The first cells of a row: the setting's label, and with `--compare` its source in a
     column of its own (the label's " [source]" then left off)."""
     if SOURCE not in g:
-        return [r["label"]]
+        return [text(r["label"])]
     src = str(r.get(SOURCE))
-    return [str(r["label"]).removesuffix(f" [{src}]"), src]
+    return [text(str(r["label"]).removesuffix(f" [{src}]")), text(src)]
 
 
 def _bytes_col(g: pd.DataFrame, col: str) -> tuple[float, str, int]:
@@ -110,8 +127,8 @@ def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
                  _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_temp_rel"),
                  _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
                  _cell(r, TEST_ACC, 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
-                 r["status"] + (f", did not learn {int(r['n_not_learned'])}/{int(r['n_ok'])}"
-                                if r.get("n_not_learned", 0) else "")]
+                 text(r["status"]) + (f", did not learn {int(r['n_not_learned'])}/"
+                                      f"{int(r['n_ok'])}" if r.get("n_not_learned", 0) else "")]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -166,7 +183,8 @@ def estimates_table(g: pd.DataFrame, baseline: str) -> str | None:
 
 def failed(g: pd.DataFrame) -> list[str]:
     """'- pool k=2 (error 1/2): ValueError: ...' for each setting with a failed run."""
-    return [f"- {r['label']} ({r['status']}): {r.get('error_short') or 'no error message'}"
+    return [f"- {text(r['label'])} ({text(r['status'])}): "
+            f"{text(r.get('error_short') or 'no error message')}"
             for _, r in order_settings(g).iterrows() if r["worst_status"] != "ok"]
 
 
@@ -194,16 +212,16 @@ def modules_table(t: pd.DataFrame, plans: dict[str, list[str]]) -> str:
     dec = decimals_for(pd.Series(t.to_numpy().ravel()) / div)
     head = ["module"]
     for lb in t.columns:
-        head.append(f"{lb} {unit}")
+        head.append(f"{text(lb)} {unit}")
         if lb in plans:
-            head.append(f"{lb}: plan")
+            head.append(f"{text(lb)}: plan")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, (m, r) in enumerate(t.iterrows()):
-        cells = [f"**{m}**" if m == "total" else m]
+        cells = [f"**{m}**" if m == "total" else text(m)]
         for lb in t.columns:
             cells.append(number(r[lb], dec, 1 / div))
             if lb in plans:
-                cells.append(plans[lb][i])
+                cells.append(text(plans[lb][i]))
         lines.append("| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -216,17 +234,17 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
     """The whole report.md text; `baseline` is the --baseline spec (method=none); `modules`:
     the per-module tables of `trainer.memory_timeline` runs by (model, dataset)
     (report.plots_timeline.module_tables)."""
-    short = baseline.split(",")[0].partition("=")[2] or baseline
+    short = text(baseline.split(",")[0].partition("=")[2] or baseline)
     peak_src = peak_source(agg)
     parts = [
         "# memtrain report", "",
         f"{n_runs} run{'s' * (n_runs != 1)} in {len(agg)} setting{'s' * (len(agg) != 1)} "
         f"from {', '.join(map(str, sources))}.", "",
-        *([f"- Compared: {', '.join(f'`{x}`' for x in sorted(agg[SOURCE].astype(str).unique()))}"
+        *([f"- Compared: {', '.join(code(x) for x in sorted(agg[SOURCE].astype(str).unique()))}"
            " (the `source` column: each folder's label); a run's baseline is from its own "
            "source."] if SOURCE in agg else []),
-        f"- Baseline of a run: the `{baseline}` run (status ok) with the same "
-        f"{', '.join(f'`{k}`' for k in match)}; a baseline run is its own. Ratios and Δ are "
+        f"- Baseline of a run: the {code(baseline)} run (status ok) with the same "
+        f"{', '.join(code(k) for k in match)}; a baseline run is its own. Ratios and Δ are "
         f"per run, then averaged over seeds (mean ± std).",
         f"- Memory in the figures: {mem.what}, {mem.source} (`{mem.col}`).",
         f"- Peak: `mem_peak_alloc_bytes` ({peak_src}).",
@@ -241,13 +259,13 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
                      "so figures plot activation bytes instead.")
     const = constant_params(agg)
     if const:
-        shared = "; ".join(f"{m}: " + " ".join(f"{k.removeprefix('method.')}={v}"
-                                                for k, v in kv.items())
-                           for m, kv in const.items())
+        shared = "; ".join(f"{text(m)}: " + " ".join(
+            f"{text(k.removeprefix('method.'))}={text(v)}" for k, v in kv.items())
+            for m, kv in const.items())
         parts.append(f"- Shared by every setting of a method (left out of the labels): {shared}.")
     parts.append("")
     for (model, dataset), g in agg.groupby(["model", "dataset"], sort=True):
-        parts += [f"## {names.panel(model, dataset)}", ""]
+        parts += [f"## {text(names.panel(model, dataset))}", ""]
         est = estimates_table(g, short)
         if est is None or g.get(PEAK, pd.Series(dtype=float)).notna().any():
             parts += [table(g, mem, short, peak_src), ""]  # what was measured
@@ -261,7 +279,7 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
             t, plans = modules[(model, dataset)]
             parts += [f"Where the activations live: saved for backward per module on the "
                       f"accounting step, the {len(t) - 2} modules that save most in "
-                      f"{t.columns[0]} (a storage counts once, for the module that saved it "
+                      f"{text(t.columns[0])} (a storage counts once, for the module that saved it "
                       f"first; `saved_by_module.csv` beside each run, the first seed of each "
                       f"setting):", "", modules_table(t, plans), ""]
     if figures or not_drawn:
@@ -270,10 +288,11 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
             png = next((p for p in paths if p.suffix == ".png"), paths[0])
             parts.append(f"![{name}]({png.relative_to(out).as_posix()})")
             parts.append("")
-        parts += [f"- {name}: not drawn ({why})" for name, why in not_drawn.items()]
+        parts += [f"- {name}: not drawn ({text(why)})" for name, why in not_drawn.items()]
         parts.append("")
     if skipped:
-        parts += ["## Skipped folders", ""] + [f"- `{d}`: {why}" for d, why in skipped] + [""]
+        parts += ["## Skipped folders", ""] + [f"- {code(d)}: {text(why)}"
+                                               for d, why in skipped] + [""]
     if warnings:
-        parts += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+        parts += ["## Warnings", ""] + [f"- {text(w)}" for w in warnings] + [""]
     return "\n".join(parts)

@@ -2,9 +2,11 @@
 
 A summary.json is data from disk, possibly edited by hand or written by another version: a value
 that cannot be what its column says (a string where a number goes, a list, an integer beyond 64
-bits, an infinity) would blank or crash the whole report, so that one row is skipped with the
-file and the column named. A run_id that has several rows (an interrupted run resumed in another
-folder, a sweep relaunched into a new one) is one run: its latest row stands for it.
+bits, an infinity, anything but text where memtrain/columns.py declares the option a run chose,
+a status that is none) would blank, crash or mislabel the whole report, so that one row is
+skipped with the file and the column named. A run_id that has several rows (an interrupted run
+resumed in another folder, a sweep relaunched into a new one) is one run: its latest row stands
+for it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from memtrain import columns
+from memtrain.record import STATUSES
 from memtrain.report.names import CONFIG_PREFIXES
 
 # Columns that always hold numbers (snake_case with units, the contract in DESIGN.md), even when
@@ -42,6 +45,33 @@ def bad_value(v: Any) -> str | None:
     return None
 
 
+NUMBER_UNITS = ("bytes", "s", "samples/s", "fraction", "ratio", "count", "loss", "perplexity")
+ROW_STATUSES = (*STATUSES, "running")  # a job's row while it runs
+
+
+def declared_type(k: str, v: Any) -> str | None:
+    """Why `v` cannot be a value of column `k` as memtrain/columns.py declares it (None when it
+    can, or when the column is not declared: another tool's, kept as it is)."""
+    col = columns.lookup(k)
+    if col is None or v is None and col.kind != "identity" and k != columns.STATUS:
+        return None
+    if col.kind == "identity" and not isinstance(v, str):
+        return f"{_type(v)} where text goes ({col.meaning})"
+    if k == columns.STATUS and v not in ROW_STATUSES:
+        return f"no status (one of {', '.join(ROW_STATUSES)})"
+    if col.unit in NUMBER_UNITS and not _number(v):
+        return f"{_type(v)} where a number goes ({columns.UNITS[col.unit]})"
+    if col.unit == "bool" and not isinstance(v, bool):
+        return f"{_type(v)} where true or false goes"
+    return None
+
+
+def _type(v: Any) -> str:
+    """What a JSON value is, as the messages say it."""
+    return {type(None): "null", bool: "a boolean", str: "text", int: "a number",
+            float: "a number"}.get(type(v), f"a {type(v).__name__}")
+
+
 def _numeric_columns(rows: list[dict]) -> set[str]:
     """Columns that hold numbers: by name, or in more rows than they hold text (config options
     may mix, e.g. method.kernel_size 2 and 'max', so they are left alone)."""
@@ -62,7 +92,7 @@ def check_rows(rows: list[dict], files: list[Path]) -> tuple[list[dict], list[tu
     for row, f in zip(rows, files):
         why = None
         for k, v in row.items():
-            reason = bad_value(v)
+            reason = bad_value(v) or declared_type(k, v)
             if reason is None and k in numeric and isinstance(v, str):
                 reason = "text where a number goes"
             if reason is None and _number(v) and (rng := columns.valid_range(k)) is not None:

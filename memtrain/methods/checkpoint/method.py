@@ -210,6 +210,14 @@ class CheckpointMethod:
                          policy=_save_matmul_conv, inside=self.inside)
         return model
 
+    def check_trainer(self, trainer: Any) -> None:
+        """`dry_run` plans and stops before the first step: a memory timeline of a training
+        step would never be recorded, so asking for one is refused rather than ignored."""
+        if self.dry_run and trainer.memory_timeline:
+            raise ConfigError("trainer.memory_timeline=true with method.dry_run=true would record "
+                              "no step: a dry run plans and stops before training; drop one of "
+                              "them (the plan is in the log and the row's plan columns)")
+
     def check_strategy(self, strategy: str) -> None:
         """Under DDP or FSDP every strategy but torch.compile's runs (compiling a sharded model
         is not supported here yet: trainer.compile is refused there too)."""

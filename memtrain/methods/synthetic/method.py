@@ -123,6 +123,26 @@ class Synthetic:
         self.labels: list[torch.Tensor] = []  # S_j per cut, set by fit
         self.profile = None  # the UnitProfile automatic cuts were chosen from
 
+    def check_trainer(self, trainer: Trainer) -> None:
+        """With `parallel` each partition trains in a worker process of its own, from the
+        trainer options alone: the parent's memory timeline, CUDA memory snapshot, resumable
+        checkpoints and live logger never see its steps. Asking for one of them is refused in
+        one line, before anything runs, rather than ignored."""
+        if not self.parallel:
+            return
+        unseen = [(f"trainer.{key}={shown}", what) for key, shown, asked, what in (
+            ("memory_timeline", "true", trainer.memory_timeline, "no timeline of any step"),
+            ("memory_snapshot", "true", trainer.memory_snapshot, "no allocation of theirs"),
+            ("save_every", trainer.save_every, trainer.save_every > 0, "no checkpoint of theirs"),
+            ("logger", trainer.logger, trainer.logger != "csv", "none of their steps"),
+        ) if asked]
+        if unseen:
+            (given, what), key = unseen[0], unseen[0][0].split("=")[0]
+            raise ConfigError(f"{given} with method.parallel=true would record {what}: each "
+                              f"partition trains in a worker process of its own; use "
+                              f"method.parallel=false (the same partitions, one after another "
+                              f"in this process) or drop {key}")
+
     # ------------------------------------------------------------ surgery
 
     def check_strategy(self, strategy: str) -> None:
