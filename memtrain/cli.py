@@ -107,23 +107,6 @@ def _as_rank(overrides: list[str]) -> list[str]:
             "hydra.job_logging.root.level=WARNING"]
 
 
-def _register_plugins(launchers: bool) -> None:
-    """Make memtrain's Hydra plugins known: `hydra/sweeper=variants` always, and for a multirun
-    `hydra/launcher=slurm|local` (they import submitit). Hydra's own plugin scan finds them in a
-    regular install but not in an editable one (setuptools' editable finder gives the
-    hydra_plugins namespace no folder to list), hence this explicit registration."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.memtrain_sweeper import VariantSweeper
-
-    classes: list[type] = [VariantSweeper]
-    if launchers:
-        from hydra_plugins.memtrain_launcher import LocalLauncher, SlurmLauncher
-
-        classes += [SlurmLauncher, LocalLauncher]
-    for cls in classes:
-        Plugins.instance().register(cls)
-
-
 def main() -> None:
     """Console entry point: validate the overrides, then hand over to Hydra.
 
@@ -165,7 +148,6 @@ def main() -> None:
                    for a in args.overrides):
                 traceback.print_exc()
             _fail(2, f"error: {e}")
-    _register_plugins(launchers=bool(args.multirun))
     if distributed.is_launched() and not (args.cfg or args.info or args.shell_completion):
         given = list(args.overrides)
         sys.argv[1:] = [a for a in sys.argv[1:] if a not in given] + _as_rank(given)

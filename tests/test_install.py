@@ -1,8 +1,8 @@
 """memtrain as a user installs it: a regular (non-editable) wheel, run from a folder that is not
 the repository. An editable install hides two things a wheel shows: where conf/ lives (the
-installed `memtrain.conf`, a namespace package: `config.installed_conf_dir` once returned a
-MultiplexedPath whose str() was no path, so every group had no options) and how Hydra finds
-memtrain's plugins (the variants sweeper, the submitit launchers)."""
+installed `memtrain.conf`: `config.installed_conf_dir` once returned a MultiplexedPath whose
+str() was no path, so every group had no options) and how Hydra finds memtrain's plugins (the
+variants sweeper, the submitit launchers, their presets in Hydra's ConfigStore)."""
 
 import shutil
 import subprocess
