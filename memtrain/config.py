@@ -4,8 +4,8 @@
 
 The CLI (cli.py), the API (api.py), the launchers and the runner all compose and name runs
 through this module, so a job's folder, its row's run_id and skip_done agree everywhere. It
-registers the typed trainer schema when imported, and memtrain's resolvers (memtrain/resolvers.py;
-memtrain's Hydra plugins register them too, for any Hydra app).
+registers the typed trainer schema when imported; memtrain's resolvers (memtrain/resolvers.py)
+are registered by memtrain's Hydra plugins, which Hydra's plugin scan imports in every session.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import record, resolvers, schema
+from memtrain import record, schema
 from memtrain.errors import ConfigError
 from memtrain.paths import conf_dir, installed_conf_dir  # noqa: F401 (config.conf_dir)
 
@@ -355,7 +355,6 @@ def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, s
     return OmegaConf.create(with_hydra), choices
 
 
-resolvers.register()  # also where no Hydra plugin scan ran (OmegaConf alone)
 schema.register_configs()
 
 

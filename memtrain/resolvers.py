@@ -1,5 +1,6 @@
 """memtrain's OmegaConf resolvers, registered by memtrain's Hydra plugins when Hydra's plugin scan
-imports them (so its launcher presets resolve in any Hydra app) and by memtrain.config:
+imports them (whenever Hydra starts: in memtrain, and in any Hydra app, where the launcher
+presets need them):
 
 - `${memtrain_gpus:N}`: the CUDA devices of this machine, or N without one (the launchers'
   `gpus_per_node`, the `parallel` launcher's `n_jobs`);

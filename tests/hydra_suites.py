@@ -4,9 +4,9 @@ them (hydra.test_utils.launcher_common_tests): the `local` and `parallel` launch
 it, and BatchedSweeperTestSuite), on Hydra's own test app, not memtrain's.
 
 Not collected with the rest of the tests (its name): tests/test_launchers.py runs this file with
-pytest in a process of its own, without conftest.py, where memtrain.config (which registers
-memtrain's resolvers for memtrain's own app) is never imported. The plugins stand on their own,
-found by Hydra's plugin scan, as in any Hydra app where memtrain is installed.
+pytest in a process of its own, without conftest.py, where memtrain.config (memtrain's own app:
+its config tree, its checks) is never imported. The plugins stand on their own, found by Hydra's
+plugin scan, as in any Hydra app where memtrain is installed.
 """
 
 import inspect

@@ -56,8 +56,8 @@ def test_hydra_suites_pass_in_any_hydra_app(tmp_path):
     """tests/hydra_suites.py (Hydra's LauncherTestSuite and IntegrationTestSuite for `local`
     and `parallel`, its sweeper suites for `variants`) in one pytest process of its own, without
     conftest.py: memtrain.config is never imported there, so the plugins' own modules register
-    what they need and Hydra's scan finds them. Slow: each suite starts jobs in processes (and
-    the integration suite an app per test)."""
+    what they need and Hydra's scan finds them. Slow: the launchers start their jobs in
+    processes, and the integration suite an app per test."""
     suites = Path(__file__).with_name("hydra_suites.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p",
