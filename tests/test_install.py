@@ -30,8 +30,11 @@ def test_wheel_install_runs_a_variants_sweep(tmp_path):
     # activated, so `memtrain` below is the wheel's)
     (site / "zz_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     py = venv / "bin" / "python"
+    # --ignore-installed: the dependencies' path holds the editable memtrain of the same
+    # version, which pip would take as this wheel installed already (and must never remove)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    *map(str, wheels.glob("*.whl"))], check=True, timeout=300)
+                    "--ignore-installed", *map(str, wheels.glob("*.whl"))], check=True,
+                   timeout=300)
     where = subprocess.run([str(py), "-c", "import memtrain; print(memtrain.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site)), where.stdout
