@@ -24,7 +24,7 @@ SLURM scheduler, tests/test_slurm.py):
   `hydra.launcher.max_num_timeout` allows; the requeued job resumes with `trainer.resume=true`.
   Past that, the row stays `interrupted` and the sweep prints its continue command.
 - (SLURM) A sharded run (`trainer.strategy=ddp|fsdp`) is one job of one task per rank
-  (conf/hydra/launcher/slurm.yaml's `tasks_per_node`); in each task `as_rank` exports torch's
+  (the slurm preset's `tasks_per_node`, presets.py); in each task `as_rank` exports torch's
   env:// variables (submitit's) and keeps every task but the first out of the job's folder.
 """
 
@@ -298,7 +298,7 @@ def as_rank(sweep_overrides: list[str]) -> list[str]:
 
 
 class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
-    """`hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml)."""
+    """`hydra/launcher=slurm` (presets.SlurmConf)."""
 
     def __call__(self, sweep_overrides, *args, **kwargs) -> JobReturn:  # in the SLURM job
         with TimeLimit() as limit:
@@ -310,4 +310,4 @@ class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
 
 
 class LocalLauncher(_Sweep, submitit_launcher.LocalLauncher):
-    """`hydra/launcher=local` (conf/hydra/launcher/local.yaml)."""
+    """`hydra/launcher=local` (presets.LocalConf)."""
