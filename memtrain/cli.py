@@ -22,9 +22,37 @@ log = logging.getLogger("memtrain")
 
 
 def _fail(code: int, message: str) -> NoReturn:
-    if distributed.launched()[0] == 0:  # several ranks: rank 0 speaks for the job
-        print(f"memtrain: {message}", file=sys.stderr)
+    """Exit with `code` and one line on stderr, in the run's log file too (memtrain.log, once
+    Hydra has set it up); of several ranks, rank 0 speaks for the job."""
+    if distributed.launched()[0] == 0:
+        line = f"memtrain: {message}"
+        print(line, file=sys.stderr, flush=True)
+        _to_log_files(line)
     sys.exit(code)
+
+
+def _to_log_files(line: str) -> None:
+    """`line` in the files the root logger writes (the run's memtrain.log), not again on the
+    console, which has it from stderr already."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, line, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+            handler.flush()
+
+
+def _keep_sigterm() -> None:
+    """Rank 0 of a job of several (torchrun): torchrun stops every rank with SIGTERM once one
+    has exited, and the other ranks exit at once on bad input or a failure of their own; rank
+    0 keeps the signal instead of dying, so it still writes the job's row and says why. The
+    signal is not lost: a run that starts after it stops after its first step (a stopped
+    sweep's job does the same), and during the run the run's own handler takes it."""
+    import signal
+
+    def keep(signum, frame) -> None:
+        faults.SweepStop.requested = "SIGTERM"
+
+    signal.signal(signal.SIGTERM, keep)
 
 
 def _hydra_task(cfg: DictConfig) -> dict[str, Any]:
@@ -76,11 +104,18 @@ def _resume_command(hc, multirun: bool, run_dir: Path) -> str:
     return continue_command(hc.overrides, run_dir=run_dir, launcher=_launcher())
 
 
+def _under_torchrun() -> bool:
+    """This process is one rank of several that torchrun (its elastic agent) started."""
+    import os
+
+    return distributed.is_launched() and "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def _launcher() -> list[str]:
     """How this run was started: `memtrain`, or torchrun's command for the same ranks."""
     import os
 
-    if not distributed.is_launched() or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not _under_torchrun():
         return ["memtrain"]
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", distributed.launched()[1]))
     nodes = distributed.launched()[1] // max(1, per_node)
@@ -109,23 +144,6 @@ def _as_rank(overrides: list[str]) -> list[str]:
             "hydra.job_logging.root.level=WARNING"]
 
 
-def _register_plugins(launchers: bool) -> None:
-    """Make memtrain's Hydra plugins known: `hydra/sweeper=variants` always, and for a multirun
-    `hydra/launcher=slurm|local` (they import submitit). Hydra's own plugin scan finds them in a
-    regular install but not in an editable one (setuptools' editable finder gives the
-    hydra_plugins namespace no folder to list), hence this explicit registration."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.memtrain_sweeper import VariantSweeper
-
-    classes: list[type] = [VariantSweeper]
-    if launchers:
-        from hydra_plugins.memtrain_launcher import LocalLauncher, SlurmLauncher
-
-        classes += [SlurmLauncher, LocalLauncher]
-    for cls in classes:
-        Plugins.instance().register(cls)
-
-
 def main() -> None:
     """Console entry point: validate the overrides, then hand over to Hydra.
 
@@ -145,12 +163,8 @@ def main() -> None:
     if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
         sys.argv[1:1] = ["--cfg", "job"]
         args.cfg = "job"
-    if args.multirun and distributed.is_launched():
-        _fail(2, "error: a multirun (-m) under torchrun would run every sweep point in every "
-                 "rank at once; sweep with a launcher that starts one job of several ranks per "
-                 "point (hydra/launcher=slurm: one task per GPU), or run one torchrun per point")
-    if args.multirun:  # SIGTERM stops every job, leaving rows
-        faults.SweepStop.install_main()
+    if _under_torchrun() and distributed.launched()[0] == 0:
+        _keep_sigterm()
     # -sc's own arguments (install=bash, query=...) and a rerun's pickle are not overrides
     if not (args.shell_completion or args.experimental_rerun):
         try:
@@ -168,7 +182,13 @@ def main() -> None:
                    for a in args.overrides):
                 traceback.print_exc()
             _fail(2, f"error: {e}")
-    _register_plugins(launchers=bool(args.multirun))
+    # after the values are checked: a bad value is named as such, not as a bad launch
+    if args.multirun and distributed.is_launched():
+        _fail(2, "error: a multirun (-m) under torchrun would run every sweep point in every "
+                 "rank at once; sweep with a launcher that starts one job of several ranks per "
+                 "point (hydra/launcher=slurm: one task per GPU), or run one torchrun per point")
+    if args.multirun:  # SIGTERM stops every job, leaving rows
+        faults.SweepStop.install_main()
     if distributed.is_launched() and not (args.cfg or args.info or args.shell_completion):
         given = list(args.overrides)
         sys.argv[1:] = [a for a in sys.argv[1:] if a not in given] + _as_rank(given)

@@ -4,8 +4,8 @@
 
 The CLI (cli.py), the API (api.py), the launchers and the runner all compose and name runs
 through this module, so a job's folder, its row's run_id and skip_done agree everywhere. It
-registers the `${memtrain_gpus:}`, `${memtrain_tasks:}` and `${memtrain_run_id:}` resolvers
-and the typed trainer schema when imported.
+registers the typed trainer schema when imported; memtrain's resolvers (memtrain/resolvers.py)
+are registered by memtrain's Hydra plugins, which Hydra's plugin scan imports in every session.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from memtrain import record, schema
@@ -429,33 +428,6 @@ def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, s
     return OmegaConf.create(with_hydra), choices
 
 
-def _gpu_count(default: int = 0) -> int:
-    """`${memtrain_gpus:N}` in conf/hydra/launcher/*.yaml: the CUDA devices here, or N."""
-    return torch.cuda.device_count() or int(default)
-
-
-def _job_run_id(*, _root_: DictConfig) -> str:
-    """`${memtrain_run_id:}` in hydra.sweep.subdir: job folders named by what they run, so two
-    sweeps (or a relaunch with other values) in one folder never share a job folder. A value
-    that cannot be resolved (an unset `${oc.env:...}`) hashes as written: that job still gets a
-    folder, and its row says what is missing."""
-    try:
-        return run_id(_root_)
-    except Exception:  # omegaconf's resolution errors have no common public base
-        return run_id(_root_, resolve=False)
-
-
-def _tasks(strategy: str, world_size: int | None, gpus: int) -> int:
-    """`${memtrain_tasks:...}` in conf/hydra/launcher/slurm.yaml: SLURM tasks per job, one per
-    rank: a sharded run's `trainer.world_size`, else one per GPU; 1 for a run of one process."""
-    if str(strategy) not in ("ddp", "fsdp"):
-        return 1
-    return int(world_size) if world_size not in (None, "None", "null") else max(1, int(gpus))
-
-
-OmegaConf.register_new_resolver("memtrain_gpus", _gpu_count, replace=True)
-OmegaConf.register_new_resolver("memtrain_tasks", _tasks, replace=True)
-OmegaConf.register_new_resolver("memtrain_run_id", _job_run_id, replace=True)
 schema.register_configs()
 
 

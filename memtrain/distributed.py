@@ -21,8 +21,11 @@ Every rank runs the same job (`runner.run`); this module is what they share:
 - `failed` / `root_failure` / `finish`: a failure on any rank becomes the row's status. The
   failing rank records why in the group's key-value store, then (a failure the ranks did not
   agree on, on a rank other than 0) ends its process, so a rank blocked in a collective raises
-  instead of waiting for it; rank 0 writes the row with the first failure recorded, and after
-  an agreed stop the other ranks wait for that row before they exit.
+  instead of waiting for it; rank 0 writes the row with the rank that failed first, and after
+  an agreed stop the other ranks wait for that row before they exit. A rank's own failure
+  counts before one that only follows from another's (`lost_peer`: a connection a rank's exit
+  closed), and a rank that vanished without a word (kill -9, the kernel's out-of-memory
+  killer, a crash) is found by its heartbeat in the store, which stopped (`Heartbeat`).
 
 `fake_session` runs one rank of an N-rank world in one process (torch's fake process group:
 collectives do nothing): the GPU-free estimate of one rank's peak (`estimate.py`) and the
@@ -37,6 +40,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,7 +50,7 @@ import torch
 from torch import nn
 
 from memtrain.data import Split
-from memtrain.errors import ConfigError
+from memtrain.errors import ConfigError, check_choice
 from memtrain.schema import STRATEGIES
 
 log = logging.getLogger("memtrain")
@@ -53,6 +58,8 @@ log = logging.getLogger("memtrain")
 __all__ = ["STRATEGIES", "World", "session", "fake_session", "wrap"]
 PREFIX = "memtrain/"  # the job's keys in the process group's store
 WAIT_S = 300  # how long a rank waits for another's record (its row, a failure)
+BEAT_S = 0.5  # a rank's heartbeat in the store: one count up every BEAT_S seconds
+GONE_S = 5.0  # a rank whose count stood still this long, with no failure recorded, is gone
 
 
 def launched() -> tuple[int, int, int]:
@@ -78,6 +85,7 @@ class World:
     backend: str = ""  # gloo, nccl, fake; "" without a process group
     owned: bool = False  # this job initialised the group (and tears it down)
     failed_store: Any = field(default=None, repr=False)  # kept when a failure left the group
+    heartbeat: Heartbeat | None = field(default=None, repr=False)
     _mesh: Any = field(default=None, repr=False)
 
     active: ClassVar[World | None] = None  # the job in progress in this process
@@ -137,8 +145,11 @@ class World:
 
 
 def _strategy(node: Any) -> str:
-    value = str(node.get("strategy", "single") if hasattr(node, "get") else "single")
-    return value if value in STRATEGIES else "single"  # a bad value: Trainer.check says so
+    """The strategy the trainer options name, checked as a value before any launch check (a
+    bad one is no run of one process under torchrun)."""
+    value = node.get("strategy", "single") if hasattr(node, "get") else "single"
+    check_choice("trainer.strategy", value, STRATEGIES)
+    return str(value)
 
 
 def _backend(device: str) -> str:
@@ -173,6 +184,8 @@ def session(trainer: Any) -> Iterator[World]:
         world.backend, world.owned = backend, True
     elif world.sharded and dist.is_initialized():
         world.backend = dist.get_backend()
+    if world.collective:
+        world.heartbeat = Heartbeat(world.store(), world.rank)
     ok = False
     World.active = world
     try:
@@ -180,8 +193,41 @@ def session(trainer: Any) -> Iterator[World]:
         ok = True
     finally:
         World.active = None
+        if world.heartbeat is not None:
+            world.heartbeat.close()
         if world.owned:
             _leave(world, barrier=ok)
+
+
+class Heartbeat:
+    """A rank's sign of life: a thread that counts the rank's key in the group's store up every
+    BEAT_S seconds, on a clone of the store's client (one client per thread, as torch's
+    Store.clone is meant for). After a failure rank 0 tells a rank that is alive (its count
+    moves) from one whose process vanished without recording why (`root_failure`). The store
+    outlives the ranks: torchrun's agent holds it, or rank 0 (SLURM tasks)."""
+
+    def __init__(self, store: Any, rank: int):
+        self.store, self.key = store.clone(), beat_key(rank)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="memtrain-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # the store went with the launcher: nobody is asking any more
+                return
+            if self.stopped.wait(BEAT_S):
+                return
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=2 * BEAT_S)
+
+
+def beat_key(rank: int) -> str:
+    return f"{PREFIX}beat/{rank}"
 
 
 def _leave(world: World, barrier: bool) -> None:
@@ -507,22 +553,49 @@ def gather_memory(world: World, summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def failed(world: World, status: str, error: str, step: int | None) -> None:
-    """This rank failed: record why in the group's store (in the order failures happened). A
-    failure the ranks did not agree on (every one but diverged and interrupted, which the
-    per-step all-gather makes happen on all ranks at one step) leaves the group at once, so a
-    rank waiting in a collective for this one raises instead of hanging until the group's
-    timeout: rank 0 leaves after it wrote the row (its process ends), any other rank here, by
-    ending its process. Nothing short of that closes gloo's connections: the group lives on in
-    whatever still holds it (a DDP reducer, a device mesh), and aborting it is no promise."""
+# what a rank meets when another rank's process is gone or stuck: gloo's and NCCL's words for
+# a closed connection or an aborted communicator, a collective that timed out
+PEER_LOST = ("closed by peer", "reset by peer", "broken pipe", "connection refused",
+             "remote worker crash", "remote process exited", "communicator was aborted",
+             "timed out")
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is one a rank meets because another rank left or stalls (a consequence,
+    not the cause of a failed job): a network error of torch.distributed, or an error whose text
+    says a connection was closed, reset or refused, or a collective timed out."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(error).lower()
+    return any(words in text for words in PEER_LOST)
+
+
+def record_failure(store: Any, rank: int, status: str, error: str, step: int | None,
+                   lost_peer: bool = False) -> None:
+    """One rank's failure in the store, numbered in the order failures were recorded."""
+    n = store.add(PREFIX + "failures", 1)
+    store.set(f"{PREFIX}failure/{n}", json.dumps(
+        {"rank": rank, "status": status, "error": error, "step": step, "lost_peer": lost_peer}))
+
+
+def failed(world: World, status: str, error: str, step: int | None, *,
+           lost_peer: bool = False, code: int = 1) -> None:
+    """This rank failed: record why in the group's store (`lost_peer`: the error only follows
+    from another rank's exit). A failure the ranks did not agree on (every one but diverged
+    and interrupted, which the per-step all-gather makes happen on all ranks at one step)
+    leaves the group at once, so a rank waiting in a collective for this one raises instead of
+    hanging until the group's timeout: rank 0 leaves after it wrote the row (its process
+    ends), any other rank here, by ending its process with status `code` (2: bad input).
+    Nothing short of that closes gloo's connections: the group lives on in whatever still
+    holds it (a DDP reducer, a device mesh), and aborting it is no promise."""
     if not world.collective:
         return
     store = None
     try:
         store = world.store()
-        n = store.add(PREFIX + "failures", 1)
-        store.set(f"{PREFIX}failure/{n}", json.dumps(
-            {"rank": world.rank, "status": status, "error": error, "step": step}))
+        record_failure(store, world.rank, status, error, step, lost_peer)
     except Exception as e:  # the store went with the launcher: nothing to tell
         log.warning("rank %d: could not record its failure: %s", world.rank, e)
     world.failed_store = store  # kept: the group goes, the store stays reachable
@@ -531,21 +604,61 @@ def failed(world: World, status: str, error: str, step: int | None) -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(code)
 
 
-def root_failure(world: World) -> dict[str, Any] | None:
-    """On rank 0 after a failure: the first failure any rank recorded (the cause; what the
-    others met after it, such as a closed connection, follows from it)."""
+GONE = ("its process ended without recording a failure (killed: kill -9 or the kernel's "
+        "out-of-memory killer, or it crashed)")
+
+
+def root_failure(world: World, gone_s: float = GONE_S) -> dict[str, Any] | None:
+    """On rank 0 after a failure: the failure of the rank that failed first. A rank's own
+    failure comes before what others met because of it (`lost_peer`). Unless another rank
+    recorded a failure of its own, a rank that recorded none and whose heartbeat stood still
+    for `gone_s` seconds vanished first, and is the cause (its record: `gone` true, no step):
+    while rank 0 lives nothing it did ends another rank's process, and a live rank's count
+    moves within a beat, so only a gone rank costs the wait."""
     if not world.collective:
         return None
     store = getattr(world, "failed_store", None) or world.store()
     try:
         store.wait([f"{PREFIX}failure/1"], datetime.timedelta(seconds=WAIT_S))
-        return json.loads(store.get(f"{PREFIX}failure/1"))
+        records = _failures(store)
     except Exception as e:
         log.warning("no failure record of the other ranks: %s", e)
         return None
+    own = [r for r in records if not r.get("lost_peer")]
+    if not any(r["rank"] != world.rank for r in own):
+        told = {r["rank"] for r in records}
+        gone = _gone(store, [r for r in range(world.size) if r not in told], gone_s)
+        if gone:
+            return {"rank": gone[0], "status": "error", "error": GONE, "step": None,
+                    "gone": True}
+    return (own or records)[0]
+
+
+def _failures(store: Any) -> list[dict[str, Any]]:
+    """Every failure recorded so far, in order (a record still being written: left out)."""
+    out = []
+    for n in range(1, int(store.add(PREFIX + "failures", 0)) + 1):
+        key = f"{PREFIX}failure/{n}"
+        with contextlib.suppress(Exception):
+            store.wait([key], datetime.timedelta(seconds=5))
+            out.append(json.loads(store.get(key)))
+    return out
+
+
+def _gone(store: Any, ranks: list[int], gone_s: float) -> list[int]:
+    """Of `ranks`, those whose heartbeat does not move in `gone_s` seconds and that record no
+    failure meanwhile (a live rank answers within a beat: only a gone one costs the wait)."""
+    first = {r: int(store.add(beat_key(r), 0)) for r in ranks}
+    deadline = time.monotonic() + gone_s
+    while first and time.monotonic() < deadline:
+        time.sleep(BEAT_S / 2)
+        told = {r["rank"] for r in _failures(store)}
+        first = {r: n for r, n in first.items()
+                 if r not in told and int(store.add(beat_key(r), 0)) == n}
+    return sorted(first)
 
 
 def finish(world: World) -> None:

@@ -1,10 +1,11 @@
 """Failures as data: injected faults (a testing aid), graceful stop on SIGTERM/Ctrl-C, and torch's
 CUDA memory snapshot.
 
-`trainer.fault=oom|nan|error|sigterm|hang` with `trainer.fault_step=N` makes step N fail the way a
-real run would (a CUDA out-of-memory error, a NaN loss, an exception, a SIGTERM sent to this
-process, a run that outlives its time limit), so every failure path of a sweep can be tested on a
-CPU. It is not meant for studies.
+`trainer.fault=oom|nan|error|sigterm|hang|kill` with `trainer.fault_step=N` makes step N fail the
+way a real run would (a CUDA out-of-memory error, a NaN loss, an exception, a SIGTERM sent to
+this process, a run that outlives its time limit, a process that vanishes as under kill -9 or the
+kernel's out-of-memory killer), so every failure path of a sweep can be tested on a CPU. It is not
+meant for studies.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from memtrain.allocator import History
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("oom", "nan", "error", "sigterm", "hang")
+FAULTS = ("oom", "nan", "error", "sigterm", "hang", "kill")
 HANG_LIMIT_S = 900
 SNAPSHOT = "memory_snapshot.pickle"
 
@@ -39,10 +40,11 @@ class Fault:
         self.fired = False
 
     def inject(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`;
-        for `hang`, waits until the run is told to stop (SIGTERM, Ctrl-C, a SLURM time limit),
-        as a run too long for its time limit does, and the step then ends with its checkpoint;
-        after HANG_LIMIT_S without one it raises (a job nobody stops ends)."""
+        """The loss, poisoned for `nan`; raises for `oom`/`error`; signals itself for `sigterm`
+        and `kill` (SIGKILL: the process ends here); for `hang`, waits until the run is told to
+        stop (SIGTERM, Ctrl-C, a SLURM time limit), as a run too long for its time limit does,
+        and the step then ends with its checkpoint; after HANG_LIMIT_S without one it raises (a
+        job nobody stops ends)."""
         if step != self.step or self.fired:
             return loss
         self.fired = True
@@ -55,6 +57,8 @@ class Fault:
         if self.kind == "sigterm":  # a real signal, through the real handler
             os.kill(os.getpid(), signal.SIGTERM)
             return loss
+        if self.kind == "kill":  # gone without a word: no handler, no row, no record
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "hang":
             deadline = time.monotonic() + HANG_LIMIT_S  # an orphaned test job ends after all
             while not (StopSignals.active and StopSignals.active.requested):

@@ -18,9 +18,7 @@ def conf_dir() -> Path:
 
 
 def installed_conf_dir() -> Path:
-    """The folder of the installed `memtrain.conf` (conf/ has no __init__.py: a namespace
-    package, whose one folder is its path; importlib.resources would give a MultiplexedPath,
-    whose str() is no path)."""
+    """The folder of the installed `memtrain.conf` (a package: its one folder is its path)."""
     import memtrain.conf
 
     return Path(next(iter(memtrain.conf.__path__)))

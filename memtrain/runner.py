@@ -222,6 +222,7 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
     """
     with contextlib.ExitStack() as ranks:
         try:
+            _check_values(cfg)  # a bad value is named as such, before any launch check
             world = ranks.enter_context(distributed.session(cfg.trainer))
         except Exception as e:  # bad strategy for this launch, no process group: a row
             return _not_started(cfg, run_dir, choices, e)
@@ -233,12 +234,27 @@ def run(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
         return out
 
 
+def _check_values(cfg: DictConfig) -> None:
+    """Every trainer value checked before the launch is: `trainer.strategy=dpp` under torchrun
+    says what the valid strategies are, not that a single run has several ranks. A value that
+    cannot be resolved is left to the run's own row (`_run`)."""
+    try:
+        Trainer.from_config(cfg.trainer)
+    except ConfigError:
+        raise
+    except Exception:  # omegaconf's resolution errors: said in the row, as before
+        pass
+
+
 def _not_started(cfg: DictConfig, run_dir: Path, choices: dict[str, str],
                  e: Exception) -> Outcome:
     """The row of a job whose ranks could not even start (no process group: the launcher's
     rank 0 writes it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary = identity(cfg, choices, resolve=False)
+    try:
+        summary = identity(cfg, choices)
+    except Exception:  # an unresolvable value: the config as written
+        summary = identity(cfg, choices, resolve=False)
     error = e if isinstance(e, ConfigError) else ConfigError(
         f"{type(e).__name__}: {e}".splitlines()[0])
     summary.update(status="error", error=str(error))
@@ -277,15 +293,17 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Pa
             "trainer.skip_done=true to keep it, trainer.resume=true to continue it, or choose "
             "another folder")
         return Outcome(old, error)  # the CLI says it (a sweep's job: a log line; a run: exit 2)
+    kept = _Kept()  # every metric row as the loop logs it: what a run that fails keeps
     metrics: list[dict] = []
     error: Exception | None = None
+    lost_peer = False
     t0 = time.perf_counter()
     # the run's signals stay deferred until a failed collective run's row is written: when one
     # rank leaves, torchrun stops the others (SIGTERM), and rank 0 writes the job's row first
     with faults.StopSignals() as stop:
         with contextlib.ExitStack() as stack:
             try:
-                metrics = _job(cfg, run_dir, summary, stop, stack, search, world)
+                metrics = _job(cfg, run_dir, summary, stop, stack, search, world, kept)
                 summary["status"] = "ok"
             except RunFailed as e:
                 summary.update(e.summary)
@@ -300,34 +318,67 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Pa
             except torch.cuda.OutOfMemoryError as e:  # outside the loop: moving the model, probes
                 summary.update(status="oom", error=str(e).splitlines()[0])
                 log.warning("run ended with status=oom: %s", summary["error"])
-            except ConfigError as e:
+                metrics = kept.rows
+            except ConfigError as e:  # bad input, also when found mid-run
                 summary.update(status="error", error=str(e))
-                error = e
+                error, metrics = e, kept.rows
             except Exception as e:  # a sweep records the failure and goes on
                 summary.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
                 log.error("run failed: %s\n%s", e, traceback.format_exc())
-                error = e
+                error, metrics = e, kept.rows
+                lost_peer = distributed.lost_peer(e)
         summary["wall_s"] = time.perf_counter() - t0
         if summary["status"] != "ok" and world.collective:
+            # another rank's process ends here (bad input: exit status 2, as rank 0's)
             distributed.failed(world, summary["status"], summary.get("error", ""),
-                               summary.get("failed_step"))  # another rank's process ends here
+                               summary.get("failed_step"), lost_peer=lost_peer,
+                               code=2 if isinstance(error, ConfigError) else 1)
             if world.main:
+                # torchrun stops every rank (SIGTERM) once one has left: rank 0 writes the
+                # job's row and says why first
+                stop.ignore_after(signal.SIGTERM)
                 _blame(summary, distributed.root_failure(world))
-                if summary.get("failed_rank", 0) != 0:  # torchrun stops rank 0 too
-                    stop.ignore_after(signal.SIGTERM)
             return _finish(run_dir, summary, metrics, error, world)
     return _finish(run_dir, summary, metrics, error, world)
 
 
+class _Kept:
+    """A logger (loggers.Logger) that keeps every metric row the loop hands its loggers, as
+    it hands them: the loop's own records end with an exception that is not RunFailed (a
+    RuntimeError, a ConfigError found mid-run, another rank that left the group), and the row
+    of such a run keeps what it logged."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def start(self, total_steps: int, prefix: str) -> None:
+        pass
+
+    def step(self, step, epoch, loss, samples_s, memory) -> None:
+        pass
+
+    def metrics(self, rows: list[dict[str, Any]]) -> None:
+        self.rows += rows
+
+    def end(self) -> None:
+        pass
+
+
 def _blame(summary: dict[str, Any], root: dict[str, Any] | None) -> None:
-    """Rank 0's row after a failure: the first failure any rank recorded is the run's (what
-    rank 0 met itself may only follow from it: another rank left the group)."""
+    """Rank 0's row after a failure: the rank that failed first (distributed.root_failure:
+    what rank 0 met itself may only follow from it, such as a connection another rank's exit
+    closed)."""
     if root is None or (root["status"] == summary["status"] and
                         root["status"] in ("diverged", "interrupted")):
         return  # every rank ended so at the same step (agreed each step): rank 0's row
+    if root["status"] == summary["status"] and root["error"] == summary.get("error"):
+        return  # the same failure on every rank (bad input): the job's, no rank's
     summary["failed_rank"] = root["rank"]
     if root["rank"] != 0:
-        summary.update(status=root["status"], error=f"rank {root['rank']}: {root['error']}")
+        error = f"rank {root['rank']}: {root['error']}"
+        if root.get("gone"):  # it said nothing: what rank 0 met after it, for the record
+            error += f"; rank 0 then met: {summary.get('error', '')}"
+        summary.update(status=root["status"], error=error)
         if root.get("step") is not None:
             summary["failed_step"] = root["step"]
 
@@ -426,8 +477,9 @@ def _already_done(search: Path, run_dir: Path, rid: str,
 
 def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.StopSignals,
          stack: contextlib.ExitStack, search: Path,
-         world: distributed.World | None = None) -> list[dict]:
-    """The body of one job: device, build, probes, training; fills `summary`, returns metrics."""
+         world: distributed.World | None = None, kept: _Kept | None = None) -> list[dict]:
+    """The body of one job: device, build, probes, training; fills `summary`, returns metrics
+    (`kept`: a logger beside the run's own, handed every metric row as it is made)."""
     world = world or distributed.World()
     t = check(cfg)  # before the device and the memory cap use any value
     distributed.check(world, t, t.world_size)
@@ -477,6 +529,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     scheduler = build_scheduler(optimizer, total_steps, **optim)
     live = loggers.build(t, device, run_dir, tty=sys.stderr.isatty(),
                          hparams=loggers.hparams_of(summary)) if world.main else []
+    if kept is not None:
+        live.append(kept)
     for lg in live:
         if hasattr(lg, "close"):  # once the row is final: `run` sets its status before
             stack.callback(_close_logger, lg, summary)

@@ -18,8 +18,8 @@ replaces the same key of the common parameters for that variant's jobs:
 
 gives 2 x (1 + 4) = 10 jobs. Without variants it is the basic sweeper. Hydra accepts sweepers from
 its `hydra_plugins` namespace only: the class is `memtrain/hydra_plugins/memtrain_sweeper`'s
-`VariantSweeper` (cli registers it where Hydra's scan misses it, as in an editable install);
-conf/hydra/sweeper/variants.yaml selects it. This module keeps what the checks share.
+`VariantSweeper`, whose module also puts the `variants` preset in Hydra's ConfigStore (any Hydra
+app can sweep so). This module keeps what the sweeper and the checks share.
 """
 
 from __future__ import annotations

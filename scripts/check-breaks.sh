@@ -58,8 +58,8 @@ break_one memtrain/runner.py \
   tests/test_survive.py "a failure becomes a row"
 break_one memtrain/cli.py \
   '            _fail(2, f"error: {e}")
-    _register_plugins' \
+    # after the values are checked' \
   '            raise
-    _register_plugins' \
+    # after the values are checked' \
   tests/test_validate.py "an unknown option is one line with exit 2"
 exit $missed

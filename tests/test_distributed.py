@@ -299,6 +299,48 @@ def test_bad_launches_are_one_line(in_tmp, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="strategy=single in one of 2 ranks"):
         api.run(TINY, out_dir=in_tmp / "d")
+    # under torchrun too, a bad value is named as such before any launch check
+    for bad, out in (("trainer.strategy=dpp", "e"), ("trainer.batch_size=-4", "f")):
+        with pytest.raises(ConfigError, match="must be one of single, ddp, fsdp, got 'dpp'|"
+                                              "trainer.batch_size must be in"):
+            api.run([*TINY, bad], out_dir=in_tmp / out)
+
+
+def test_the_rank_that_failed_first_is_the_rows():
+    """`root_failure` on rank 0, over the store as the ranks left it (a store in this process,
+    the heartbeats real threads): a rank's own failure before what rank 0 met after it; a rank
+    that recorded nothing and whose heartbeat stopped (kill -9) before rank 0's closed
+    connection; rank 0's own failure when every other rank is alive."""
+    import torch.distributed as dist
+
+    from memtrain.distributed import Heartbeat, World, lost_peer, record_failure, root_failure
+
+    reset = RuntimeError("[pair.cc:534] Read error [127.0.0.1]:51376: Connection reset by peer")
+    assert lost_peer(reset) and not lost_peer(RuntimeError("injected failure"))
+
+    def world(alive: tuple[int, ...], *records) -> tuple[World, list]:
+        store = dist.HashStore()
+        beats = [Heartbeat(store, r) for r in alive]
+        for rec in records:
+            record_failure(store, *rec)
+        return World("ddp", 0, 3, backend="gloo", failed_store=store), beats
+
+    cases = [  # (ranks alive, records in order) -> the rank the row names
+        ((2,), [(1, "error", "RuntimeError: injected", 2), (0, "error", str(reset), None, True)],
+         1),
+        ((2,), [(0, "error", str(reset), None, True)], 1),  # rank 1 gone without a word
+        ((1, 2), [(0, "error", "RuntimeError: rank 0's own", 5)], 0),
+        ((1, 2), [(0, "error", str(reset), None, True)], 0),  # nobody gone: the first record
+    ]
+    for alive, records, expected in cases:
+        w, beats = world(alive, *records)
+        try:
+            root = root_failure(w, gone_s=1.0)
+        finally:
+            for b in beats:
+                b.close()
+        assert root["rank"] == expected, (alive, records, root)
+        assert root.get("gone", False) == (expected == 1 and len(records) == 1), root
 
 
 def test_multirun_under_torchrun_is_refused(cli_checks, monkeypatch):
@@ -307,6 +349,9 @@ def test_multirun_under_torchrun_is_refused(cli_checks, monkeypatch):
     out = cli_checks("-m", "model=mlp6", "trainer.strategy=ddp")
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "under torchrun" in out.stderr and "hydra/launcher=slurm" in out.stderr
+    out = cli_checks("-m", "model=mlp6", "trainer.stratgy=ddp")  # the input's checks first
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "did you mean trainer.strategy?" in out.stderr
 
 
 def _initial_weights(args: list[str]) -> dict[str, torch.Tensor]:
@@ -335,7 +380,8 @@ def _assert_same_updates(a: Path, b: Path, start: dict[str, torch.Tensor]) -> No
 def test_ddp_on_two_ranks_equals_one_process(in_tmp):
     """`torchrun --nproc-per-node 2 -m memtrain ... trainer.strategy=ddp`: one ok row, written
     by rank 0 alone, the global batch split in two; its loss and every weight's update (the
-    gradients, averaged over the ranks) those of one process on the same global batch."""
+    gradients, averaged over the ranks) those of one process on the same global batch. Then
+    rank 1 killed mid-run: the row names it and keeps the metrics logged."""
     args = [*TINY, "trainer.save_weights=true"]
     p = torchrun(*args, "trainer.strategy=ddp", f"hydra.run.dir={in_tmp / 'ddp'}", cwd=in_tmp)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -355,16 +401,21 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp):
     est = _estimate(TINY, "ddp", 2, in_tmp / "estimate")
     assert est["mem_estimate_bytes"] == pytest.approx(row["rank_max.mem_tracker_peak_bytes"],
                                                       rel=0.05)
-    # a failure on one rank is the row's: rank 1 raises at step 2 while rank 0 waits for its
-    # gradients; rank 0 is released (rank 1 left the group) and writes rank 1's failure
+    # a rank that vanishes is the row's failure: rank 1 is killed (SIGKILL: no handler, no
+    # record) at step 45 while rank 0 waits for its gradients; rank 0's connection to it is
+    # reset, rank 1's heartbeat has stopped, and rank 0 writes the row naming rank 1, with
+    # every metric logged before (every 10th step: 0-40)
     failed = in_tmp / "failed"
-    p = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=error", "trainer.fault_rank=1",
-                 "trainer.fault_step=2", f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
+    p = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=kill", "trainer.fault_rank=1",
+                 "trainer.fault_step=45", "trainer.max_steps=50", "trainer.log_every=10",
+                 f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
     assert p.returncode != 0
     bad = _row(failed)
     assert bad["status"] == "error" and bad["failed_rank"] == 1, bad
-    assert bad["error"].startswith("rank 1: RuntimeError: injected failure"), bad["error"]
-    assert "run ended with status=error: rank 1: RuntimeError" in p.stderr
+    assert bad["error"].startswith(f"rank 1: {distributed.GONE}; rank 0 then met: "), bad["error"]
+    assert "run ended with status=error: rank 1: its process ended" in p.stderr
+    logged = pd.read_csv(failed / "metrics.csv").query("split == 'train' and name == 'loss'")
+    assert logged["step"].tolist() == [0, 10, 20, 30, 40]
 
 
 @pytest.mark.slow
@@ -372,7 +423,8 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp):
 @pytest.mark.xdist_group("ranks")
 def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
     """`... trainer.strategy=fsdp`: one ok row; each rank holds half the parameters, gradients
-    and optimizer state; loss and updates those of one process. Then SIGTERM to rank 1 of the
+    and optimizer state; loss and updates those of one process. Bad input that every rank
+    refuses: rank 0's one line and exit status 2. Then SIGTERM to rank 1 of the
     same run under checkpointing (groups of two segments: the pass-through calls of FSDP units
     and their recompute): every rank stops at the same step and saves its shards together
     (torch.distributed.checkpoint), the row says interrupted, and the continue command it
@@ -410,6 +462,19 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
     # (activations and backward temporaries) is one process's on the rank's batch
     assert row["rank_max.mem_peak_act_temp_bytes"] == pytest.approx(
         _rank_step(single, "single")["mem_peak_act_temp_bytes"], rel=0.05)
+
+    # bad input found after the ranks started (every rank refuses it): rank 0 says why, on
+    # stderr and in memtrain.log, and exits 2, as one process does; the row says it too
+    refused = in_tmp / "refused"
+    p = torchrun(*args, "method=synthetic", f"hydra.run.dir={refused}", cwd=in_tmp)
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("memtrain: ")]
+    assert said == [f"memtrain: error: method=synthetic with trainer.strategy=fsdp: "
+                    f"{SHARDED_REFUSED['synthetic']}, each a model of its own, which the "
+                    f"strategy's wrapper of one model does not cover; use "
+                    f"trainer.strategy=single"], p.stderr[-3000:]
+    assert said[0] in (refused / "memtrain.log").read_text()
+    assert "exitcode  : 2" in p.stderr  # torchrun's report of the ranks' exit status
+    assert _row(refused)["error"] == said[0].removeprefix("memtrain: error: ")
 
     stopped = in_tmp / "stopped"
     fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",

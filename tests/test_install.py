@@ -1,9 +1,10 @@
 """memtrain as a user installs it: a regular (non-editable) wheel, run from a folder that is not
 the repository. An editable install hides two things a wheel shows: where conf/ lives (the
-installed `memtrain.conf`, a namespace package: `config.installed_conf_dir` once returned a
-MultiplexedPath whose str() was no path, so every group had no options) and how Hydra finds
-memtrain's plugins (the variants sweeper, the submitit launchers). The wheel holds the product
-only: memtrain/, kernels/ and conf/, never the tools beside them (benchmarks/, tools/)."""
+installed `memtrain.conf`: `config.installed_conf_dir` once returned a MultiplexedPath whose
+str() was no path, so every group had no options) and how Hydra finds memtrain's plugins (the
+variants sweeper, the submitit launchers, their presets in Hydra's ConfigStore). The wheel holds
+the product only: memtrain/, kernels/ and conf/, never the tools beside them (benchmarks/,
+tools/)."""
 
 import importlib.metadata
 import shutil
@@ -90,8 +91,10 @@ def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
                           *(p for p in sys.path if p.endswith("site-packages"))])
     (site / "zz_deps.pth").write_text("".join(f"{p}\n" for p in deps))
     py = venv / "bin" / "python"
+    # --ignore-installed: the dependencies' path holds the editable memtrain of the same
+    # version, which pip would take as this wheel installed already (and must never remove)
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True, timeout=300)
+                    "--ignore-installed", str(wheel)], check=True, timeout=300)
     where = subprocess.run([str(py), "-c", "import memtrain; print(memtrain.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site)), where.stdout

@@ -1,6 +1,12 @@
-"""Launcher presets: they compose, and a 2-job multirun through submitit's local launcher runs."""
+"""Launcher presets: they compose, a 2-job multirun through submitit's local launcher runs, and
+memtrain's Hydra plugins pass Hydra's own test suites in an app that is not memtrain's."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import job_dir, run_memtrain
@@ -43,3 +49,22 @@ def test_two_jobs_through_submitit_local(in_tmp):
     assert {r["trainer.seed"] for r in rows} == {0, 1}
     assert (in_tmp / "sw" / ".submitit").is_dir()  # it really went through submitit
     assert "memtrain: 2 jobs: ok 2" in p.stdout
+
+
+@pytest.mark.slow
+def test_hydra_suites_pass_in_any_hydra_app(tmp_path):
+    """tests/hydra_suites.py (Hydra's LauncherTestSuite and IntegrationTestSuite for `local`
+    and `parallel`, its sweeper suites for `variants`) in one pytest process of its own, without
+    conftest.py: memtrain.config is never imported there, so the plugins' own modules register
+    what they need and Hydra's scan finds them. Slow: the launchers start their jobs in
+    processes, and the integration suite an app per test."""
+    suites = Path(__file__).with_name("hydra_suites.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "--noconftest", "-p",
+                        "no:cacheprovider", str(suites)], cwd=tmp_path, env=env, text=True,
+                       capture_output=True, timeout=1800)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    summary = p.stdout.strip().splitlines()[-1]
+    # 9 launcher tests x 3 (local, parallel, basic through variants), 11 integration tests x 2,
+    # 1 batched sweeper test, and the plugin's own 6: nothing skipped or left out
+    assert re.fullmatch(r"=* ?56 passed in .*", summary), summary

@@ -207,7 +207,10 @@ def test_every_built_in_target_is_trusted():
                 cfg = compose("config", overrides=[f"{group}={option}"],
                               return_hydra_config=True)
                 trust.check_config(OmegaConf.to_container(cfg, resolve=False))
-        for launcher in conf_options("hydra/launcher"):
+        # the launcher presets are Hydra's ConfigStore's (memtrain's plugin and Hydra's own)
+        launchers = config.group_options("hydra/launcher", "config", [])
+        assert {"local", "parallel", "slurm"} <= set(launchers), launchers
+        for launcher in launchers:
             cfg = compose("config", overrides=[f"hydra/launcher={launcher}",
                                                "hydra/sweeper=variants"],
                           return_hydra_config=True)

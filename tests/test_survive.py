@@ -24,18 +24,51 @@ NARROW = [*TINY, "model.widths=[16,16,16,16,16]", "trainer.eval_max_batches=1",
 
 @pytest.mark.parametrize("fault,status,message", [
     ("oom", "oom", "CUDA out of memory (injected"),
-    ("nan", "diverged", "loss became nan at step 2"),
+    ("nan", "diverged", "loss became nan at step 45"),
     ("error", "error", "RuntimeError: injected failure"),
 ])
 def test_injected_fault_gives_its_row(in_tmp, fault, status, message):
-    row = api.run([*TINY, f"trainer.fault={fault}", "trainer.fault_step=2"], out_dir=in_tmp / "r")
+    """Each failure is the row's status, and metrics.csv keeps every step logged before it
+    (every 10th: steps 0-40 before a fault at 45), whatever ended the run."""
+    row = api.run([*NARROW, f"trainer.fault={fault}", "trainer.fault_step=45",
+                   "trainer.max_steps=50", "trainer.log_every=10"], out_dir=in_tmp / "r")
     s = json.loads((in_tmp / "r" / "summary.json").read_text())
     assert row["status"] == s["status"] == status
     assert message in s["error"]
     if fault != "error":
-        assert s["failed_step"] == 2
+        assert s["failed_step"] == 45
     if fault == "oom":  # the peak reached before the failure (here: the tracker's, step 1)
         assert s["mem_tracker_peak_bytes"] > s["mem_params_bytes"] > 0
+    assert _logged_steps(in_tmp / "r") == [0, 10, 20, 30, 40]
+
+
+def _logged_steps(run) -> list[int]:
+    """The steps of metrics.csv's training loss rows."""
+    import pandas as pd
+
+    rows = pd.read_csv(run / "metrics.csv")
+    return rows[(rows["split"] == "train") & (rows["name"] == "loss")]["step"].tolist()
+
+
+def test_a_failure_after_training_keeps_the_metrics(in_tmp, monkeypatch):
+    """Bad input found after the loop (a ConfigError, exit 2 from the command) is the row's
+    error, and the row keeps every metric the run logged: the training rows and the
+    evaluation's."""
+    from memtrain import runner
+    from memtrain.errors import ConfigError
+
+    def refuse(*args):
+        raise ConfigError("refused after training")
+
+    monkeypatch.setattr(runner.distributed, "gather_memory", refuse)
+    with pytest.raises(ConfigError, match="refused after training"):
+        api.run([*NARROW, "trainer.max_steps=12", "trainer.log_every=5"], out_dir=in_tmp / "r")
+    s = json.loads((in_tmp / "r" / "summary.json").read_text())
+    assert s["status"] == "error" and s["error"] == "refused after training"
+    assert _logged_steps(in_tmp / "r") == [0, 5, 10, 11]
+    import pandas as pd
+
+    assert "test" in set(pd.read_csv(in_tmp / "r" / "metrics.csv")["split"])
 
 
 def _weights(path):

@@ -70,3 +70,16 @@ def test_variants_on_the_command_line_are_checked():
                             "method.sparsity must be a number, got 'abc'")
     with pytest.raises(ConfigError, match="variants need hydra/sweeper=variants$"):
         config.check_overrides([good, *TINY], multirun=True)
+
+
+def test_split_arguments_stays_hydras_static_method():
+    """Hydra's Sweeper contract: `split_arguments(overrides, max_batch_size)` is a static
+    method; the variants sweeper's is the basic sweeper's (its variants expand in `sweep`)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra_plugins.memtrain_sweeper import VariantSweeper
+
+    parsed = OverridesParser.create().parse_overrides(["a=1,2", "b=3"])
+    expected = [[["a=1", "b=3"]], [["a=2", "b=3"]]]
+    assert VariantSweeper.split_arguments(parsed, 1) == expected
+    assert BasicSweeper.split_arguments(parsed, 1) == expected

@@ -2,6 +2,10 @@
 
 A Hydra plugin (Hydra takes launchers only from the hydra_plugins namespace): the source lives
 in memtrain/hydra_plugins/ and installs as `hydra_plugins.memtrain_launcher` (pyproject.toml).
+Its presets, `local`, `parallel` (Hydra's joblib launcher) and `slurm`, are in Hydra's
+ConfigStore (presets.py), so they and the launchers work in any Hydra app. Hydra's plugin scan
+imports this module in every Hydra app at startup: memtrain's own modules are imported where a
+launcher needs them.
 
 Hydra's submitit launchers, plus what a sweep on a real cluster needs (each found on a real
 SLURM scheduler, tests/test_slurm.py):
@@ -20,7 +24,7 @@ SLURM scheduler, tests/test_slurm.py):
   `hydra.launcher.max_num_timeout` allows; the requeued job resumes with `trainer.resume=true`.
   Past that, the row stays `interrupted` and the sweep prints its continue command.
 - (SLURM) A sharded run (`trainer.strategy=ddp|fsdp`) is one job of one task per rank
-  (conf/hydra/launcher/slurm.yaml's `tasks_per_node`); in each task `as_rank` exports torch's
+  (the slurm preset's `tasks_per_node`, presets.py); in each task `as_rank` exports torch's
   env:// variables (submitit's) and keeps every task but the first out of the job's folder.
 """
 
@@ -43,10 +47,9 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from hydra_plugins.memtrain_launcher import presets  # noqa: F401 (registers the presets)
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
-
-from memtrain import faults, record, resume
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ class _Sweep:
                 reason = str(e).splitlines()[0]
         else:
             reason = "it never started"
+        from memtrain import record
+
         run_dir = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
         task = _task_config(cfg)
         summary = run_dir / record.SUMMARY
@@ -148,13 +153,14 @@ class _Sweep:
 
 
 def _done(cfg: DictConfig, sweep_dir: Path, cache: dict[Path, dict[str, Path]]) -> bool:
-    """With `trainer.skip_done`, whether the job's run_id already finished ok where it looks."""
-    from memtrain import config
-
+    """With `trainer.skip_done`, whether the job's run_id already finished ok where it looks
+    (an app without memtrain's trainer options: never)."""
     try:
-        t = cfg.trainer
-        if not t.skip_done:
+        t = cfg.get("trainer")
+        if not OmegaConf.is_config(t) or not t.get("skip_done"):
             return False
+        from memtrain import config, resume
+
         root = Path(t.search_dir or sweep_dir)
         rid = config.run_id(cfg)
     except OmegaConfBaseException:  # an unresolvable value: the job runs, its row says why
@@ -165,12 +171,14 @@ def _done(cfg: DictConfig, sweep_dir: Path, cache: dict[Path, dict[str, Path]]) 
 
 
 def _wait(jobs: list) -> None:
-    """Until every job has ended (a result, or a final state from the scheduler)."""
+    """Until every job has ended (a result, or a final state from the scheduler). Asking is
+    cheap: a local job's process is polled, and submitit's SLURM watcher asks sacct at its own
+    pace and answers from what it knows meanwhile."""
     pending = list(jobs)
     while pending:
         pending = [j for j in pending if not j.done()]
         if pending:
-            time.sleep(1)
+            time.sleep(0.25)
 
 
 def _state(job) -> str:
@@ -190,7 +198,7 @@ def _task_config(cfg: DictConfig) -> DictConfig:
 def _lost_row(task: DictConfig, cfg: DictConfig, run_dir: Path, state: str,
               why: str) -> dict[str, Any]:
     """The row of a job that ended without recording one: what it is, how it ended."""
-    from memtrain import config
+    from memtrain import config, record
 
     choices = dict(cfg.hydra.runtime.choices)
     try:
@@ -224,6 +232,8 @@ class TimeLimit:
         return self
 
     def _handle(self, signum, frame) -> None:
+        from memtrain import faults
+
         self.hit = True
         name = signal.Signals(signum).name
         run = faults.StopSignals.active
@@ -288,7 +298,7 @@ def as_rank(sweep_overrides: list[str]) -> list[str]:
 
 
 class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
-    """`hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml)."""
+    """`hydra/launcher=slurm` (presets.SlurmConf)."""
 
     def __call__(self, sweep_overrides, *args, **kwargs) -> JobReturn:  # in the SLURM job
         with TimeLimit() as limit:
@@ -300,4 +310,4 @@ class SlurmLauncher(_Sweep, submitit_launcher.SlurmLauncher):
 
 
 class LocalLauncher(_Sweep, submitit_launcher.LocalLauncher):
-    """`hydra/launcher=local` (conf/hydra/launcher/local.yaml)."""
+    """`hydra/launcher=local` (presets.LocalConf)."""
