@@ -307,14 +307,14 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None
 def _check_jobs(parsed: list, name: str,
                 sweep: tuple[DictConfig, list[str], list[str]] | None) -> None:
     """The values of the jobs the command runs, checked as each job checks them when it starts
-    (`runner.check`), before Hydra makes a folder or the API writes one: a single run's bad
+    (`preflight.check`), before Hydra makes a folder or the API writes one: a single run's bad
     value is one line (exit 2); a sweep is refused when every one of its jobs would be (they
     are composed in Hydra's order until one passes), while a value bad for some jobs only
     leaves their `status=error` rows and the sweep goes on. A job whose values interpolate
     Hydra's run-time settings (`${hydra:...}`) is left to itself."""
     import logging
 
-    from memtrain import runner, validate
+    from memtrain import preflight, validate
 
     if sweep is None:
         jobs: Iterable[list[str]] = [[o.input_line for o in parsed if not o.is_sweep_override()]]
@@ -334,7 +334,7 @@ def _check_jobs(parsed: list, name: str,
                                                  shared=True))(lines)
                 if _interpolates_hydra(cfg):
                     return
-                runner.check(cfg, here)
+                preflight.check(cfg, here)
                 return
             except ConfigError as e:
                 first = first or e

@@ -37,14 +37,12 @@ from memtrain import (
     probes,
     record,
     resume,
-    schema,
-    trust,
 )
 from memtrain.config import identity
-from memtrain.data import Data, cast_batches, check_options, place
+from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
 from memtrain.optim import build_optimizer, build_scheduler
-from memtrain.record import GROUPS
+from memtrain.preflight import _kwargs, _target, build_method, check, trainer_of  # noqa: F401
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
@@ -86,44 +84,12 @@ class Method(Protocol):
 # ---------------------------------------------------------------- build
 
 
-def _kwargs(node: DictConfig) -> dict[str, Any]:
-    d = OmegaConf.to_container(node, resolve=True)
-    d.pop("_target_", None)
-    return d
 
 
-def _target(node: DictConfig, where: str):
-    """What a node's `_target_` names, if a config may build it there (memtrain/trust.py)."""
-    return trust.locate(node._target_, f"{where}._target_")
 
 
-def trainer_of(cfg: DictConfig, here: bool = True) -> Trainer:
-    """The typed trainer options, after every option of the config has been checked."""
-    schema.check_config(cfg, GROUPS)
-    return Trainer.from_config(cfg.trainer, here)
 
 
-def check(cfg: DictConfig, here: bool = True) -> Trainer:
-    """The checks of one job's values that need nothing built: every option's type (resolved),
-    the trainer's ranges and probes, the dataset's options and the memory its data will take
-    (memtrain/data.py's option checks), the method's options and the trainer options it cannot
-    honour (its optional `check_trainer`). The first problem is a one-line ConfigError.
-
-    The command's and the API's checks call it on each job before anything is written
-    (config.check_overrides), the runner again when a job starts (launchers' jobs, presets).
-    `here`: the job runs on this machine (False: a cluster's node, whose devices, memory and
-    files are not this machine's)."""
-    t = trainer_of(cfg, here)
-    if here:
-        probes.check(t)
-    if "_target_" in cfg.dataset:
-        check_options(_target(cfg.dataset, "dataset"), _kwargs(cfg.dataset), here)
-    method = build_method(cfg.method)
-    if hasattr(method, "check_trainer"):  # optional: trainer options the method cannot honour
-        method.check_trainer(t)
-    if t.strategy != "single" and hasattr(method, "check_strategy"):  # as distributed's check
-        method.check_strategy(t.strategy)
-    return t
 
 
 def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.nn.Module, Method]:
@@ -176,19 +142,6 @@ def default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(old)
 
 
-def build_method(node: DictConfig, where: str = "method") -> Method:
-    """The method a conf/method node describes; a stack's members (its keys whose node has a
-    `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name, a
-    member's refusal naming its options as `method.<member>.<option>`."""
-    kwargs = {k: build_method(v, f"{where}.{k}") if isinstance(v, DictConfig) and "_target_" in v
-              else (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
-              for k, v in node.items() if k != "_target_"}
-    try:
-        return _target(node, "method")(**kwargs)
-    except ConfigError as e:
-        if where == "method":
-            raise
-        raise ConfigError(str(e).replace("method.", f"{where}.")) from None
 
 
 # ---------------------------------------------------------------- one job

@@ -70,10 +70,12 @@ def test_the_wheel_holds_the_product_only(wheel):
         expected.add(rel.as_posix() if plugin else f"memtrain/{rel.as_posix()}")
     expected |= {f"memtrain/kernels/{f.relative_to(ROOT / 'kernels').as_posix()}"
                  for f in (ROOT / "kernels").rglob("*.py")}
+    expected |= {f"memtrain/conf/{f.relative_to(ROOT / 'conf').as_posix()}"
+                 for f in (ROOT / "conf").rglob("*.py")}  # conf/ is a package (pkg://)
     assert py == expected, (sorted(py - expected), sorted(expected - py))
     conf = {f"memtrain/conf/{f.relative_to(ROOT / 'conf').as_posix()}"
             for f in (ROOT / "conf").rglob("*.yaml")}
-    assert conf == {n for n in names if n.startswith("memtrain/conf/")}
+    assert conf == {n for n in names if n.startswith("memtrain/conf/") and n.endswith(".yaml")}
     (top,) = [n for n in names if n.endswith(".dist-info/top_level.txt")]
     assert set(zipfile.ZipFile(wheel).read(top).decode().split()) == {"hydra_plugins",
                                                                        "memtrain"}
