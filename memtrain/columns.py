@@ -175,6 +175,11 @@ COLUMNS: tuple[Column, ...] = (
                                "(dataset=text: the Python version's standard library)"),
          ("data_source", "text", "where the corpus came from"),
          ("params", "count", "parameters of the model"),
+         ("grads_exact", "bool", "true: training computes plain training's gradients (none, "
+                                 "checkpoint, offload); false: approximate ones (pool, prune, "
+                                 "quantize) or other targets (synthetic); a stack's is false "
+                                 "where a member's is; as the method declares it "
+                                 "(methods/base.py; absent where it does not)", "exact grads"),
          ("world_size", "count", "ranks of a run under `trainer.strategy=ddp|fsdp` (as "
                                  "launched; an estimate's `trainer.world_size`)", "ranks"),
          ("local_batch_size", "count", "samples per rank and step: `trainer.batch_size` (the "

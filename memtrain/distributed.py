@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+import memtrain.methods.base as base
 from memtrain.data import Split
 from memtrain.errors import ConfigError, check_choice
 from memtrain.schema import STRATEGIES
@@ -306,9 +307,9 @@ def check(world: World, trainer: Any, world_size: int | None) -> None:
 
 def check_method(method: Any, world: World) -> None:
     """A method that cannot run under the strategy refuses in one line (its own
-    `check_strategy(strategy)`, as `check_device`; a stack asks its members)."""
-    if world.sharded and hasattr(method, "check_strategy"):
-        method.check_strategy(world.strategy)
+    `check_strategy(strategy)`, methods/base.py; a stack asks its members)."""
+    if world.sharded:
+        base.check_strategy(method, world.strategy)
 
 
 # ---------------------------------------------------------------- the model

@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+import memtrain.methods.base as base
 from memtrain import distributed, measure
 from memtrain.losses import cross_entropy
+from memtrain.methods.base import ProbeStep
 from memtrain.train import autocast_factory, cast_input
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProbeStep:
-    """One training step as a run's accounting step measures it: the module that trains, its
-    input batch and targets, its loss. `name` is the phase (synthetic: part0, part1, recovery;
-    "" for a method that trains the whole model in one loop)."""
-
-    module: nn.Module
-    x: torch.Tensor
-    y: torch.Tensor
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    name: str = ""
-    resident: tuple[nn.Module, ...] = ()  # on the device beside `module` (counted in the peak)
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -82,12 +69,11 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
                 sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
     """The steps a run of this model and method measures, on a batch of `batch_size`.
 
-    `make()` returns a fresh model with the method applied, and the method. A method whose run
-    measures something other than one step of the wrapped model says so with an optional
-    `probe_steps(model, x, y, *, autocast, num_classes) -> list[ProbeStep]` (checkpoint: its
-    recomputation plan applied; synthetic: one step per phase); otherwise that one step.
-    `sharding`: (strategy, world size) of one rank of a sharded run, for a `probe_steps` that
-    takes it (checkpoint plans as its run's rank does).
+    `make()` returns a fresh model with the method applied, and the method, whose
+    `probe_steps` (methods/base.py) says what its run measures when that is not one step of
+    the wrapped model (checkpoint: its recomputation plan applied; synthetic: one step per
+    phase). `sharding`: (strategy, world size) of one rank of a sharded run (checkpoint plans
+    as its run's rank does).
     """
     model, method = make()
     # a real probe (fake: made there; `cuda:0` is the device `cuda` asked for, and moving a
@@ -96,15 +82,9 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
         model.to(device)
     model.train()
     x, y = random_batch(batch_size, input_shape, num_classes, device, task, precision)
-    own = getattr(method, "probe_steps", None)
-    if own is None:
-        return [ProbeStep(model, x, y)]
-    import inspect
-
-    extra = {"sharding": sharding} if sharding is not None and "sharding" in \
-        inspect.signature(own).parameters else {}
-    return own(model, x, y, autocast=autocast_factory(device.type, precision),
-               num_classes=num_classes, **extra)
+    context = base.MethodContext(sharding=None if sharding is None else base.Sharding(*sharding))
+    return base.probe_steps(method, model, x, y, autocast=autocast_factory(device.type, precision),
+                            num_classes=num_classes, context=context)
 
 
 def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],

@@ -13,6 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+import memtrain.methods.base as base
 from memtrain import probes, schema, trust
 from memtrain.data import check_options
 from memtrain.errors import ConfigError
@@ -53,14 +54,13 @@ def check(cfg: DictConfig, here: bool = True) -> Trainer:
     if "_target_" in cfg.dataset:
         check_options(_target(cfg.dataset, "dataset"), _kwargs(cfg.dataset), here)
     method = build_method(cfg.method)
-    if hasattr(method, "check_trainer"):  # optional: trainer options the method cannot honour
-        method.check_trainer(t)
-    if t.strategy != "single" and hasattr(method, "check_strategy"):  # as distributed's check
-        method.check_strategy(t.strategy)
+    base.check_trainer(method, t)  # trainer options the method cannot honour
+    if t.strategy != "single":  # as distributed's check
+        base.check_strategy(method, t.strategy)
     return t
 
 
-def build_method(node: DictConfig, where: str = "method") -> Any:
+def build_method(node: DictConfig, where: str = "method") -> base.Method:
     """The method a conf/method node describes; a stack's members (its keys whose node has a
     `_target_`, conf/method/checkpoint+quantize.yaml) are built first and passed by name, a
     member's refusal naming its options as `method.<member>.<option>`."""
@@ -68,8 +68,10 @@ def build_method(node: DictConfig, where: str = "method") -> Any:
               else (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
               for k, v in node.items() if k != "_target_"}
     try:
-        return _target(node, "method")(**kwargs)
+        method = _target(node, "method")(**kwargs)
     except ConfigError as e:
         if where == "method":
             raise
         raise ConfigError(str(e).replace("method.", f"{where}.")) from None
+    base.check(method, f"{where}._target_={node._target_}")  # the contract's name and wrap
+    return method

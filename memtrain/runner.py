@@ -12,7 +12,6 @@ trainer options (`schema.Trainer`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -23,11 +22,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import memtrain.methods.base as base
 from memtrain import (
     capacity,
     distributed,
@@ -41,44 +41,13 @@ from memtrain import (
 from memtrain.config import identity
 from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
+from memtrain.methods.base import Method  # the contract: what the runner asks of a method
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.preflight import _kwargs, _target, build_method, check, trainer_of  # noqa: F401
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
 log = logging.getLogger("memtrain")
-
-
-@runtime_checkable
-class Method(Protocol):
-    """What the runner asks of a method: conf/method/<name>.yaml names its class (`_target_`),
-    built with the YAML's other keys. No base class: any object with these members.
-
-    - `name`, and `wrap(model) -> model`: module surgery, hooks or segmentation, before training.
-    - optional `prepare(model, x, y, autocast, carry) -> dict`: called once before the first
-      step with the run's first batch on the run's device (checkpoint profiles and plans here);
-      returns summary columns (`dry_run: True` among them stops the run before training).
-      `carry` is saved with every resumable checkpoint and holds, on resume, what the method put
-      there (a plan to keep).
-    - optional `fit(model, data, optimizer, scheduler, *, trainer, device, checkpointer,
-      loggers) -> TrainResult`: replaces `train.train` (the same signature) for a method that
-      changes the training procedure (synthetic); it calls `train` for each phase.
-
-    - optional `check_device(device)`: before probes and training; a one-line ConfigError for
-      a device the method cannot use (offload on the CPU).
-    - optional `check_trainer(trainer)`: before anything is written (`check`); a one-line
-      ConfigError for trainer options the method would leave undone (synthetic's parallel
-      workers and `trainer.memory_timeline`), never silently ignored.
-    - optional `plan_rows(model) -> list[dict]`: the plan the method applied, one row per
-      segment (memtrain/layers.py's plan.csv), written with `trainer.memory_timeline`.
-
-    A stack of methods (methods/stack.py) satisfies the same protocol: wrap innermost first,
-    every member's prepare, no member with fit; `build_method` builds its members.
-    """
-
-    name: str
-
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
 
 
 # ---------------------------------------------------------------- build
@@ -444,8 +413,8 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     with stop.at_once("building the data, the model and the method"):
         data, model, method = build(cfg, t)
-    if hasattr(method, "check_device"):  # optional: a method that needs a device kind (offload)
-        method.check_device(device)
+    summary.update(base.columns(method))  # what it declares: whether its gradients are exact
+    base.check_device(method, device)  # a method that needs a device kind (offload)
     distributed.check_method(method, world)  # a method that cannot run sharded: one line
     for split in ("train", "test"):  # an empty test split would end ok with no accuracy
         if len(getattr(data, split)) == 0:
@@ -488,7 +457,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         if hasattr(lg, "close"):  # once the row is final: `run` sets its status before
             stack.callback(_close_logger, lg, summary)
     # a method that changes the training procedure (synthetic) replaces the loop
-    loop = getattr(method, "fit", train)
+    loop = base.training_loop(method, train)
     with faults.MemorySnapshot(t.memory_snapshot and world.main, device, run_dir) as snapshot, \
             measure.TimelineRecorder(t.memory_timeline and world.main) as timeline:
         if planned.get("dry_run"):  # the method was asked for its plan only
@@ -533,8 +502,8 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     # every other step and which no timed step includes (step_time_s, throughput)
     out.update({"mem_timeline_step": "accounting", **recorder.columns})
     out.update(layers.write_saved(recorder.saved, run_dir))
-    if hasattr(method, "plan_rows"):  # optional: a method with a per-segment plan
-        out.update(layers.write_plan(method.plan_rows(model), run_dir))
+    # a method with a per-segment plan (checkpoint): plan.csv; none without rows
+    out.update(layers.write_plan(base.plan_rows(method, model), run_dir))
     return out
 
 
@@ -552,16 +521,16 @@ def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
              device: torch.device, ckpt: resume.Checkpointer,
              search: Path | None = None, model_config: dict | None = None,
              world: distributed.World | None = None) -> dict[str, Any]:
-    """`method.prepare` (optional): on the run's first batch, on the run's device, before the
-    first step (checkpoint profiles and plans here). Returns its summary columns. A prepare that
-    takes `cache_dir` gets the sweep folder (`search`): checkpoint keeps its profile there; one
-    that takes `sharding` gets (strategy, world size) of a sharded run.
+    """`method.prepare` (optional, methods/base.py): on the run's first batch, on the run's
+    device, before the first step (checkpoint profiles and plans here). Returns its summary
+    columns. Its context: the sweep folder (`search`: checkpoint keeps its profile there), the
+    run's model options, and (strategy, world size) of a sharded run.
 
     Several ranks: before the model is wrapped (no collective runs while a method profiles),
     on this rank's batch; rank 0 prepares first and every other rank then prepares with rank
     0's `carry` (the plan it chose), so that every rank runs the same plan (under FSDP the
     ranks' recomputations gather the same parameters in the same order)."""
-    if not hasattr(method, "prepare"):
+    if not base.has(method, "prepare"):
         return {}
     world = world or distributed.World()
     model.to(device).train()
@@ -572,16 +541,11 @@ def _prepare(method: Method, model: torch.nn.Module, data: Data, t: Trainer,
     ckpt.carry.update(ckpt.carried())
     if world.collective and not world.main:
         ckpt.carry.update(world.agree(None))  # rank 0's plan, kept as a resumed run keeps one
-    extra = {}
-    params = inspect.signature(method.prepare).parameters
-    if search is not None and "cache_dir" in params:
-        extra["cache_dir"] = str(search)
-    if "model_config" in params:
-        extra["model_config"] = model_config
-    if world.sharded and "sharding" in params:
-        extra["sharding"] = (world.strategy, world.size)
-    out = method.prepare(model, x, y, autocast_factory(device.type, t.precision), ckpt.carry,
-                         **extra)
+    context = base.MethodContext(
+        cache_dir=search, model_config=model_config,
+        sharding=base.Sharding(world.strategy, world.size) if world.sharded else None)
+    out = base.prepare(method, model, x, y, autocast_factory(device.type, t.precision),
+                       ckpt.carry, context)
     if world.collective and world.main:
         world.agree(dict(ckpt.carry))
     return out

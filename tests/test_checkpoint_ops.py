@@ -257,6 +257,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     equal none's, the modelled peak is the tracker's within 5%, the dry-run table names the
     choice, the sweep cache keeps it, and a compaction inside a recomputed group is dropped."""
     import memtrain.methods.checkpoint.cache as ckpt_cache
+    from memtrain.methods.base import MethodContext
 
     _, base, _ = api.build(["model=resnet18", "dataset.image_size=64"])
     g = torch.Generator().manual_seed(0)
@@ -269,7 +270,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     method = CheckpointMethod(strategy="budget", budget_fraction=0.9, profile_repeats=1,
                               dry_run=True)
     got = method.wrap(got).train()
-    method.prepare(got, x, y, cache_dir=str(tmp_path))
+    method.prepare(got, x, y, context=MethodContext(cache_dir=tmp_path))
     p, ops = method.profile, method.ops
     assert [(c.seg, c.what) for c in ops.compact] == [(0, "max_pool2d x1, relu x1")]
     assert 0 < ops.compact[0].saves < p.inner[0]

@@ -42,8 +42,8 @@ def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int =
     its loop measures it (measure.Measurement), on the fake process group of `ranks` ranks for
     ddp and fsdp: the row's memory columns of that rank (single: one process on that batch)."""
     import contextlib
-    import inspect
 
+    import memtrain.methods.base as base
     from memtrain import runner
     from memtrain.train import autocast_factory
 
@@ -54,10 +54,9 @@ def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int =
     torch.manual_seed(0)
     x = torch.randn(t.batch_size // ranks, 3, cfg.dataset.image_size, cfg.dataset.image_size)
     y = torch.randint(0, 10, (x.shape[0],))
-    if hasattr(method, "prepare"):
-        extra = {"sharding": (strategy, ranks)} if strategy != "single" and "sharding" in \
-            inspect.signature(method.prepare).parameters else {}
-        method.prepare(model, x, y, autocast_factory("cpu", "fp32"), {}, **extra)
+    context = base.MethodContext(
+        sharding=base.Sharding(strategy, ranks) if strategy != "single" else None)
+    base.prepare(method, model, x, y, autocast_factory("cpu", "fp32"), {}, context)
     session = distributed.fake_session(strategy, ranks) if strategy != "single" else \
         contextlib.nullcontext(distributed.World())
     with session as world:

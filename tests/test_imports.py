@@ -58,7 +58,14 @@ def _imports(path: Path, module: str, is_pkg: bool) -> set[str]:
     return out
 
 
+# the method contract: the core's side of the methods' interface, kept where method authors look;
+# it counts as the core (the runner, the probes and the strategies call methods through it)
+CONTRACT = "memtrain.methods.base"
+
+
 def package_of(module: str) -> str:
+    if module == CONTRACT:
+        return "memtrain"
     return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), "memtrain")
 
 
@@ -117,7 +124,8 @@ def method_of(module: str) -> str | None:
     """The method a module belongs to: `memtrain.methods.<name>` (a module or a folder); None for
     common/, the methods package itself and everything outside it."""
     parts = module.split(".")
-    if parts[:2] != ["memtrain", "methods"] or len(parts) < 3 or parts[2] == "common":
+    if parts[:2] != ["memtrain", "methods"] or len(parts) < 3 or parts[2] == "common" \
+            or module == CONTRACT:
         return None
     return ".".join(parts[:3])
 
@@ -133,6 +141,16 @@ def test_no_method_imports_another():
     models/, kernels/ and common/, never another method, lazy imports included: what two methods
     share lives in common/, and a stack builds its members by their `_target_`."""
     assert _method_imports(graph()) == []
+
+
+def test_the_contract_reaches_no_method():
+    """The core imports the method contract (methods/base.py) and nothing else of methods/;
+    the contract imports only the core's bottom (errors, losses), so the core reaching it never
+    reaches a method, lazy imports included."""
+    edges = graph()
+    assert edges[CONTRACT] <= {"memtrain.errors", "memtrain.losses"}, edges[CONTRACT]
+    core = [m for m in edges if package_of(m) == "memtrain" and m != CONTRACT]
+    assert {d for m in core for d in edges[m] if d.startswith("memtrain.methods")} == {CONTRACT}
 
 
 def test_kernels_are_a_leaf():

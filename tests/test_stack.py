@@ -89,6 +89,7 @@ def test_the_row_names_the_stack_and_the_report_labels_it(tmp_path):
     assert row["method"] == "checkpoint+quantize"
     assert row["method.quantize.bits"] == 8 and row["method.checkpoint.strategy"] == "uniform"
     assert row["plan_groups"]  # checkpoint's prepare ran inside the stack
+    assert row["grads_exact"] is False  # quantize's approximation, whatever checkpoint's
     label = Names().setting(row, skip=[k for k in row if k.startswith("method.")
                                        and k not in ("method.quantize.bits",
                                                      "method.checkpoint.budget_fraction")])

@@ -38,6 +38,7 @@ class PoolMethod:
     for a masked ReLU (unless relu_mask=none) and MaxPool2d for a compact-index one."""
 
     name = "pool"
+    grads_exact = False  # grad_weight (and with conv+bn BatchNorm's backward) from pooled maps
 
     def __init__(self, kernel_size: int = 2, pool_type: str = "avg", mode: str = "upsample",
                  min_size: int = 4, relu_mask: str = "bits", targets: str = "conv",

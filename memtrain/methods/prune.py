@@ -29,6 +29,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
+from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.common.compact import MaskedReLUFn
 from memtrain.methods.common.swap import swap_modules
 
@@ -337,6 +338,7 @@ class PruneMethod:
     """
 
     name = "prune"
+    grads_exact = False  # grad_weight from the kept blocks of the input
 
     def __init__(self, sparsity: float = 0.5, block_size: int = 32, criterion: str = "l2",
                  layers: str = "both", backend: str = "auto", prune_head: bool = False,
@@ -396,16 +398,22 @@ class PruneMethod:
         for mod in self.planned:
             mod.calls = 0
 
+    def check_stack(self, names: list[str]) -> None:
+        """In a stack (methods/stack.py): no recomputation around the planned calls."""
+        if "checkpoint" in names:
+            raise ConfigError("prune plans its calls in the order of one forward pass, and "
+                              "checkpoint's recomputation calls them again out of that order "
+                              "(the recomputed step would save other tensors); stack prune "
+                              "with quantize or pool instead")
+
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry=None) -> dict[str, int]:
+                carry=None, context: MethodContext = NO_CONTEXT) -> dict[str, int]:
         """Plan every call on the run's first batch (see the class); returns its columns."""
         return self.plan(model, x, autocast)
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list:
+                    num_classes: int, context: MethodContext = NO_CONTEXT) -> list[ProbeStep]:
         """The estimate measures the step the run measures: the planned one."""
-        from memtrain.estimate import ProbeStep
-
         self.plan(model, x, autocast)
         return [ProbeStep(model, x, y)]
 

@@ -154,6 +154,7 @@ class QuantizeMethod:
     `ActivationQuantizer` around every training forward of the model."""
 
     name = "quantize"
+    grads_exact = False  # backward reads low-bit copies of the saved activations
 
     def __init__(self, bits: int = 4, group_size: int = 256, rounding: str = "stochastic",
                  relu_mask: str = "bits", channel_norm: str = "auto"):

@@ -29,23 +29,24 @@ model with them applied, so its budget is a fraction of *their* activation peak)
 (it moves whatever the inner methods keep), then the methods that change what layers save
 (pool, prune, quantize; among them wrap order only). Checkpoint enters the innermost hook
 members (quantize) inside each checkpoint too, so a recomputation keeps what they keep
-(`CheckpointMethod.inside`). Every impossible combination is refused here, in one line, before
-anything is built.
+(the contract's `inside`, methods/base.py). Every impossible combination is refused, in one line,
+before anything is built: the rules of any stack here, a member's own by its `check_stack`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+import memtrain.methods.base as base
 from memtrain.errors import ConfigError
-from memtrain.estimate import ProbeStep
+from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 
 # outermost first: a member may only stand inside members of a lower rank
 RANK = {"checkpoint": 0, "offload": 1}
@@ -59,16 +60,24 @@ class Stack:
     def __init__(self, **members: Any):
         self.members = list(members.values())
         self.keys = list(members)  # each member's key under `method`
-        self.name = "+".join(str(getattr(m, "name", k)) for k, m in members.items())
+        for key, m in members.items():
+            base.check(m, f"method.{key}")
+        self.name = "+".join(m.name for m in self.members)
         _check(members, self.name)
+
+    @property
+    def grads_exact(self) -> bool | None:
+        """Approximate when any member is; None when a member does not say and none is."""
+        found = [base.grads_exact(m) for m in self.members]
+        return False if False in found else None if None in found else True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # checkpoint enters the hook members that change what is kept (quantize) inside each
         # checkpoint too: its recomputation keeps what they keep, not full precision
-        hooks = [m.hooks for m in self.members if RANK.get(m.name, INNER) == INNER
-                 and hasattr(m, "hooks")]
+        hooks = [h for m in self.members if RANK.get(m.name, INNER) == INNER
+                 and (h := base.saved_tensor_hooks(m)) is not None]
         for m in self.members:
-            if m.name == "checkpoint" and hooks:
+            if hooks and base.recomputes(m):
                 m.inside = functools.partial(_inside, hooks)
         for m in reversed(self.members):  # innermost first: the outer wraps what it made
             model = m.wrap(model)
@@ -76,57 +85,51 @@ class Stack:
 
     def check_device(self, device: torch.device) -> None:
         for m in self.members:
-            if hasattr(m, "check_device"):
-                m.check_device(device)
+            base.check_device(m, device)
 
     def check_trainer(self, trainer: Any) -> None:
         for key, m in zip(self.keys, self.members, strict=True):
-            if hasattr(m, "check_trainer"):
-                try:
-                    m.check_trainer(trainer)
-                except ConfigError as e:  # a member names its options as `method.<option>`
-                    raise ConfigError(str(e).replace("method.", f"method.{key}.")) from None
+            try:
+                base.check_trainer(m, trainer)
+            except ConfigError as e:  # a member names its options as `method.<option>`
+                raise ConfigError(str(e).replace("method.", f"method.{key}.")) from None
 
     def check_strategy(self, strategy: str) -> None:
         for m in self.members:
-            if hasattr(m, "check_strategy"):
-                m.check_strategy(strategy)
+            base.check_strategy(m, strategy)
 
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
                 carry: dict[str, Any] | None = None,
-                sharding: tuple[str, int] | None = None) -> dict[str, Any]:
+                context: MethodContext = NO_CONTEXT) -> dict[str, Any]:
         """Every member's `prepare`, innermost first (checkpoint, the outermost, profiles the
-        model with the others in place); their summary columns together. `sharding`: a sharded
-        run's (strategy, world size), for the members that take it."""
+        model with the others in place); their summary columns together. The members get the
+        run's context but its cache: a profile's key does not see what the other members
+        change in the model."""
         out: dict[str, Any] = {}
+        context = dataclasses.replace(context, cache_dir=None)
+        carry = {} if carry is None else carry
         for key, m in reversed(list(zip(self.keys, self.members, strict=True))):
-            if hasattr(m, "prepare"):
-                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
-                    inspect.signature(m.prepare).parameters else {}
-                try:
-                    out.update(m.prepare(model, x, y, autocast, carry, **extra))
-                except ConfigError as e:  # a member names its options as `method.<option>`
-                    raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
+            try:
+                out.update(base.prepare(m, model, x, y, autocast, carry, context))
+            except ConfigError as e:  # a member names its options as `method.<option>`
+                raise ConfigError(str(e).replace("method.", f"method.{key}.", 1)) from None
         return out
 
     def plan_rows(self, model: nn.Module) -> list[dict]:
         """The plan of the member that has one (checkpoint's segments), else none."""
         for m in self.members:
-            if hasattr(m, "plan_rows"):
-                return m.plan_rows(model)
+            if base.has(m, "plan_rows"):
+                return base.plan_rows(m, model)
         return []
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int,
-                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
+                    num_classes: int, context: MethodContext = NO_CONTEXT) -> list[ProbeStep]:
         """The member's own probe steps (checkpoint: its plan applied to the stacked model),
         else the one step of the stacked model."""
         for m in self.members:  # at most one member has them (_check)
-            if hasattr(m, "probe_steps"):
-                extra = {"sharding": sharding} if sharding is not None and "sharding" in \
-                    inspect.signature(m.probe_steps).parameters else {}
-                return m.probe_steps(model, x, y, autocast=autocast, num_classes=num_classes,
-                                     **extra)
+            if base.has(m, "probe_steps"):
+                return base.probe_steps(m, model, x, y, autocast=autocast,
+                                        num_classes=num_classes, context=context)
         return [ProbeStep(model, x, y)]
 
 
@@ -142,16 +145,14 @@ def _inside(factories: list) -> Iterator[None]:
 
 
 def _check(members: dict[str, Any], name: str) -> None:
-    """One-line ConfigError for every stack that cannot work."""
+    """One-line ConfigError for every stack that cannot work: the rules of every stack, then
+    each member's own (`check_stack`)."""
     where = f"method={name}"
     if len(members) < 2:
         raise ConfigError(f"{where}: a stack needs at least two methods, got "
                           f"{len(members)} (members are method.<name> nodes)")
     for key, m in members.items():
-        kind = getattr(m, "name", None)
-        if not hasattr(m, "wrap") or kind is None:
-            raise ConfigError(f"{where}: method.{key} is not a method (no _target_ with a name "
-                              f"and wrap)")
+        kind = m.name
         if key != kind:
             raise ConfigError(f"{where}: method.{key} holds method {kind}; a member's key is its "
                               f"method's name (so a method appears once)")
@@ -159,25 +160,16 @@ def _check(members: dict[str, Any], name: str) -> None:
             raise ConfigError(f"{where}: stacks do not nest; list the members of {kind}")
         if kind == "none":
             raise ConfigError(f"{where}: none adds nothing to a stack")
-        if hasattr(m, "fit"):
+        if base.has(m, "fit"):
             raise ConfigError(f"{where}: {kind} changes the training procedure (its own "
                               f"training loop) and stacks with nothing")
-        if kind == "checkpoint" and getattr(m, "strategy", None) == "compile":
-            raise ConfigError(f"{where}: checkpoint strategy=compile lets torch.compile choose "
-                              f"what the whole graph saves; it stacks with nothing (use "
-                              f"budget, uniform, sqrt or selective)")
-    if "checkpoint" in members and "prune" in members:
-        raise ConfigError(f"{where}: prune plans its calls in the order of one forward pass, and "
-                          f"checkpoint's recomputation calls them again out of that order (the "
-                          f"recomputed step would save other tensors); stack prune with quantize "
-                          f"or pool instead")
     ranks = [RANK.get(k, INNER) for k in members]
     for (a, ra), (b, rb) in zip(zip(members, ranks), zip(list(members)[1:], ranks[1:])):
         if rb < ra:
             raise ConfigError(f"{where}: {b} must come before {a} (outermost first: "
                               f"checkpoint, offload, then pool/prune/quantize)")
-    ck = members.get("checkpoint")  # as configured (on an old torch op falls back to block)
-    if getattr(ck, "granularity", None) == "op" and getattr(ck, "strategy", None) == "budget":
-        raise ConfigError(f"{where}: checkpoint granularity=op plans on an operator profile of "
-                          f"the plain model, which the other members' saved-tensor hooks and "
-                          f"layers change; set method.checkpoint.granularity=block")
+    for m in members.values():
+        try:
+            base.check_stack(m, list(members))
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None

@@ -19,7 +19,8 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,8 +34,8 @@ import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
 import memtrain.methods.common.hooks as hooks
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.estimate import ProbeStep
 from memtrain.losses import cross_entropy
+from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep, Sharding
 from memtrain.methods.checkpoint.segments import Segment, apply_groups, discover
 
 log = logging.getLogger("memtrain.methods.checkpoint")  # the name runs have logged under
@@ -145,6 +146,7 @@ def _add_model_prefix(module: nn.Module, state: dict, prefix: str, *args) -> Non
 
 class CheckpointMethod:
     name = "checkpoint"
+    grads_exact = True  # the recomputed forward is the forward
 
     def __init__(self, strategy: str = "budget", every: int = 1, budget_fraction: float = 0.5,
                  budget_bytes: int | None = None, max_group: int | None = None,
@@ -183,7 +185,7 @@ class CheckpointMethod:
         self.profile: planner.Profile | None = None
         self.ops: opplan.OpProfile | None = None
         self.raised_to: int | None = None  # the budget raised to the smallest feasible peak
-        self.sharding: tuple[str, int] | None = None  # a sharded run's (strategy, world size)
+        self.sharding: Sharding | None = None  # a sharded run's strategy and ranks
         # a stack's inner saved-tensor hooks, entered inside every checkpoint too (stack.py)
         self.inside: Callable[[], contextlib.AbstractContextManager] | None = None
 
@@ -226,26 +228,37 @@ class CheckpointMethod:
                               f"compiling a DDP or FSDP model is not supported here yet; use "
                               f"method.strategy=budget (or uniform, sqrt, selective)")
 
+    def check_stack(self, names: list[str]) -> None:
+        """In a stack (methods/stack.py), what only checkpoint knows it cannot do."""
+        if self.strategy == "compile":
+            raise ConfigError("checkpoint strategy=compile lets torch.compile choose what the "
+                              "whole graph saves; it stacks with nothing (use budget, uniform, "
+                              "sqrt or selective)")
+        # as configured (on an old torch op falls back to block)
+        if self.granularity == "op" and self.strategy == "budget":
+            raise ConfigError("checkpoint granularity=op plans on an operator profile of the "
+                              "plain model, which the other members' saved-tensor hooks and "
+                              "layers change; set method.checkpoint.granularity=block")
+
     def prepare(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast=None,
-                carry: dict[str, Any] | None = None, cache_dir: str | None = None,
-                model_config: dict | None = None,
-                sharding: tuple[str, int] | None = None) -> dict[str, Any]:
+                carry: dict[str, Any] | None = None,
+                context: MethodContext = NO_CONTEXT) -> dict[str, Any]:
         """Before the first step, on the run's first batch and device: profile the segments on
         `x`, choose the groups (or take the plan a resumed run kept in `carry`), checkpoint them
-        in place; `cache_dir` (the sweep folder) keeps one profile per model, input, precision
-        and device for every job of the sweep (`model_config`: the run's model options, part
-        of the profile's key). Returns the plan's summary columns; with
+        in place; `context.cache_dir` (the sweep folder) keeps one profile per model, input,
+        precision and device for every job of the sweep (`context.model_config`: the run's model
+        options, part of the profile's key). Returns the plan's summary columns; with
         `dry_run`, also `dry_run=True` and `steps=0`, and the run stops there.
 
-        `sharding`: (strategy, world size) of a sharded run; prepared per rank, on its batch,
-        before the model is wrapped. Under FSDP a recomputed group's forward gathers the
-        parameters of its segments again, one unit at a time (the last one's backward holds
-        its own anyway): the planner counts what that gathers beyond the rank's shard in the
-        group's recompute peak (`Profile.gathered`), so the budget holds the sharded parameter
-        memory a plan brings back. FSDP's hooks run ops of their own inside a recomputed
-        forward, where op plans check the op sequence: plans there are of whole groups
-        (`plan_granularity=block`, a warning)."""
-        self._shard(sharding)
+        `context.sharding`: a sharded run's; prepared per rank, on its batch, before the model
+        is wrapped. Under FSDP a recomputed group's forward gathers the parameters of its
+        segments again, one unit at a time (the last one's backward holds its own anyway): the
+        planner counts what that gathers beyond the rank's shard in the group's recompute peak
+        (`Profile.gathered`), so the budget holds the sharded parameter memory a plan brings
+        back. FSDP's hooks run ops of their own inside a recomputed forward, where op plans
+        check the op sequence: plans there are of whole groups (`plan_granularity=block`, a
+        warning)."""
+        self._shard(context.sharding)
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -259,8 +272,9 @@ class CheckpointMethod:
         plan = self._choose(model, x, y, autocast,
                             None if groups is None else [(int(a), int(b)) for a, b in groups],
                             None if keep is None else {(int(i), int(j)) for i, j in keep},
-                            cache_dir, [int(i) for i in carry.get("checkpoint_compact", [])],
-                            model_config)
+                            context.cache_dir,
+                            [int(i) for i in carry.get("checkpoint_compact", [])],
+                            context.model_config)
         self.plan = plan
         if not self.dry_run:
             self._apply(model)
@@ -384,8 +398,8 @@ class CheckpointMethod:
     def _choose(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast,
                 groups: list[tuple[int, int]] | None = None,
                 keep: set[tuple[int, int]] | None = None,
-                cache_dir: str | None = None, compact: list[int] | None = None,
-                model_config: dict | None = None) -> planner.Plan:
+                cache_dir: Path | None = None, compact: list[int] | None = None,
+                model_config: Mapping[str, Any] | None = None) -> planner.Plan:
         """Profile the segments on `x` and choose the groups (`groups`, `keep`, `compact`: a
         plan kept by a resumed run, used whatever a new profile says); sets `self.profile` (and
         `self.ops`)."""
@@ -411,8 +425,8 @@ class CheckpointMethod:
             return x.shape[0] / pb, x[:pb], y[:pb]
         return 1.0, x, y
 
-    def _profile(self, model, x, y, autocast, scale: float, cache_dir: str | None,
-                 model_config: dict | None = None) -> None:
+    def _profile(self, model, x, y, autocast, scale: float, cache_dir: Path | None,
+                 model_config: Mapping[str, Any] | None = None) -> None:
         """Sets `self.profile` (and `self.ops` at op granularity): from the sweep's cache, or
         measured on `x` (and then cached). Op and block jobs of a sweep share the segment
         profile; the first op job adds the op profile to it."""
@@ -453,7 +467,7 @@ class CheckpointMethod:
                          x.device.type)
         self.ops = ops if self.by_op else None
 
-    def _shard(self, sharding: tuple[str, int] | None) -> None:
+    def _shard(self, sharding: Sharding | None) -> None:
         """A sharded run's (strategy, world size), before anything is planned (`prepare`)."""
         if sharding is not None and sharding[0] == "fsdp" and self.by_op:
             log.warning("checkpoint granularity=op under trainer.strategy=fsdp: FSDP's hooks run "
@@ -473,15 +487,15 @@ class CheckpointMethod:
                 * (n - 1) // n for seg in self.segments]
 
     def probe_steps(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int,
-                    sharding: tuple[str, int] | None = None) -> list[ProbeStep]:
+                    num_classes: int, context: MethodContext = NO_CONTEXT) -> list[ProbeStep]:
         """For the probes (`estimate.probe_steps`): the step a run measures, the plan that
         `prepare` would choose on this batch applied (profiled on the probe's own batch: on fake
         tensors bytes and FLOPs are exact, times meaningless: block plans minimise FLOPs, op
         plans the roofline there, where a run's op plans minimise measured times; both hold
         the same budget, so the estimate's plan peaks where the run's does, not always by the
-        same ops). `sharding`: one rank of a sharded run, planned as its `prepare` plans."""
-        self._shard(sharding)
+        same ops). `context.sharding`: one rank of a sharded run, planned as its `prepare`
+        plans; the probe neither reads nor writes the sweep's profile cache."""
+        self._shard(context.sharding)
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
             self._apply(model)

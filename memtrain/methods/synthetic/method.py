@@ -36,8 +36,8 @@ from torch import nn
 
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.estimate import ProbeStep
 from memtrain.losses import cross_entropy
+from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.synthetic.cuts import (
     PROFILE_BATCH,
     Partitioned,
@@ -96,6 +96,7 @@ class Synthetic:
     """
 
     name = "synthetic"
+    grads_exact = False  # each partition trains towards synthetic labels, not the loss
 
     def __init__(self, partitions: int = 2, cuts: list[int] | None = None, kappa: float = 1.0,
                  right_input: str = "synthetic", noise: float = 0.1,
@@ -258,7 +259,7 @@ class Synthetic:
                             len(data.train)) for j in range(len(model))]
 
     def probe_steps(self, model: Partitioned, x: torch.Tensor, y: torch.Tensor, *, autocast,
-                    num_classes: int) -> list[ProbeStep]:
+                    num_classes: int, context: MethodContext = NO_CONTEXT) -> list[ProbeStep]:
         """For the probes (`estimate.probe_steps`): one step per phase as `fit` runs it: the
         partition alone on its input (the batch, the previous cut's label plus noise, or the
         frozen earlier partitions' output, made before the step as the phase's data is) against
