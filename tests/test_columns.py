@@ -110,4 +110,4 @@ def test_the_report_ratios_are_declared_once_the_peak_first():
             r.of == "step_time_e2e_s", r
         assert f"`{r.of}`" in r.definition() and "\n" not in r.definition(), r
         assert columns.ratio(r.name) is r
-    assert tables.RATIOS == {r.of: r.name for r in columns.RATIOS}
+    assert {r.of: r.name for r in columns.RATIOS} == tables.RATIOS

@@ -493,7 +493,8 @@ def test_terminal_table_baseline_first_one_format_per_column_ratios_defined(tmp_
 def test_not_learning_is_read_back_from_a_summary_csv_and_the_figure_says_why(tmp_path):
     """Rows read from a committed summary.csv hold `learned` as 1.0/0.0 (a column with gaps):
     a setting whose runs did not learn is still flagged, and the cost figure names it with its
-    accuracy, chance and each phase's own accuracy (synthetic: a partition's on its labels)."""
+    accuracy, chance and each phase's accuracy on its own task (synthetic: a partition's on
+    its labels)."""
     r = tmp_path / "r"
     for seed in (0, 1):
         write_run(r / f"n{seed}", seed=seed, test_acc=0.9, extra={"chance_acc": 0.1,
@@ -512,6 +513,6 @@ def test_not_learning_is_read_back_from_a_summary_csv_and_the_figure_says_why(tm
     assert flagged.to_dict() == {"none": False, "synthetic": True}
     p = plots.cost(settings, style.memory_metric(runs))
     notes = [t.get_text() for leg in p.fig.legends for t in leg.get_texts()]
-    assert "did not learn: synthetic (2/2 runs): test accuracy 10.0%, chance 10.0%; its " \
-        "phases' own: part0 20%, part1 100%" in notes
+    assert "did not learn: synthetic (2/2 runs): test accuracy 10.0%, chance 10.0%; each " \
+        "phase on its own task: part0 20%, part1 100%" in notes
     plots.plt.close(p.fig)

@@ -47,8 +47,8 @@ def failed_lines(g: pd.DataFrame) -> list[str]:
 
 
 def not_learned(g: pd.DataFrame) -> list[str]:
-    """'did not learn: synthetic (2/3 runs): test accuracy 10.1%, chance 10.0%; its phases'
-    own: part0 21%, part1 100%' for each drawn setting with a run that did not learn
+    """'did not learn: synthetic (2/3 runs): test accuracy 10.1%, chance 10.0%; each phase on
+    its own task: part0 21%, part1 100%' for each drawn setting with a run that did not learn
     (`learned` false: runner.learning), so a hollow point says why."""
     out = []
     for _, r in ok_rows(g).iterrows():
@@ -64,7 +64,7 @@ def not_learned(g: pd.DataFrame) -> list[str]:
                 what += f", chance {100 * r['chance_acc']:.1f}%"
         own = [f"{p} {100 * r[f'{p}.test_acc']:.0f}%" for p in derive.phases(g)
                if pd.notna(r.get(f"{p}.test_acc"))]
-        phases = f"; its phases' own: {', '.join(own)}" if own else ""
+        phases = f"; each phase on its own task: {', '.join(own)}" if own else ""
         out.append(f"did not learn: {r['label']} ({runs}): {what}{phases}")
     return out
 
