@@ -479,6 +479,77 @@ def labels_of(family: str) -> dict[str, str]:
     return dict(next(c.labels for c in COLUMNS if c.name == family))
 
 
+# ---------------------------------------------------------------- the report's ratios
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A column the report adds to each run (report.tables.add_baselines): the run's `of` over
+    its baseline's, the `none` run of the same model, seed and settings (1 = equal)."""
+
+    name: str  # the report's column
+    of: str  # the column divided
+    meaning: str  # a few words: what `of` is
+    short: str = ""  # its name in headings ("" = label(of))
+
+    @property
+    def label(self) -> str:
+        return self.short or label(self.of)
+
+    def heading(self, baseline: str = "none") -> str:
+        """A table's heading: 'peak / none'."""
+        return f"{self.label} / {baseline}"
+
+    def axis(self, baseline: str = "none") -> str:
+        """A figure axis's name, one line, naming the exact column: 'peak / none
+        (mem_peak_alloc_bytes)'."""
+        return f"{self.heading(baseline)} ({self.of})"
+
+    def over(self, baseline: str = "none") -> str:
+        """'`mem_peak_alloc_bytes` over none's, the step's total peak (...)'."""
+        return f"`{self.of}` over {baseline}'s, {self.meaning}"
+
+    def definition(self, baseline: str = "none") -> str:
+        """'`peak / none`: `mem_peak_alloc_bytes` over none's, the step's total peak (...)'."""
+        return f"`{self.heading(baseline)}`: {self.over(baseline)}"
+
+
+# The one memory ratio a reader quotes: the step's total peak against none's. Every figure's
+# main memory axis, the terminal table and report.md's first table show it; the other memory
+# ratios are labelled detail.
+HEADLINE = Ratio("mem_peak_rel", PEAK,
+                 "the step's total peak (CUDA: the allocated peak, which decides whether a run "
+                 "fits, the reserved one beside it; the CPU: the accounting step's peak)")
+MEMORY_DETAIL = (
+    Ratio("mem_reserved_rel", RESERVED, "CUDA's reserved peak (the allocated peak and the "
+                                        "caching allocator's free blocks)"),
+    Ratio("mem_act_temp_rel", ACT_TEMP_PEAK, "activations and backward temporaries alive at "
+                                             "one moment, at their peak"),
+    Ratio("mem_act_rel", ACT_PEAK, "activations alone at their peak, recomputed ones included "
+                                   "(what the checkpoint planner models)"),
+    Ratio("mem_saved_rel", SAVED, "bytes saved for backward (under recomputation they "
+                                  "undercount)"),
+)
+OTHER_RATIOS = (
+    Ratio("throughput_rel", "throughput_e2e_samples_s", "training samples per second, end to "
+                                                       "end", "throughput"),
+    Ratio("step_time_rel", "step_time_e2e_s", "the median step time, end to end", "step time"),
+    Ratio("mem_estimate_rel", ESTIMATE, "the GPU-free estimate's peak", "predicted peak"),
+    Ratio("mem_estimate_act_rel", ESTIMATE_ACT, "the estimate's activation peak",
+          "predicted act. peak"),
+    Ratio("mem_estimate_saved_rel", "mem_estimate_saved_bytes", "the estimate's saved bytes",
+          "predicted saved act."),
+)
+RATIOS = (HEADLINE, *MEMORY_DETAIL, *OTHER_RATIOS)
+BASELINE_RULE = "a run's value over its baseline's: the none run of the same model, seed and " \
+                "settings"
+
+
+def ratio(name: str) -> Ratio | None:
+    """The ratio the report's column `name` holds (`mem_peak_rel`), or None."""
+    return next((r for r in RATIOS if r.name == name), None)
+
+
 def strict() -> bool:
     return os.environ.get(STRICT_ENV, "") == "1"
 

@@ -92,3 +92,22 @@ def test_the_committed_studies_hold_only_declared_columns():
         with open(f, encoding="utf-8") as fh:
             head = next(csv.reader(fh))
         assert not [c for c in head if c not in derived and not columns.declared(c)], f
+
+
+def test_the_report_ratios_are_declared_once_the_peak_first():
+    """Each ratio the report adds divides a declared column (or one the report derives end to
+    end), has one name and a one-line definition naming that column; the headline one is the
+    step's total peak, and the report computes exactly these."""
+    from memtrain.report import tables
+
+    names = [r.name for r in columns.RATIOS]
+    assert len(set(names)) == len(names)
+    assert columns.RATIOS[0] is columns.HEADLINE
+    assert (columns.HEADLINE.name, columns.HEADLINE.of) == ("mem_peak_rel", columns.PEAK)
+    assert columns.HEADLINE.axis() == "peak / none (mem_peak_alloc_bytes)"
+    for r in columns.RATIOS:
+        assert columns.declared(r.of) or r.of.endswith("_e2e_samples_s") or \
+            r.of == "step_time_e2e_s", r
+        assert f"`{r.of}`" in r.definition() and "\n" not in r.definition(), r
+        assert columns.ratio(r.name) is r
+    assert {r.of: r.name for r in columns.RATIOS} == tables.RATIOS

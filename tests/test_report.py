@@ -178,8 +178,9 @@ def study(tmp_path_factory):
 
 def test_figures_plot_the_table(study):
     root, runs, settings = study
-    mem = style.memory_metric(runs)
-    assert mem.col == "mem_peak_act_temp_bytes" and "CPU, no CUDA peak" in mem.axis("none")
+    mem = style.memory_metric(runs)  # the headline ratio, on the CPU as on CUDA
+    assert (mem.col, mem.rel) == ("mem_peak_alloc_bytes", "mem_peak_rel")
+    assert mem.axis("none") == "peak / none (mem_peak_alloc_bytes)"  # one line, the column
     by = settings.assign(panel=[NAMES.panel(m, "cifar10") for m in settings["model"]]
                          ).set_index(["panel", "label"])
     p = plots.tradeoff(settings, mem)
@@ -190,7 +191,7 @@ def test_figures_plot_the_table(study):
                 continue
             row = by.loc[(ax.get_title(), ln.get_label())]
             x, y = _series(ax, ln.get_label())
-            assert x == pytest.approx(row["mem_act_rel"])
+            assert x == pytest.approx(row["mem_peak_rel"])
             assert y == pytest.approx(row["test_acc"] * 100)
     # the diverged setting is not a point: it is listed in the panel
     resmlp = _panel(p.fig, RESMLP)
@@ -218,7 +219,7 @@ def test_figures_plot_the_table(study):
     ck = by.loc[RESNET].loc[lambda d: d["method"] == "checkpoint"].sort_values(
         "method.budget_fraction")
     np.testing.assert_allclose(curve.get_xdata(), (ck["step_time_rel"] - 1) * 100)
-    np.testing.assert_allclose(curve.get_ydata(), ck["mem_act_rel"])
+    np.testing.assert_allclose(curve.get_ydata(), ck["mem_peak_rel"])
     for made in (p, t, b, bud):
         plots.plt.close(made.fig)
 
@@ -450,8 +451,10 @@ def test_the_cost_figure_comes_first_and_answers_the_question(tmp_path):
     drawn = pd.read_csv(r / "figures" / "cost.csv")
     acc = drawn[drawn["row"] == "accuracy"].set_index("label")
     over = drawn[drawn["row"] == "overhead"].set_index("label")
-    assert acc.loc["pool", "x"] == pytest.approx(0.5) and over.loc["pool", "x"] == \
-        pytest.approx(0.5)
+    # x: the headline memory ratio, the step's total peak over none's (60 / 100 MiB)
+    assert acc.loc["pool", "x"] == pytest.approx(0.6) and over.loc["pool", "x"] == \
+        pytest.approx(0.6)
+    assert "`peak / none`: `mem_peak_alloc_bytes` over none's" in md  # its caption
     assert acc.loc["pool", "y"] == pytest.approx(-6.0)  # (0.86 + 0.82) / 2 - 0.9, in points
     assert over.loc["pool", "y"] == pytest.approx(12.5)  # step times 0.25x and 2x: mean 1.125
     assert over.loc["pool", "yerr"] > 100  # the seeds' std, wider than the room below
@@ -497,3 +500,59 @@ def test_a_row_of_impossible_types_is_skipped_naming_its_column(tmp_path, capsys
         (line,) = [ln for ln in err.splitlines() if f"bad{i}/summary.json" in ln]
         assert why in line
     assert list(pd.read_csv(r / "summary.csv")["run_dir"].str.rsplit("/", n=1).str[-1]) == ["good"]
+
+
+def test_terminal_table_baseline_first_one_format_per_column_ratios_defined(tmp_path, capsys):
+    """memtrain-report's screen table: none first (checkpoint sorts before it by name), each
+    column in one number format, the headline ratio (`peak/none`) and the detail defined under
+    it; a peak where no activation is alive says so (its act_at_peak_% is 0)."""
+    r = tmp_path / "r"
+    at_update = {"params": 40 * MiB, "grads": 40 * MiB, "optim": 20 * MiB, "act": 0.0,
+                 "other": 0.0}  # the peak is the optimizer's update: no activation alive
+    for seed in (0, 1):
+        write_run(r / f"n{seed}", seed=seed, peak=100 * MiB, act=2 * MiB, at_peak=at_update,
+                  throughput=2150.5, test_acc=0.91234)
+        write_run(r / f"c{seed}", method="checkpoint", seed=seed, peak=100 * MiB, act=1 * MiB,
+                  saved=0.54 * MiB, at_peak=at_update, throughput=31.25, test_acc=0.9,
+                  params={"budget_fraction": 0.5})
+    assert report_main([str(r), "--no-figures"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = pd.read_fwf(pd.io.common.StringIO("\n".join(out[:5])), dtype=str)
+    assert list(table["method"]) == ["none", "none", "checkpoint", "checkpoint"]
+    assert list(table["peak/none"]) == ["1.00"] * 4  # the headline ratio, two decimals
+    assert list(table["saved/none"]) == ["1.00", "1.00", "0.27", "0.27"]
+    assert list(table["act_at_peak_%"]) == ["0.0"] * 4
+    assert list(table["samples_s"]) == ["2150", "2150", "31", "31"]  # one format: whole
+    assert list(table["test_acc_%"]) == ["91.2", "91.2", "90.0", "90.0"]
+    legend = "\n".join(out[5:])
+    assert "peak/none: mem_peak_alloc_bytes over none's, the step's total peak" in legend
+    assert "saved/none: mem_act_saved_bytes over none's" in legend
+    assert "act_at_peak_%: the activations' share of the step's peak" in legend
+
+
+def test_not_learning_is_read_back_from_a_summary_csv_and_the_figure_says_why(tmp_path):
+    """Rows read from a committed summary.csv hold `learned` as 1.0/0.0 (a column with gaps):
+    a setting whose runs did not learn is still flagged, and the cost figure names it with its
+    accuracy, chance and each phase's accuracy on its own task (synthetic: a partition's on
+    its labels)."""
+    r = tmp_path / "r"
+    for seed in (0, 1):
+        write_run(r / f"n{seed}", seed=seed, test_acc=0.9, extra={"chance_acc": 0.1,
+                                                                   "learned": True})
+        write_run(r / f"s{seed}", method="synthetic", seed=seed, test_acc=0.1, peak=80 * MiB,
+                  extra={"chance_acc": 0.1, "learned": False, "part0.test_acc": 0.2,
+                         "part1.test_acc": 1.0, "part0.steps": 10, "part1.steps": 10,
+                         "part0.step_time_s_median": 0.1, "part1.step_time_s_median": 0.3,
+                         "part0.throughput_samples_s": 1280.0,
+                         "part1.throughput_samples_s": 426.7})
+    make_report([r], tmp_path / "out", figures=False)
+    raw = tables.load_summary_csv(tmp_path / "out" / "summary.csv")
+    assert set(raw["learned"].dropna()) == {0.0, 1.0}
+    runs, settings, _ = analyse(raw)
+    flagged = settings.set_index("label")["did_not_learn"]
+    assert flagged.to_dict() == {"none": False, "synthetic": True}
+    p = plots.cost(settings, style.memory_metric(runs))
+    notes = [t.get_text() for leg in p.fig.legends for t in leg.get_texts()]
+    assert "did not learn: synthetic (2/2 runs): test accuracy 10.0%, chance 10.0%; each " \
+        "phase on its own task: part0 20%, part1 100%" in notes
+    plots.plt.close(p.fig)

@@ -8,7 +8,7 @@ Test data only: none of these numbers were measured."""
 import pytest
 from report_fixtures import MiB, fabricate_study, write_run
 
-from memtrain.report import names, plots, style, tables
+from memtrain.report import draw, names, plots, style, tables
 from memtrain.report.build import analyse, make_report
 
 MODELS = {"resnet18": "ResNet-18", "resmlp12": "ResMLP-12"}
@@ -135,6 +135,30 @@ def test_report_md_names_where_the_peaks_came_from(tmp_path, sources, said):
     assert none[2] == "2.00"  # fixed precision: GiB with two decimals below 10
 
 
+def test_report_md_leads_with_the_headline_ratio_reserved_beside_it(tmp_path):
+    """report.md's first table: the step's total peak and its ratio to none first, CUDA's
+    reserved peak beside it, then the detail ratios; each ratio defined once above the
+    tables, the headline one first."""
+    r = tmp_path / "runs"
+    cuda = {"device": "cuda:0"}
+    write_run(r / "n", source="cuda", peak=2 * 2**30,
+              extra={**cuda, "mem_peak_reserved_bytes": 2.5 * 2**30})
+    write_run(r / "p", method="pool", source="cuda", peak=1.5 * 2**30, act=25 * MiB,
+              extra={**cuda, "mem_peak_reserved_bytes": 2 * 2**30})
+    make_report([r], tmp_path / "out", figures=False)
+    md = (tmp_path / "out" / "report.md").read_text()
+    head = next(ln for ln in md.splitlines() if ln.startswith("| setting"))
+    assert head.startswith("| setting | seeds | peak GiB (CUDA) | peak / none | reserved GiB | "
+                           "reserved / none | act.+temp. peak / none | saved act. / none |")
+    pool = next(ln for ln in md.splitlines() if ln.startswith("| pool |"))
+    assert pool.startswith("| pool | 1 | 1.50 | 0.75 | 2.00 | 0.80 | 0.50 | 0.50 |")
+    lines = md.splitlines()
+    ratio = next(i for i, ln in enumerate(lines) if ln.startswith("- The memory ratio, "))
+    assert lines[ratio].startswith("- The memory ratio, `peak / none`: `mem_peak_alloc_bytes` "
+                                   "over none's, the step's total peak (CUDA: the allocated peak")
+    assert lines[ratio + 1].startswith("- Detail: `reserved / none`: `mem_peak_reserved_bytes`")
+
+
 def test_seeds_timed_under_different_load_are_flagged_noisy(tmp_path):
     """Each run steady (p90 = 1.1 x median) but none's two seeds 2x apart: the load changed
     between runs, so its times are flagged in the table, report.md and the budget's cost panel;
@@ -159,3 +183,88 @@ def test_seeds_timed_under_different_load_are_flagged_noisy(tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "†" in next(ln for ln in md.splitlines() if ln.startswith("| none |"))
     assert "seeds' step times that far apart" in md
+
+
+def _more(root):
+    """Rows for the figures the study does not draw: predictions only (estimates), a sequence
+    length sweep (sequence), a world-size sweep (sharding), and two seeds whose accuracy changes
+    are float noise (cost: 0.1 + 0.2 - 0.3 = 5.6e-17)."""
+    for name, method, peak in (("en", "none", 400), ("eq", "quantize", 220)):
+        write_run(root / "est" / name, method=method, peak=float("nan"), act=float("nan"),
+                  test_acc=None, extra={"mem_estimate_bytes": peak * MiB,
+                                        "trainer.gpu_memory_gb": 0.25, "trainer.max_steps": 0})
+    for n in (128, 256, 512):
+        for method, f in (("none", 1.0), ("checkpoint", 0.4)):
+            write_run(root / "seq" / f"{method}{n}", method=method, model="gpt_nano",
+                      dataset="text", act=f * n * n * 64.0, peak=f * n * n * 64.0 + MiB,
+                      extra={"dataset.seq_len": n})
+    for n, strategy in ((1, "single"), (2, "fsdp"), (4, "fsdp")):
+        write_run(root / "shard" / f"s{n}", model="resmlp12", peak=(40 + 200 / n) * MiB,
+                  extra={"trainer.world_size": n, "trainer.strategy": strategy})
+    for seed in (0, 1):
+        write_run(root / "zero" / f"n{seed}", seed=seed, test_acc=0.3)
+        write_run(root / "zero" / f"c{seed}", method="checkpoint", seed=seed,
+                  test_acc=0.1 + 0.2, peak=70 * MiB, params={"budget_fraction": 0.5})
+    return root
+
+
+@pytest.fixture(scope="module")
+def more(tmp_path_factory):
+    """{part: its settings} of `_more`'s rows."""
+    root = _more(tmp_path_factory.mktemp("more"))
+    out = {}
+    for part in ("est", "seq", "shard", "zero"):
+        runs, settings, _ = analyse(tables.load_runs([root / part])[0])
+        out[part] = (runs, settings)
+    return out
+
+
+def _others(more) -> list:
+    zero_runs, zero = more["zero"]
+    return [plots.estimates(more["est"][1]), plots.sequence(more["seq"][1]),
+            plots.sharding(more["shard"][1]), plots.cost(zero, style.memory_metric(zero_runs))]
+
+
+def _readable(made: list) -> None:
+    for p in made:
+        assert draw.layout_problems(p.fig) == [], p.name
+        assert p.caption, p.name  # what the axes mean, in full
+
+
+def test_every_figure_renders_with_no_overlapping_text_and_no_offset(figures, more):
+    """Every report figure: no text over another (a panel's axis label over the next panel, a
+    legend, a tick), no offset or exponent above an axis (float noise of 1e-17 drew ticks 0-2.5
+    under '1e-17'), axis labels of one line (the definitions are the captions')."""
+    others = _others(more)
+    assert [p.name for p in others] == ["estimates", "sequence", "sharding", "cost"]
+    _readable([*figures.values(), *others])
+    zero = others[-1].data
+    assert (zero.loc[zero["row"] == "accuracy", "y"].abs() < 1e-12).all()  # the noise drawn
+    for p in others:
+        plots.plt.close(p.fig)
+
+
+@pytest.mark.slow  # every figure drawn again in the slide look: ~10 s
+def test_every_figure_renders_readably_in_the_slide_look(study, more):
+    runs, settings, metrics = study
+    with style.using("slide"):
+        made, _ = plots.all_plots(settings, metrics, style.memory_metric(runs))
+        made += _others(more)
+    _readable(made)
+    for p in made:
+        plots.plt.close(p.fig)
+
+
+def test_the_memory_axis_is_the_headline_ratio_named_by_its_column(figures, more):
+    """Every figure's main memory axis is the step's total peak relative to none, named by its
+    exact column; the caption defines it."""
+    axis = "peak / none (mem_peak_alloc_bytes)"
+    labels = {name: {lab for ax in p.fig.axes for lab in (ax.get_xlabel(), ax.get_ylabel())}
+              for name, p in figures.items()}
+    for name in ("cost", "tradeoff", "budget"):
+        assert axis in labels[name], (name, labels[name])
+        assert "`mem_peak_alloc_bytes` over none's, the step's total peak" in \
+            figures[name].caption
+    assert "peak (MiB)" in labels["throughput"]
+    # the budget's left panel: the planner's target, activations alone, labelled as detail
+    assert "act. peak / none (mem_peak_act_bytes)" in labels["budget"]

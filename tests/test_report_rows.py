@@ -113,6 +113,22 @@ def test_baseline_must_match_the_device_kind(tmp_path):
     assert "this one on device cpu" in (rep.out / "report.md").read_text()
 
 
+def test_a_run_stopped_before_its_peak_relates_without_a_device_warning(tmp_path):
+    """A run interrupted before its accounting step has no peak source: it is measured alike
+    with the none of its device (its throughput has a ratio), and no warning speaks of a peak
+    "from nan"."""
+    r = tmp_path / "runs"
+    write_run(r / "none", extra={"device": "cpu"})
+    write_run(r / "stopped", method="pool", status="interrupted", peak=float("nan"),
+              act=float("nan"), source=None, test_acc=None, throughput=500.0,
+              extra={"device": "cpu"})
+    runs, _, warnings = analyse(tables.load_runs([r])[0])
+    assert not [w for w in warnings if "nan" in w], warnings
+    stopped = runs.set_index("method").loc["pool"]
+    assert stopped["throughput_rel"] == pytest.approx(0.5)
+    assert pd.isna(stopped["mem_peak_rel"])
+
+
 def test_every_run_failed_still_reports(tmp_path):
     """No accuracy, no throughput anywhere: report.md and the failures figure, nothing else."""
     r = tmp_path / "runs"

@@ -1,17 +1,21 @@
 """The README's pictures of the report's figures (docs/figures/, `make results-figures`) are
 drawn from committed rows by the report's own figure functions: each draws again here, and the
 values it draws equal the committed `<name>.csv` beside the PNG (the figure's data: images differ
-across matplotlib versions, so the pixels are not compared)."""
+across matplotlib versions, so the pixels are not compared), and it reads: no text over another,
+no offset notation, axis labels of one line."""
 
 import pytest
 
+from memtrain.report import draw
 from tools import screens
 
 
 @pytest.mark.slow  # the figure drawn and stamped: ~4 s
 @pytest.mark.parametrize("screen", screens.SCREENS, ids=lambda s: s.name)
 def test_each_picture_draws_again_from_its_committed_rows(screen, tmp_path):
-    png = screens.draw(screen, out=tmp_path)
+    made = screens.plot(screen)
+    assert draw.layout_problems(made[0].fig) == [], screen.name
+    png = screens.draw(screen, out=tmp_path, made=made)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     committed = screens.ROOT / screens.OUT / png.name
     assert committed.is_file(), f"{committed} is not committed: make results-figures"

@@ -43,8 +43,10 @@ import pandas as pd
 
 import benchmarks as bench
 from benchmarks.ranks import table as ranks_table
+from memtrain import columns
 from memtrain.columns import ACT_PEAK, ESTIMATE, ESTIMATE_ACT, PEAK
-from memtrain.report import markdown
+from memtrain.columns import HEADLINE as MEMORY_RATIO
+from memtrain.report import markdown, style
 from memtrain.report import tables as report
 from tools.study import tables
 
@@ -554,6 +556,9 @@ def transformer_headlines(root: Path, doc_dir: Path) -> list[str]:
 
 
 HEADLINE = "headline_fmnist_cpu"
+# the headline table's detail beside the memory ratio (memtrain/columns.py's definitions)
+DETAIL = tuple(columns.ratio(n) for n in ("mem_act_temp_rel", "mem_saved_rel"))
+DETAIL_TEXT = "; ".join(r.definition() for r in DETAIL)
 FRONTIER_CSV = "checkpoint_frontier_cpu.csv"
 
 
@@ -606,18 +611,20 @@ def headline_caption(root: Path, doc_dir: Path) -> list[str]:
     seeds = sorted({int(s) for s in runs["trainer.seed"].dropna()})
     models = ", ".join(dict.fromkeys(runs["model"]))
     img = Path(os.path.relpath(root / "docs/figures/headline.png", doc_dir)).as_posix()
+    mem = style.memory_metric(runs)
     return [headline_provenance(root, doc_dir), "",
             f"![Every method at its defaults against none on Fashion-MNIST ({models}), "
-            f"{len(seeds)} seeds: activation memory against the change in test accuracy and "
-            f"in step time]({img})", "",
+            f"{len(seeds)} seeds: the step's peak memory against the change in test accuracy "
+            f"and in step time]({img})", "",
             f"Trained: {_training(runs)}. "
-            f"Memory (x: activations + backward temporaries at their peak, relative to none on "
-            f"the same model and seed; the CPU's live-tensor tracker) against the change in test "
-            f"accuracy (above) and in step time (below), mean and standard deviation over seeds "
-            f"{', '.join(map(str, seeds))} ({len(seeds)} runs per point), on this project's CPU "
-            f"(a shared machine: the step times are noisy, the memory exact); every setting's "
-            f"figures are in the table below and in [its rows]"
-            f"({_rel(root, doc_dir, DATA / HEADLINE / 'report.md')})."]
+            f"x, the memory ratio, {MEMORY_RATIO.definition()}, measured by {mem.source}; "
+            f"against the change in test accuracy (above) and in step time (below), mean and "
+            f"standard deviation over seeds {', '.join(map(str, seeds))} ({len(seeds)} runs per "
+            f"point), "
+            f"on this project's CPU (a shared machine: the step times are noisy, the memory "
+            f"exact). Hollow above: a setting with a run that did not learn (the note under the "
+            f"figure says why). The table below adds the detail: {DETAIL_TEXT}; every setting's "
+            f"figures are in [its rows]({_rel(root, doc_dir, DATA / HEADLINE / 'report.md')})."]
 
 
 def _rel(root: Path, doc_dir: Path, rel: Path) -> str:
@@ -648,11 +655,10 @@ def headline_table(root: Path, doc_dir: Path) -> list[str]:
 
     return [headline_provenance(root, doc_dir), "", *tables.table(st, {
         "model": lambda r: r["model"], "method": lambda r: r["label"],
-        "act.+temp. peak x none": cell("mem_act_temp_rel"),
-        "saved x none": cell("mem_saved_rel"),
+        **{r.heading(): cell(r.name) for r in (MEMORY_RATIO, *DETAIL)},
         "test acc %": cell("test_acc", 1, 100),
         "Δ acc vs none (pts)": cell("test_acc_delta", 1, 100, sign=True),
-        "step time x none": cell("step_time_rel", 2),
+        columns.ratio("step_time_rel").heading(): cell("step_time_rel", 2),
         "status": status})]
 
 
@@ -667,10 +673,11 @@ def headline_fragment(method: str, model: str, what: str) -> Callable[[Path, Pat
                     f"{what} on {model} in the headline study: refused before training, every "
                     f"seed ({r['status']}), in one line: \"{_cut(r.get('error_short', ''), 200)}\""]
         return [headline_provenance(root, doc_dir), "",
-                f"{what} on {model} in the headline study: saved activations "
-                f"{_pm(r['mem_saved_rel'], r['mem_saved_rel_std'])} of none's, activations + "
-                f"backward temporaries at their peak "
-                f"{_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}, test accuracy "
+                f"{what} on {model} in the headline study: the step's peak "
+                f"{_pm(r['mem_peak_rel'], r['mem_peak_rel_std'])} of none's (saved activations "
+                f"{_pm(r['mem_saved_rel'], r['mem_saved_rel_std'])}, activations + backward "
+                f"temporaries at their peak "
+                f"{_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}), test accuracy "
                 f"{_pm(r['test_acc_delta'], r['test_acc_delta_std'], 1, 100, sign=True)} points "
                 f"against none's (mean ± std over {int(r['n_ok'])} seeds)."]
 
@@ -915,8 +922,9 @@ def results_headlines(root: Path, doc_dir: Path) -> list[str]:
                 cells.append(f"{model}: refused ({_cut(r.get('error_short', ''), 70)})")
                 continue
             cells.append(
-                f"{model}: act.+temp. peak {_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}"
-                f"x, Δ acc {_pm(r['test_acc_delta'], r['test_acc_delta_std'], 1, 100, True)} pts")
+                f"{model}: peak {_pm(r['mem_peak_rel'], r['mem_peak_rel_std'])}x (act.+temp. "
+                f"peak {_pm(r['mem_act_temp_rel'], r['mem_act_temp_rel_std'])}x), Δ acc "
+                f"{_pm(r['test_acc_delta'], r['test_acc_delta_std'], 1, 100, True)} pts")
         return (f"Fashion-MNIST, {len(set(runs['trainer.seed']))} seeds {s_head()}: "
                 + "; ".join(cells))
 

@@ -118,10 +118,11 @@ def plot(screen: Screen, root: Path = ROOT):
     return fig, raw
 
 
-def draw(screen: Screen, root: Path = ROOT, out: Path | None = None) -> Path:
+def draw(screen: Screen, root: Path = ROOT, out: Path | None = None, made=None) -> Path:
     """The figure of `screen` from its committed rows -> `out/<name>.png` (stamped) and
-    `out/<name>.csv` (the values it drew)."""
-    fig, raw = plot(screen, root)
+    `out/<name>.csv` (the values it drew); `made`: `plot`'s (figure, rows), when drawn
+    already."""
+    fig, raw = made or plot(screen, root)
     here = f"{Path(root).resolve().as_posix()}/"  # run folders read, written as committed
     fig.data = fig.data.map(lambda v: v.replace(here, "") if isinstance(v, str) else v)
     out = Path(out or root / OUT)

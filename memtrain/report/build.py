@@ -142,6 +142,7 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     atomic_write(out / "settings.csv", settings.to_csv(index=False))
     mem = style_mod.memory_metric(runs, memory)
     pngs: dict[str, bytes] = {}  # what report.html embeds
+    captions: dict[str, str] = {}
     if figures:
         metrics = tables.load_metrics(runs["run_dir"])
         base_name = tables.parse_baseline(baseline).get("method", baseline)
@@ -155,6 +156,7 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
                 if (p := fig(runs, base_name, disp)) is not None:
                     made.append(p)
             for p in made:
+                captions[p.name] = p.caption
                 rep.figures[p.name] = plots.save(p, out / "figures", formats,
                                                  png=pngs if html else None)
     shown = [f"{label}={path}" for label, path in sources] if sources else dirs
@@ -164,7 +166,8 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
                            n_runs=len(runs), skipped=skipped, warnings=warnings,
                            figures=rep.figures, not_drawn=rep.not_drawn, out=out, names=disp,
                            modules=module_tables(
-                               runs, tables.parse_baseline(baseline).get("method", baseline)))
+                               runs, tables.parse_baseline(baseline).get("method", baseline)),
+                           captions=captions)
     atomic_write(out / "report.md", text)
     if html:
         page = html_page.render(text, {name: pngs[name] for name in rep.figures if name in pngs},

@@ -11,44 +11,93 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.columns import unit
-from memtrain.report import tables
+from memtrain import columns
+from memtrain.columns import ESTIMATE, PEAK, PEAK_SOURCE, RESERVED, TEST_ACC
+from memtrain.report import markdown, tables
+from memtrain.report.markdown import decimals_for
+from memtrain.report.names import fmt_value, isna
+from memtrain.report.style import method_rank
 
-# The terminal table: the few columns that fit a line.
+AT_PEAK_ACT = "mem_at_peak_act_bytes"  # activations alive at the step's peak (measure.py)
+
+# The terminal table: the few columns that fit a line, each with one number format: column ->
+# (heading, how a value is written). Memory in MiB and numbers with the decimals the column's
+# largest value needs; ratios (memtrain/columns.py's: the headline one first) with two decimals,
+# percentages with one.
+MIB, RATIO, PERCENT, NUMBER, TEXT = "MiB", "ratio", "percent", "number", "text"
 COMPACT = {
-    "model": "model",
-    "dataset": "dataset",
-    "trainer.batch_size": "batch",
-    "status": "status",
-    "mem_peak_alloc_bytes": "peak_MiB",
-    "mem_peak_source": "source",
-    "mem_act_saved_bytes": "act_saved_MiB",
-    "mem_peak_rel": "peak_rel",
-    "mem_saved_rel": "saved_rel",
-    "mem_act_temp_rel": "act_temp_peak_rel",  # activations + backward temporaries
-    "throughput_e2e_samples_s": "samples_s",  # end to end (derive.py)
-    "test_acc": "test_acc",
+    "model": ("model", TEXT),
+    "dataset": ("dataset", TEXT),
+    "trainer.batch_size": ("batch", TEXT),
+    "trainer.seed": ("seed", TEXT),
+    "status": ("status", TEXT),
+    PEAK: ("peak_MiB", MIB),
+    columns.HEADLINE.name: ("peak/none", RATIO),
+    RESERVED: ("reserved_MiB", MIB),  # CUDA only
+    "mem_reserved_rel": ("reserved/none", RATIO),
+    AT_PEAK_ACT: ("act_at_peak_%", PERCENT),
+    "mem_act_temp_rel": ("act_temp/none", RATIO),  # detail: activations + backward temporaries
+    "mem_saved_rel": ("saved/none", RATIO),  # detail: saved for backward
+    PEAK_SOURCE: ("peak_from", TEXT),
+    "throughput_e2e_samples_s": ("samples_s", NUMBER),  # end to end (derive.py)
+    TEST_ACC: ("test_acc_%", PERCENT),
     # the GPU-free estimate's predictions (trainer.estimate=true)
-    "mem_estimate_bytes": "pred_peak_MiB",
-    "mem_estimate_rel": "pred_peak_rel",
+    ESTIMATE: ("pred_peak_MiB", MIB),
+    "mem_estimate_rel": ("pred_peak/none", RATIO),
 }
 
 
+def _share(df: pd.DataFrame) -> pd.Series:
+    """The activations' part of the step's peak: 0 when the peak falls where no activation is
+    alive (the optimizer's update), so that no activation saving can lower it."""
+    return pd.to_numeric(df[AT_PEAK_ACT], errors="coerce") / pd.to_numeric(
+        df[PEAK], errors="coerce")
+
+
+def _written(v: pd.Series, how: str) -> pd.Series:
+    """A column's values in its one format ('-' where missing)."""
+    num = pd.to_numeric(v, errors="coerce")
+    if how == TEXT:
+        return v.map(lambda x: "-" if isna(x) else fmt_value(x))
+    scale = {MIB: 1 / 2**20, PERCENT: 100.0}.get(how, 1.0)
+    dec = {RATIO: 2, PERCENT: 1}.get(how) or decimals_for(num * scale)
+    return (num * scale).map(lambda x: markdown.number(x, dec, missing="-"))
+
+
 def compact(df: pd.DataFrame) -> pd.DataFrame:
-    """The few columns a terminal table shows, memory (bytes, memtrain/columns.py) in MiB."""
+    """The terminal table: one row per run, baseline first within each model and dataset (then
+    the methods in their display order), every column in one number format (`COMPACT`)."""
     if df.empty:
         return df
+    df = df.assign(**{AT_PEAK_ACT: _share(df)}) if {AT_PEAK_ACT, PEAK} <= set(df) else df
+    order = df.assign(_rank=method_rank(df["method"]),
+                      _label=df["label"] if "label" in df else df["method"])
+    keys = [c for c in ("model", "dataset", tables.SOURCE, "_rank", "_label", "trainer.seed")
+            if c in order]
+    df = df.loc[order.sort_values(keys, kind="stable").index]
     out = pd.DataFrame(index=df.index)
-    out["method"] = df["label"] if "label" in df else df["method"]
     if tables.SOURCE in df:
-        out.insert(0, "source", df[tables.SOURCE])
-    for col, name in COMPACT.items():
-        if col not in df or (col != "test_acc" and df[col].isna().all()):  # none measured
+        out["source"] = df[tables.SOURCE]
+    out["method"] = df["label"] if "label" in df else df["method"]
+    for col, (name, how) in COMPACT.items():
+        if col not in df or (col != TEST_ACC and df[col].isna().all()):  # none measured
             continue
-        v = df[col]
-        out[name] = pd.to_numeric(v, errors="coerce") / 2**20 if unit(col) == "bytes" else v
-    sort = [c for c in ("model", "dataset", "source", "method") if c in out]
-    return out.sort_values(sort).reset_index(drop=True)
+        out[name] = _written(df[col], how)
+    return out.reset_index(drop=True)
+
+
+def legend(table: pd.DataFrame, baseline: str = "none") -> list[str]:
+    """What the terminal table's ratios are, one line each: the headline one, then the
+    detail."""
+    shown = set(table.columns)
+    lines = [f"{COMPACT[r.name][0]}: {r.over(baseline)}" for r in columns.RATIOS
+             if r.name in COMPACT and COMPACT[r.name][0] in shown]
+    if COMPACT[AT_PEAK_ACT][0] in shown:
+        lines.append(f"{COMPACT[AT_PEAK_ACT][0]}: the activations' share of the step's peak "
+                     f"(`{AT_PEAK_ACT}`); at 0 the peak falls where no activation is alive (the "
+                     f"optimizer's update), so no activation saving lowers peak/none")
+    head = f"ratios: {columns.BASELINE_RULE.replace('none', baseline)}"
+    return [ln.replace("`", "") for ln in (head, *lines)] if len(lines) else []
 
 
 def parser() -> argparse.ArgumentParser:
@@ -123,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memtrain-report: skipped {d}: {why}", file=sys.stderr)
     for w in rep.warnings:
         print(f"memtrain-report: warning: {w}", file=sys.stderr)
-    with pd.option_context("display.max_rows", 200, "display.width", 200,
-                           "display.max_columns", 20, "display.float_format", "{:.4g}".format):
-        print(compact(rep.runs).to_string(index=False))
+    table = compact(rep.runs)
+    with pd.option_context("display.max_rows", 200, "display.width", 250,
+                           "display.max_columns", 30):
+        print(table.to_string(index=False))
+    base = tables.parse_baseline(args.baseline).get("method", args.baseline)
+    print("\n" + "\n".join(legend(table, base)))
     figs = ", ".join(rep.figures) or "none"
     print(f"\n{len(rep.runs)} runs, {len(rep.settings)} settings -> {rep.out / 'report.md'}, "
           f"{'report.html, ' * (rep.out / 'report.html').is_file()}summary.csv, "

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.text import Text
+from matplotlib.ticker import ScalarFormatter
 
-from memtrain.report import style
+from memtrain.report import derive, style
 from memtrain.report.style import order_settings
 
 # fontTools reports every glyph table it subsets at INFO; under Hydra's logging that is ~160
@@ -30,6 +32,7 @@ class Plot:
     name: str
     fig: Figure
     data: pd.DataFrame  # one row per drawn point or bar: panel, label, x, y (and errors)
+    caption: str = ""  # what the axes mean, in full (report.md prints it under the figure)
 
 
 def ok_rows(g: pd.DataFrame) -> pd.DataFrame:
@@ -41,6 +44,29 @@ def failed_lines(g: pd.DataFrame) -> list[str]:
     """Settings with a failed run: not drawn (no run ok) or drawn from the runs that were."""
     return [f"{'failed' if r.n_ok == 0 else 'mean of ok runs'}: {r.label} ({r.status})"
             for r in g.itertuples() if r.worst_status != "ok"]
+
+
+def not_learned(g: pd.DataFrame) -> list[str]:
+    """'did not learn: synthetic (2/3 runs): test accuracy 10.1%, chance 10.0%; each phase on
+    its own task: part0 21%, part1 100%' for each drawn setting with a run that did not learn
+    (`learned` false: runner.learning), so a hollow point says why."""
+    out = []
+    for _, r in ok_rows(g).iterrows():
+        if not is_true(r.get("did_not_learn")):
+            continue
+        runs = f"{int(r['n_not_learned'])}/{int(r['n_ok'])} runs"
+        if str(r.get("metric")) == "test_loss":
+            what = (f"validation loss {r.get('test_loss'):.3g}, unigram "
+                    f"{r.get('unigram_loss'):.3g}")
+        else:
+            what = f"test accuracy {100 * r.get('test_acc'):.1f}%"
+            if pd.notna(r.get("chance_acc")):
+                what += f", chance {100 * r['chance_acc']:.1f}%"
+        own = [f"{p} {100 * r[f'{p}.test_acc']:.0f}%" for p in derive.phases(g)
+               if pd.notna(r.get(f"{p}.test_acc"))]
+        phases = f"; each phase on its own task: {', '.join(own)}" if own else ""
+        out.append(f"did not learn: {r['label']} ({runs}): {what}{phases}")
+    return out
 
 
 def coincident(drawn: list[dict], keys: tuple[str, ...] = ("x", "y")) -> list[str]:
@@ -142,10 +168,110 @@ def points(ax, g: pd.DataFrame, x: str, y: str, styles: dict, panel: str, xscale
 
 
 def finish(fig, styles: dict, labels: list[str], extra: tuple = ()) -> None:
-    """Tight layout, then the shared legend of the settings drawn (and `extra` entries)."""
+    """Plain axes (`plain_axes`), tight layout, then the shared legend of the settings drawn
+    (and `extra` entries)."""
+    plain_axes(fig)
     fig.tight_layout(pad=0.3, h_pad=1.2)
     style.shared_legend(fig, styles, labels, extra)
     _notes_legend(fig, fig.legends[-1] if fig.legends else None)
+
+
+# A linear axis whose data span less than this (relative to the values, absolute near 0) shows
+# float noise (identical seeds' 1e-17): it is widened to MIN_HALF_SPAN around its centre.
+TINY_SPAN = 1e-9
+MIN_HALF_SPAN = 1.0
+
+
+def plain_axes(fig) -> None:
+    """Every axis of `fig` states its ticks' own values: no offset, and a linear axis whose
+    limits span only float noise widened around its centre (a span of 1e-17 drew ticks 0-2.5
+    under a '1e-17' offset)."""
+    for ax in fig.axes:
+        for axis, get, put in ((ax.xaxis, ax.get_xlim, ax.set_xlim),
+                               (ax.yaxis, ax.get_ylim, ax.set_ylim)):
+            fmt = axis.get_major_formatter()
+            if isinstance(fmt, ScalarFormatter):
+                fmt.set_useOffset(False)
+            if axis.get_scale() != "linear":
+                continue
+            lo, hi = get()
+            if abs(hi - lo) < TINY_SPAN * max(1.0, abs(lo), abs(hi)):
+                mid = (lo + hi) / 2
+                half = max(MIN_HALF_SPAN, 0.05 * abs(mid))
+                put(mid - half, mid + half)
+
+
+# ---------------------------------------------------------------- layout checks
+
+
+def _drawn_ticks(ax) -> set[int]:
+    """ids of the tick labels matplotlib draws (those inside the view; the rest keep stale
+    positions)."""
+    out = set()
+    for axis in (ax.xaxis, ax.yaxis):
+        for tick in axis._update_ticks():
+            out |= {id(tick.label1), id(tick.label2)}
+    return out
+
+
+def visible_texts(fig) -> list[tuple[Text, object]]:
+    """(text, its box in display pixels) of every piece of text drawn on `fig` (drawn
+    already: `layout_problems` draws it)."""
+    renderer = fig.canvas.get_renderer()
+    ticks, all_ticks = set(), set()
+    for ax in fig.axes:
+        if ax.get_visible():
+            ticks |= _drawn_ticks(ax)
+        for axis in (ax.xaxis, ax.yaxis):
+            for tick in (*axis.get_major_ticks(), *axis.get_minor_ticks()):
+                all_ticks |= {id(tick.label1), id(tick.label2)}
+    out = []
+    for t in fig.findobj(Text):
+        if not t.get_visible() or not t.get_text().strip():
+            continue
+        if id(t) in all_ticks and id(t) not in ticks:
+            continue
+        if not _shown(t):
+            continue
+        out.append((t, t.get_window_extent(renderer)))
+    return out
+
+
+def _shown(artist) -> bool:
+    """Whether the artist and every parent it hangs from (an axes, a legend) is visible."""
+    ax = getattr(artist, "axes", None)
+    return ax is None or ax.get_visible()
+
+
+def overlapping_texts(fig, slack: float = 1.0) -> list[str]:
+    """'"a" over "b"' for every two texts of `fig` (drawn) whose boxes overlap by more than
+    `slack` pixels both ways."""
+    boxes = visible_texts(fig)
+    out = []
+    for i, (a, ba) in enumerate(boxes):
+        for b, bb in boxes[i + 1:]:
+            w = min(ba.x1, bb.x1) - max(ba.x0, bb.x0)
+            h = min(ba.y1, bb.y1) - max(ba.y0, bb.y0)
+            if w > slack and h > slack:
+                out.append(f"{a.get_text()!r} over {b.get_text()!r}")
+    return out
+
+
+def offset_texts(fig) -> list[str]:
+    """The offset or exponent texts drawn beside any axis of `fig` (drawn: '1e-17', '+1')."""
+    return [t for ax in fig.axes if ax.get_visible()
+            for t in (ax.xaxis.get_offset_text().get_text(), ax.yaxis.get_offset_text().get_text())
+            if t]
+
+
+def layout_problems(fig) -> list[str]:
+    """What makes a figure unreadable: overlapping texts, offset notation, axis labels over one
+    line (the figure drawn once, at its own size and dpi)."""
+    fig.canvas.draw()
+    labels = [f"axis label over one line: {lab!r}" for ax in fig.axes if ax.get_visible()
+              for lab in (ax.get_xlabel(), ax.get_ylabel()) if "\n" in lab]
+    return [*overlapping_texts(fig), *(f"offset notation {t!r}" for t in offset_texts(fig)),
+            *labels]
 
 
 def drawn_labels(data: pd.DataFrame) -> list[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.columns import ACT_PEAK, ACT_TEMP_PEAK, PEAK, SAVED, TEST_ACC, THROUGHPUT, label
+from memtrain import columns
+from memtrain.columns import ACT_PEAK, PEAK, RESERVED, SAVED, TEST_ACC, THROUGHPUT, label
 from memtrain.report import derive
 from memtrain.report.draw import is_true
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -80,6 +81,7 @@ def _cell(r: pd.Series, col: str, decimals: int = 2, scale: float = 1.0, sign: b
 
 
 def _ratio(r: pd.Series, col: str) -> str:
+    """A ratio: two decimals, its spread over seeds too."""
     return _cell(r, col)
 
 
@@ -98,39 +100,66 @@ def _bytes_col(g: pd.DataFrame, col: str) -> tuple[float, str, int]:
     return div, unit, decimals_for(g[col] / div) if col in g else 1
 
 
+# report.md's first table: the headline memory ratio (memtrain/columns.py), then the detail
+# ratios every table shows: saved bytes and the activation peak, so that a saving in one and a
+# loss in the other is visible
+DETAIL = tuple(columns.ratio(n) for n in ("mem_act_temp_rel", "mem_saved_rel"))
+RESERVED_REL = columns.ratio("mem_reserved_rel")
+
+
+def _has(g: pd.DataFrame, col: str) -> bool:
+    return col in g and pd.to_numeric(g[col], errors="coerce").notna().any()
+
+
+def shown_ratios(g: pd.DataFrame, mem: Memory) -> list[columns.Ratio]:
+    """The ratios a table of `g` shows: the headline one, reserved beside it where measured
+    (CUDA), the figures' memory ratio when it is another, the detail."""
+    out = [columns.HEADLINE, *([RESERVED_REL] if _has(g, RESERVED) else [])]
+    out += [r for r in (mem.ratio, *DETAIL) if r not in out]
+    return out
+
+
 def table(g: pd.DataFrame, mem: Memory, baseline: str, peak_src: str) -> str:
-    """One markdown table of the settings of a model and dataset. Saved bytes and the
-    activation peak vs the baseline are always both shown: a saving in one column and a loss in
-    the other must be visible."""
-    act = mem.col != PEAK  # a second memory column when figures plot another
-    # its ratio, unless it is one of the two ratios every table shows
-    act_rel = act and mem.rel not in ("mem_saved_rel", "mem_act_temp_rel")
+    """One markdown table of the settings of a model and dataset, baseline first: the step's
+    total peak and its ratio to the baseline (the headline), CUDA's reserved peak beside it
+    where measured, then the detail ratios (`shown_ratios`), throughput, accuracy, status."""
     pdiv, punit, pdec = _bytes_col(g, PEAK)
+    reserved = _has(g, RESERVED)
+    rdiv, runit, rdec = _bytes_col(g, RESERVED)
+    act = mem.col != PEAK  # the figures' memory in bytes too, when they plot another
     adiv, aunit, adec = _bytes_col(g, mem.col)
+    ratios = shown_ratios(g, mem)
     tput = "throughput_e2e_samples_s" if "throughput_e2e_samples_s" in g else THROUGHPUT
     tdec = decimals_for(g[tput]) if tput in g else 0
     head = ["setting", *([SOURCE] if SOURCE in g else []), "seeds",
-            f"{label(PEAK)} {punit} ({peak_src})",
-            f"{label(PEAK)} / {baseline}",
+            f"{label(PEAK)} {punit} ({peak_src})", ratios[0].heading(baseline),
+            *([f"{label(RESERVED)} {runit}", ratios[1].heading(baseline)] if reserved else []),
             *([f"{mem_short(mem)} {aunit}"] if act else []),
-            *([f"{mem_short(mem)} / {baseline}"] if act_rel else []),
-            f"{label(SAVED)} / {baseline}", f"{label(ACT_TEMP_PEAK)} / {baseline}",
-            label(THROUGHPUT),
-            f"throughput / {baseline}", f"{label(TEST_ACC)} %", "Δ acc (pts)", "status"]
+            *(r.heading(baseline) for r in ratios[1 + reserved:]),
+            label(THROUGHPUT), f"throughput / {baseline}", f"{label(TEST_ACC)} %",
+            "Δ acc (pts)", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in order_settings(g).iterrows():
         noisy = NOISY if is_true(r.get("timing_noisy")) else ""
         cells = [*_setting(r, g), str(r["n_runs"]),
-                 _cell(r, PEAK, pdec, 1 / pdiv), _ratio(r, "mem_peak_rel"),
+                 _cell(r, PEAK, pdec, 1 / pdiv), _ratio(r, ratios[0].name),
+                 *([_cell(r, RESERVED, rdec, 1 / rdiv), _ratio(r, ratios[1].name)]
+                   if reserved else []),
                  *([_cell(r, mem.col, adec, 1 / adiv)] if act else []),
-                 *([_ratio(r, mem.rel)] if act_rel else []),
-                 _ratio(r, "mem_saved_rel"), _ratio(r, "mem_act_temp_rel"),
+                 *(_ratio(r, x.name) for x in ratios[1 + reserved:]),
                  _cell(r, tput, tdec) + noisy, _ratio(r, "throughput_rel"),
                  _cell(r, TEST_ACC, 1, 100), _cell(r, "test_acc_delta", 1, 100, sign=True),
                  text(r["status"]) + (f", did not learn {int(r['n_not_learned'])}/"
                                       f"{int(r['n_ok'])}" if r.get("n_not_learned", 0) else "")]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def ratio_lines(agg: pd.DataFrame, mem: Memory, baseline: str) -> list[str]:
+    """report.md's definitions of the ratios its tables show: the headline first."""
+    shown = shown_ratios(agg, mem)
+    return [f"- The memory ratio, {shown[0].definition(baseline)}.",
+            "- Detail: " + "; ".join(r.definition(baseline) for r in shown[1:]) + "."]
 
 
 ESTIMATES = ("mem_estimate_bytes", "mem_estimate_act_bytes", "mem_estimate_saved_bytes")
@@ -230,10 +259,10 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
            sources: Sequence[str], n_runs: int, skipped: list[tuple[Path, str]],
            warnings: list[str], figures: dict[str, list[Path]], not_drawn: dict[str, str],
            out: Path, names: Names = DEFAULT_NAMES,
-           modules: dict | None = None) -> str:
+           modules: dict | None = None, captions: dict[str, str] | None = None) -> str:
     """The whole report.md text; `baseline` is the --baseline spec (method=none); `modules`:
     the per-module tables of `trainer.memory_timeline` runs by (model, dataset)
-    (report.plots_timeline.module_tables)."""
+    (report.plots_timeline.module_tables); `captions`: each figure's, under it."""
     short = text(baseline.split(",")[0].partition("=")[2] or baseline)
     peak_src = peak_source(agg)
     parts = [
@@ -246,17 +275,14 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
         f"- Baseline of a run: the {code(baseline)} run (status ok) with the same "
         f"{', '.join(code(k) for k in match)}; a baseline run is its own. Ratios and Δ are "
         f"per run, then averaged over seeds (mean ± std).",
-        f"- Memory in the figures: {mem.what}, {mem.source} (`{mem.col}`).",
-        f"- Peak: `mem_peak_alloc_bytes` ({peak_src}).",
+        *ratio_lines(agg, mem, short),
+        f"- Memory in the figures: `{mem.ratio.heading(short)}` ({mem.source}).",
         "- Throughput: samples/s of the timed steps, end to end for methods that train in "
         "phases (every phase's steps; `throughput_e2e_samples_s`). "
         f"{NOISY}: step times were noisy (p90 above {derive.NOISY_P90_OVER_MEDIAN:g}× the "
         "median in a run, or the seeds' step times that far apart: the load changed between "
         "runs), so ratios of times are not to be trusted.",
     ]
-    if peak_src != "CUDA" and mem.col != "mem_peak_alloc_bytes":
-        parts.append("- On the CPU there is no CUDA peak: the peak is the live-tensor tracker's, "
-                     "so figures plot activation bytes instead.")
     const = constant_params(agg)
     if const:
         shared = "; ".join(f"{text(m)}: " + " ".join(
@@ -288,6 +314,8 @@ def render(agg: pd.DataFrame, *, mem: Memory, baseline: str, match: Sequence[str
             png = next((p for p in paths if p.suffix == ".png"), paths[0])
             parts.append(f"![{name}]({png.relative_to(out).as_posix()})")
             parts.append("")
+            if (captions or {}).get(name):
+                parts += [f"*{name}*: {text(captions[name])}", ""]
         parts += [f"- {name}: not drawn ({text(why)})" for name, why in not_drawn.items()]
         parts.append("")
     if skipped:

@@ -28,8 +28,10 @@ from memtrain.report.draw import (
     finish,
     hollow,
     is_true,
+    not_learned,
     note,
     ok_rows,
+    plain_axes,
     points,
 )
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -117,11 +119,11 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                    if pd.isna(ok.at[r.Index, xcol])]
         front = ax.plot([], [], color="#999999", linestyle="--",
                         linewidth=style.line_width(0.7)) if len(idx) > 1 else []
-        same = coincident(pts)
+        same = coincident(pts) + not_learned(g)
         note(ax, failed_lines(g) + skipped, (*front, *[_blank()] * len(same)),
              ["Pareto front"] * len(front) + same, panel=title)
         ax.set(title=title, xlabel=xlab,
-               ylabel="validation loss (per token)" if lm else "test accuracy (%)")
+               ylabel="validation loss" if lm else "test accuracy (%)")
     data = pd.DataFrame(drawn)
     extra = []
     if "chance" in data:
@@ -133,7 +135,10 @@ def tradeoff(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                              markersize=style.marker_size(), **hollow({"color": "#666666"})),
                       "hollow: a run did not learn"))
     finish(fig, styles, drawn_labels(data), tuple(extra))
-    return Plot("tradeoff", fig, data)
+    x = mem.caption(baseline if rel else None)
+    return Plot("tradeoff", fig, data, f"x: {x}. y: test accuracy (language models: the "
+                f"validation loss per token), mean and standard deviation over seeds; the dashed "
+                f"line is the Pareto front (less memory, better quality).")
 
 
 # ---------------------------------------------------------------- 3. throughput against memory
@@ -158,8 +163,7 @@ def throughput(agg: pd.DataFrame, mem: Memory, names: Names = DEFAULT_NAMES) -> 
         drawn += points(ax, ok_rows(g), mem.col, col, styles, title, xscale=div,
                         flag="timing_noisy")
         note(ax, failed_lines(g), panel=title)
-        ax.set(title=title, xlabel=mem.axis(unit=unit),
-               ylabel="training throughput,\nend to end (samples/s)")
+        ax.set(title=title, xlabel=mem.axis(unit=unit), ylabel="throughput (samples/s)")
         ax.set_ylim(bottom=0)
     data = pd.DataFrame(drawn)
     extra = ()
@@ -167,9 +171,10 @@ def throughput(agg: pd.DataFrame, mem: Memory, names: Names = DEFAULT_NAMES) -> 
         h = Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(),
                    **{k: v for k, v in hollow({"color": "#666666"}).items()})
         k = f"{derive.NOISY_P90_OVER_MEDIAN:g}×"
-        extra = ((h, f"hollow: noisy timing (p90 > {k} median,\nor seeds {k} apart)"),)
+        extra = ((h, f"hollow: noisy timing (p90 > {k} median, or seeds {k} apart)"),)
     finish(fig, styles, drawn_labels(data), extra)
-    return Plot("throughput", fig, data)
+    return Plot("throughput", fig, data, f"x: {mem.caption()}. y: training samples per second "
+                f"of the timed steps, end to end (every phase of a multi-phase method).")
 
 
 # ---------------------------------------------------------------- 4. learning curves
@@ -243,7 +248,8 @@ def curves(agg: pd.DataFrame, metrics: pd.DataFrame, names: Names = DEFAULT_NAME
         ax.xaxis.get_major_locator().set_params(integer=True)
     data = pd.DataFrame(drawn)
     finish(fig, styles, drawn_labels(data))
-    return Plot("curves", fig, data)
+    return Plot("curves", fig, data, f"Test accuracy at each evaluation ({xname}s), mean over "
+                f"seeds with a band of one standard deviation.")
 
 
 # ---------------------------------------------------------------- 6. failure map
@@ -303,7 +309,10 @@ def failures(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
                  for why, n in reasons.items()]
         fig.text(0.01, 0.0, "\n".join(lines), ha="left", va="top", fontsize="small",
                  transform=fig.transFigure)
-    return Plot("failures", fig, pd.DataFrame(drawn))
+    plain_axes(fig)
+    return Plot("failures", fig, pd.DataFrame(drawn), "Each setting's runs by how they ended "
+                "(the worst colours the cell); [n]: the reason under the grid, the first line "
+                "of the runs' `error`.")
 
 
 # ---------------------------------------------------------------- all of them
@@ -360,14 +369,15 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                  for r in ok.itertuples() if is_true(getattr(r, "timing_noisy", None))]
         # settings at one place in the quality panel (an exact method on none's point)
         same = coincident([d for d in drawn if d["panel"] == title and d["row"] != "overhead"])
+        same += not_learned(g)
         note(top, failed_lines(g), (_blank(),) * len(same), tuple(same), panel=title)
         if noisy:
             note(bottom, [], (Line2D([], [], linestyle="none"),) * len(noisy), tuple(noisy),
                  panel=f"{title}: overhead")
-        top.set(title=title, ylabel=f"validation loss change\nvs {baseline}" if lm else
-                f"accuracy change\nvs {baseline} (points)")
-        bottom.set(title=f"{title}: overhead", xlabel=_narrow(mem.axis(baseline), len(ps)),
-                   ylabel=f"step-time overhead\nvs {baseline} (%)")
+        top.set(title=title, ylabel="validation loss change" if lm else
+                "accuracy change (points)")
+        bottom.set(title=f"{title}: overhead", xlabel=mem.axis(baseline),
+                   ylabel="step-time overhead (%)")
     data = pd.DataFrame(drawn)
     extra = ()
     flagged = [c for c in ("did_not_learn", "timing_noisy")
@@ -377,15 +387,11 @@ def cost(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                          **hollow({"color": "#666666"})), "hollow: a run did not learn (above) "
                   "or timed noisily (below)"),)
     finish(fig, styles, drawn_labels(data), extra)
-    return Plot("cost", fig, data)
-
-
-def _narrow(label: str, panels: int) -> str:
-    """An axis label under one of several panels side by side, each line wrapped to a panel's
-    width (unwrapped, two panels' labels ran into each other)."""
-    if panels < 2:
-        return label
-    return "\n".join(textwrap.fill(line, 46) for line in label.split("\n"))
+    return Plot("cost", fig, data, f"x: {mem.caption(baseline)}. Above: the test accuracy "
+                f"minus {baseline}'s, in points (language models: the validation loss per token "
+                f"minus {baseline}'s); below: the step time over {baseline}'s, minus 1, in % "
+                f"(end to end). Mean and standard deviation over seeds, each run against its "
+                f"own seed's {baseline}.")
 
 
 # ---------------------------------------------------------------- the GPU-free estimate
@@ -405,7 +411,7 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     div, unit = byte_unit(agg[col])
     styles, ps = setting_styles(agg), panels(agg, names)
     fig, axes = style.subplots(len(ps))
-    drawn, extra = [], {}
+    drawn, extra, sizes = [], {}, {}
     for ax, (title, g) in zip(axes, ps):
         g = order_settings(g)
         g = g[g[col].notna()]
@@ -430,8 +436,9 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
         size = [f"{k} {g[c].iloc[0]:g}{u}".strip() for c, k, u in
                 (("trainer.batch_size", "batch", ""), ("dataset.image_size", "", " px"))
                 if c in g and g[c].nunique() == 1 and pd.notna(g[c].iloc[0])]
-        ax.set(title=title, xlabel=f"predicted peak of one training step ({unit})"
-               + (f"\n{', '.join(size)}" if size else ""))
+        if size:
+            sizes[title] = ", ".join(size)
+        ax.set(title=title, xlabel=f"predicted peak ({unit})")
         if cap == cap:  # named in the legend under the figure: inside, it hid a bar
             line = ax.axvline(cap / div, color="#c00000", linestyle="--",
                               linewidth=style.line_width(0.8))
@@ -443,7 +450,12 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
         ax.xaxis.set_major_locator(MaxNLocator(4))
     # the settings are the bars' names: the legend holds only the line and the hatching
     finish(fig, styles, [], tuple((h, text) for text, h in extra.items()))
-    return Plot("estimates", fig, pd.DataFrame(drawn))
+    at = "; ".join(f"{t}: {v}" for t, v in sizes.items())
+    return Plot("estimates", fig, pd.DataFrame(drawn),
+                f"The GPU-free estimate's predicted peak of one training step "
+                f"(`mem_estimate_bytes`: fake tensors, nothing trained){f' ({at})' if at else ''}"
+                f"; a hatched bar does not fit the GPU memory it is set against (the dashed "
+                f"line).")
 
 
 def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str = "none",

@@ -24,8 +24,8 @@ BREAKDOWN_COLORS = ("#4c72b0", "#8da0cb", "#a6d854", "#fc8d62", "#d9d9d9")
 # The moment of the step a breakdown is taken at, best first: the activation peak is where
 # methods differ (the total peak of a small model is its optimizer step, the same for all).
 MOMENTS = (("mem_at_act_peak", "at the activation peak",
-            "other (buffers, the batch,\nbackward temporaries)"),
-           ("mem_at_peak", "at the peak of the step", "other (buffers, the batch)"))
+            "buffers, the batch and backward temporaries"),
+           ("mem_at_peak", "at the peak of the step", "buffers and the batch"))
 
 
 def _moment(agg: pd.DataFrame) -> tuple[str, str, str] | None:
@@ -51,7 +51,7 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     if moment is None:
         return None
     prefix, when, other = moment
-    kinds = [*(name for _, name in BREAKDOWN[:-1]), other]
+    kinds = [name for _, name in BREAKDOWN]
     cols = [f"{prefix}_{k}_bytes" for k, _ in BREAKDOWN]
     peak = agg.get("mem_peak_alloc_bytes")
     div, unit = byte_unit(pd.concat([agg[cols].sum(axis=1), peak]) if peak is not None
@@ -90,14 +90,18 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
                 ax.text(left[r.name], yi, lost, va="center", fontsize="x-small",
                         color=draw.FAILED_COLOR)
         ax.grid(axis="y", visible=False)
-        ax.set(title=title, xlabel=f"memory {when}, {unit}\n({_where(agg)})")
+        ax.set(title=title, xlabel=f"memory {when} ({unit})")
+    draw.plain_axes(fig)
     fig.tight_layout(pad=0.3, h_pad=1.2)
     handles, labels = axes[0].get_legend_handles_labels()
     order = [labels.index(k) for k in (*kinds, "peak of the step") if k in labels]
     fig.legend([handles[i] for i in order], [labels[i] for i in order], loc="upper center",
                bbox_to_anchor=(0.5, 0.0), ncol=3,
                frameon=False, handlelength=1.0, columnspacing=0.8)
-    return Plot("breakdown", fig, pd.DataFrame(drawn))
+    return Plot("breakdown", fig, pd.DataFrame(drawn),
+                f"Memory by kind {when} of the accounting step ({_where(agg)}), one bar per "
+                f"setting (a multi-phase method: its largest phase); other: {other}; the tick: "
+                f"the step's total peak, `mem_peak_alloc_bytes`.")
 
 
 # ---------------------------------------------------------------- 5. checkpoint budget figure
@@ -107,6 +111,7 @@ def breakdown(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
 SERIES = {"budget": "b", "budget block": "b", "compile": "amb"}
 LINES = {"budget": "-", "budget block": "--", "compile": ":"}
 FRACTION = "method.budget_fraction"
+ACT_REL = columns.ratio("mem_act_rel")  # the planner's target: activations alone
 
 
 def _budget_rows(agg: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
@@ -144,9 +149,8 @@ def _target_panel(ax, rows: pd.DataFrame, styles: dict, title: str, baseline: st
         drawn.append({"panel": title, "label": r["label"], "method": "checkpoint",
                       "x": b, "y": r["mem_act_rel"], "planned": planned, "target": b,
                       "kind": "target"})
-    ax.set(xlim=lim, ylim=lim, title=f"{title}: budget",
-           xlabel=f"budget (fraction of {baseline}'s activation peak)",
-           ylabel=f"activation peak relative to {baseline}")
+    ax.set(xlim=lim, ylim=lim, title=f"{title}: budget", xlabel="budget b",
+           ylabel=ACT_REL.axis(baseline))
     h = (Line2D([], [], color="#888888", linestyle="--", linewidth=style.line_width(0.7)),
          Line2D([], [], linestyle="none", marker="o", markersize=style.marker_size(1.6),
                 **draw.hollow({"color": color})),
@@ -193,8 +197,7 @@ def _overhead_panel(ax, g: pd.DataFrame, strategies: pd.Series, is_b: pd.Series,
     draw.note(ax, draw.failed_lines(g), (Line2D([], [], linestyle="none"),) * len(noisy), noisy,
               panel=title)
     ax.axvline(0.0, color="#bbbbbb", linewidth=style.line_width(0.6), linestyle=":", zorder=0)
-    ax.set(title=f"{title}: memory against overhead",
-           xlabel=f"step-time overhead vs {baseline} (%)",
+    ax.set(title=f"{title}: memory against overhead", xlabel="step-time overhead (%)",
            ylabel=mem.axis(baseline))
     return drawn
 
@@ -242,7 +245,12 @@ def budget(agg: pd.DataFrame, mem: Memory, baseline: str = "none",
                    **draw.hollow({"color": "#666666"}))
         extra = ((h, "hollow: the planner's prediction"),)
     draw.finish(fig, styles, draw.drawn_labels(data), extra)
-    return Plot("budget", fig, data)
+    left = (f"Left: {ACT_REL.definition(baseline)}, measured (filled) and planned (hollow), "
+            f"against the budget b, a fraction of {baseline}'s activation peak (the dashed "
+            f"diagonal: on target). Right: " if two else "")
+    return Plot("budget", fig, data, f"{left}y: {mem.caption(baseline)}; x: the step time over "
+                f"{baseline}'s, minus 1, in % (end to end); b=: the planner's budget, amb=: "
+                f"torch.compile's activation_memory_budget.")
 
 
 # ---------------------------------------------------------------- 6. memory against sequence length
@@ -294,9 +302,11 @@ def sequence(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
     for ax, title in panels_drawn:
         ax.set_yscale("log")
         ax.set(title=title, xlabel="sequence length (tokens)",
-               ylabel=f"{columns.axis(col)} ({unit})")
+               ylabel=f"{columns.label(col)} ({unit})")
     draw.finish(fig, colors, draw.drawn_labels(data))
-    return Plot("sequence", fig, data)
+    return Plot("sequence", fig, data, f"y: `{columns.label(col)}`, {columns.lookup(col).meaning} "
+                f"(`{col}`), against the sequence length, log-log: a term linear in the length "
+                f"has slope 1, attention's scores slope 2.")
 
 
 # ---------------------------------------------------------------- 7. per-rank memory against ranks
@@ -327,10 +337,12 @@ def sharding(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
                      ranks=ranks)
     fig, panels_drawn, data, colors, unit = _lines_against(agg, names, "ranks", "ranks", col,
                                                            int)
-    what = columns.axis(columns.PEAK) + ("" if measured else ", estimated,")
+    what = columns.label(columns.PEAK) if measured else "predicted peak"
     for ax, title in panels_drawn:
         ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set(title=title, xlabel="ranks (trainer.world_size)",
-               ylabel=f"{what} per rank ({unit})")
+        ax.set(title=title, xlabel="ranks", ylabel=f"{what} per rank ({unit})")
     draw.finish(fig, colors, draw.drawn_labels(data))
-    return Plot("sharding", fig, data)
+    y = ("the step's total peak of the rank with the highest, `mem_peak_alloc_bytes`" if measured
+         else "one rank's peak as the GPU-free estimate predicts it, `mem_estimate_bytes`")
+    return Plot("sharding", fig, data, f"y: {y}; x: the ranks (`trainer.world_size`; a run of "
+                f"one process at 1).")

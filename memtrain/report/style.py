@@ -22,13 +22,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from memtrain import columns  # noqa: E402
-from memtrain.columns import ACT_TEMP_PEAK, PEAK, PEAK_SOURCE, SAVED  # noqa: E402
+from memtrain.columns import ACT_TEMP_PEAK, PEAK_SOURCE, SAVED  # noqa: E402
 from memtrain.report.names import BASELINE_METHOD, METHODS, Names, method_order  # noqa: E402
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES  # noqa: E402
 
 _BASE_RC = {
     "axes.grid": True, "grid.alpha": 0.4, "axes.spines.top": False, "axes.spines.right": False,
     "savefig.bbox": "tight", "savefig.pad_inches": 0.02, "pdf.fonttype": 42,
+    # every tick says its own value: no "1e-17" or "+1" offset, no "1e6" exponent above an axis
+    "axes.formatter.useoffset": False, "axes.formatter.limits": (-9, 12),
 }
 
 
@@ -187,45 +189,61 @@ def shared_legend(fig, styles: dict[str, dict], labels: list[str], extra: tuple 
 
 @dataclass(frozen=True)
 class Memory:
-    """Which memory column the figures plot and how the axis says so."""
+    """Which memory column the figures plot, its ratio to the baseline (memtrain/columns.py's
+    RATIOS: by default the headline one, the step's total peak) and how it was measured."""
 
     col: str
     rel: str
-    what: str  # "peak memory", "activation memory", "saved activations"
-    source: str  # how it was measured, e.g. "CUDA max allocated", "CPU, no CUDA peak"
+    source: str  # how it was measured, e.g. "CUDA max allocated", "CPU live-tensor tracker"
+
+    @property
+    def ratio(self) -> columns.Ratio:
+        return columns.ratio(self.rel)
+
+    @property
+    def what(self) -> str:
+        """'peak memory', 'activation + backward temporary memory', 'saved activations'."""
+        return columns.axis(self.col)
 
     def axis(self, baseline: str | None = None, unit: str = "MiB") -> str:
-        """'activation memory relative to none\n(saved + recomputed; CPU, no CUDA peak)'."""
-        head = f"{self.what} relative to {baseline}" if baseline else f"{self.what}, {unit}"
-        return f"{head}\n({self.source})"
+        """One line: 'peak / none (mem_peak_alloc_bytes)' against a baseline, else 'peak
+        (MiB)'; the definition is the caption's (`caption`)."""
+        return self.ratio.axis(baseline) if baseline else f"{columns.label(self.col)} ({unit})"
+
+    def caption(self, baseline: str | None = None) -> str:
+        """The axis's definition, for a figure's caption."""
+        what = self.ratio.definition(baseline) if baseline else \
+            f"`{columns.label(self.col)}`: {columns.lookup(self.col).meaning}"
+        return f"{what}; measured by {self.source}"
 
 
 MEMORY_CHOICES = ("auto", "peak", "act", "saved")
 
 
-def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
-    """The memory figure for the axes.
+def peak_source(sources: set[str]) -> str:
+    """How the peaks of runs with these `mem_peak_source` values were measured."""
+    known = {"cuda": "CUDA max allocated", "tracker": "the CPU live-tensor tracker"}
+    said = sorted(known.get(s, f"the CPU ({s})") for s in sources) or ["an unknown source"]
+    return " / ".join(said) + (", mixed" if len(said) > 1 else "")
 
-    `peak` is the CUDA peak where it was measured; on the CPU there is no CUDA peak, so `auto`
-    uses activation bytes there (`act`: the highest activations + backward temporaries alive at
-    once in a step, recomputed tensors included, from the live-tensor tracker; `saved`: bytes
-    saved for backward, which undercount under recomputation). The axis label names the source.
-    """
+
+def memory_metric(df: pd.DataFrame, choice: str = "auto") -> Memory:
+    """The memory the figures plot: `auto` and `peak` the headline ratio's, the step's total
+    peak (`mem_peak_alloc_bytes`: CUDA's allocated peak, or the CPU's); `act` the activations +
+    backward temporaries at their peak, `saved` the bytes saved for backward (which undercount
+    under recomputation), both detail."""
     if choice not in MEMORY_CHOICES:
         raise ValueError(f"--memory must be one of {', '.join(MEMORY_CHOICES)}, got {choice!r}")
-    sources = set(df.get(PEAK_SOURCE, pd.Series(dtype=str)).dropna().astype(str))
-    cuda_only = sources == {"cuda"}
-    if choice == "auto":
-        choice = "peak" if cuda_only else "act"
-    if choice == "peak":
-        src = ("CUDA max allocated" if cuda_only else
-               "CPU live-tensor tracker" if sources == {"tracker"} else "CUDA / CPU tracker, mixed")
-        return Memory(PEAK, "mem_peak_rel", columns.axis(PEAK), src)
-    cpu = "" if cuda_only else "; CPU, no CUDA peak"
-    if choice == "act":
-        return Memory(ACT_TEMP_PEAK, "mem_act_temp_rel", columns.axis(ACT_TEMP_PEAK),
-                      f"saved + recomputed + backward temporaries{cpu}")
-    return Memory(SAVED, "mem_saved_rel", columns.axis(SAVED), f"saved for backward{cpu}")
+    sources = set(df.get(PEAK_SOURCE, pd.Series(dtype=str)).dropna().astype(str)) - {""}
+    ratio = {"auto": columns.HEADLINE, "peak": columns.HEADLINE,
+             "act": columns.ratio("mem_act_temp_rel"), "saved": columns.ratio("mem_saved_rel")}
+    r = ratio[choice]
+    src = peak_source(sources)
+    if r.of == SAVED:
+        src = "saved-tensor hooks (every device)"
+    elif r.of == ACT_TEMP_PEAK:
+        src = "the live-tensor tracker"
+    return Memory(r.of, r.name, src)
 
 
 BYTE_UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}

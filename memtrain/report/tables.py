@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain import columns
 from memtrain.record import DRIVING_OPTIONS, GROUPS, SKIPPED
 from memtrain.report import derive, screen
 from memtrain.report.names import CONFIG_PREFIXES, InputError, Names, fmt_value, isna
@@ -33,22 +34,9 @@ SOURCE = "source"
 DEFAULT_BASELINE = "method=none"
 DEFAULT_MATCH = ("model", "dataset", "trainer.batch_size", "trainer.precision", SEED)
 SHARDING = ("trainer.strategy", "trainer.world_size")  # matched too, where rows have them
-# Columns made relative to the baseline (ratio) or differenced (delta), per run.
-RATIOS = {
-    "mem_peak_alloc_bytes": "mem_peak_rel",
-    # activations only: what the checkpoint planner models (the budget figure's target panel)
-    "mem_peak_act_bytes": "mem_act_rel",
-    # activations + backward temporaries: the tables' and figures' activation ratio
-    "mem_peak_act_temp_bytes": "mem_act_temp_rel",
-    "mem_act_saved_bytes": "mem_saved_rel",
-    # end to end (report/derive.py): every phase of a multi-phase method, not its largest one
-    "throughput_e2e_samples_s": "throughput_rel",
-    "step_time_e2e_s": "step_time_rel",
-    # the GPU-free estimate (trainer.estimate=true): predicted against the baseline's prediction
-    "mem_estimate_bytes": "mem_estimate_rel",
-    "mem_estimate_act_bytes": "mem_estimate_act_rel",
-    "mem_estimate_saved_bytes": "mem_estimate_saved_rel",
-}
+# Columns made relative to the baseline (ratio) or differenced (delta), per run: the ratios are
+# memtrain/columns.py's (RATIOS: the headline memory ratio first, then the detail)
+RATIOS = {r.of: r.name for r in columns.RATIOS}
 DELTAS = {"test_acc": "test_acc_delta", "test_loss": "test_loss_delta"}
 
 
@@ -329,22 +317,34 @@ def add_baselines(df: pd.DataFrame, baseline: str = DEFAULT_BASELINE,
 DEVICE_KEYS = ("device", "mem_peak_source")
 
 
-def _device_key(row: pd.Series) -> tuple[str, str]:
-    kind = row.get("device")
-    kind = None if isna(kind) else str(kind).split(":")[0]
-    return fmt_value(kind), fmt_value(row.get("mem_peak_source"))
+def _device_key(row: pd.Series) -> tuple[str | None, str | None]:
+    """(device kind, peak source) of a run; None where the row has none (a run stopped before
+    its accounting step measured nothing)."""
+    kind, src = row.get("device"), row.get("mem_peak_source")
+    return (None if isna(kind) or kind == "" else str(kind).split(":")[0],
+            None if isna(src) or src == "" else str(src))
+
+
+def _alike(mine: tuple, theirs: tuple) -> bool:
+    """Measured alike: equal where both rows know (a missing part matches any: its ratios are
+    NaN anyway)."""
+    return all(a is None or b is None or a == b for a, b in zip(mine, theirs))
 
 
 def _same_device(row: pd.Series, cand: pd.DataFrame) -> tuple[pd.DataFrame | None, str]:
     """The candidates measured like `row` (see DEVICE_KEYS), or (None, why not)."""
     mine = _device_key(row)
     theirs = cand.apply(_device_key, axis=1)
-    same = cand[theirs.map(lambda k: k == mine)]
+    same = cand[theirs.map(lambda k: _alike(mine, k))]
     if len(same):
         return same, ""
-    other = ", ".join(sorted({f"device {d}, peak from {p}" for d, p in theirs}))
-    return None, (f"the matching runs were measured on {other}, this one on device {mine[0]}, "
-                  f"peak from {mine[1]}")
+
+    def where(key: tuple) -> str:
+        d, p = key
+        return f"device {d or 'unknown'}" + (f", peak from {p}" if p else "")
+
+    other = ", ".join(sorted({where(k) for k in theirs}))
+    return None, f"the matching runs were measured on {other}, this one on {where(mine)}"
 
 
 def _num(v):
@@ -391,7 +391,7 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                    error_short=_common(g.drop(ok.index).get("error_short")),
                    # ok runs whose row says they did not learn (runner.learning)
                    n_not_learned=int((ok.get("learned", pd.Series(dtype=object))
-                                      .map(lambda v: v is False or v == "False")).sum()))
+                                      .map(said_false)).sum()))
         row["did_not_learn"] = row["n_not_learned"] > 0
         for c in numeric:
             vals = ok[c].astype(float)
@@ -403,6 +403,17 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                 row[c] = g[c].astype(float).mean()
         rows.append(row)
     return add_labels(pd.DataFrame(rows), seed, names)
+
+
+def said_false(v) -> bool:
+    """A flag that says no: False as JSON writes it, 'False' or 'false' as text, 0 as a CSV of
+    rows with gaps reads it (a column of true, false and missing loads as 1.0, 0.0, NaN)."""
+    if isinstance(v, str):
+        return v.strip().lower() == "false"
+    try:
+        return not isna(v) and float(v) == 0.0
+    except (TypeError, ValueError):
+        return False
 
 
 def _sources(g: pd.DataFrame) -> str:
