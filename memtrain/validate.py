@@ -217,6 +217,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     the option chosen (an override or a preset that swaps one for another class would record
     `method=none` for a run of quantize)."""
     from memtrain import trust
+    from memtrain.models import offline
 
     # (a sweep's params and variants are checked as overrides of their own: config._check_sweep)
     plain = [o.input_line for o in parsed if not o.is_sweep_override()
@@ -226,6 +227,9 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
         if o.is_sweep_override() and o.key_or_group.split(".")[-1] in ("_target_", "class", "()"):
             for v in _values(o):
                 trust.locate(str(v), o.key_or_group)
+    # a model sweep's values: each held to the offline rule (memtrain/models/offline.py)
+    swept = [(o.key_or_group, _values(o)) for o in parsed
+             if o.is_sweep_override() and o.key_or_group.startswith("model.")]
     chosen = selection(parsed)
     selections = [chosen]
     for o in parsed:
@@ -238,6 +242,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
         cfg = compose(sel + plain, hydra=True)
         container = OmegaConf.to_container(cfg, resolve=False)
         trust.check_config(container)
+        offline.check_command(container, swept)
         choices = container["hydra"]["runtime"]["choices"]
         for group in BUILT:
             if not choices.get(group) or group not in container:
