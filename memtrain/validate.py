@@ -61,9 +61,11 @@ def check_groups(parsed: list, options: Callable[[str], list[str]]) -> None:
         for choice in _choices(o):
             if choice not in valid:
                 hint = difflib.get_close_matches(choice, valid, n=1)
+                by_name = f"; or a library's model by name: model=timm|torchvision|hf " \
+                    f"model.name={choice} (docs/extending.md)" if o.key_or_group == "model" else ""
                 raise ConfigError(f"unknown {o.key_or_group} {choice!r}; choose one of: "
                                   f"{', '.join(valid)}"
-                                  + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                                  + (f"; did you mean {hint[0]!r}?" if hint else "") + by_name)
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
