@@ -35,9 +35,9 @@ DATASETS = ["synthetic"]
 
 
 LM_DATASETS = ["tokens", "text"]
-# model=hf's `config` as a whole set to null is the type's published size (llama: 7B
-# parameters, built for real here); its keys are checked in tests/test_models_by_name.py
-NOT_WALKED = {("hf", "model.config")}
+# model=hf's `config` is walked key by key: the node as a whole set to null is the type's
+# published size (llama: 7B parameters, built for real here)
+BY_KEY = {("hf", "model.config")}
 # the full-size transformers' options are walked on one layer (and a ViT-B/16 on 16 px images,
 # which its 16 px patches divide)
 SHRINK = {"gpt2_small": ["model.layers=1"], "vit_b16": ["model.layers=1"]}
@@ -81,8 +81,9 @@ def cases() -> list[tuple[tuple[str, ...], str]]:
                            ("optim", conf_options("optim"))):
         for option in options:
             sel = (*_base(option if group == "model" else "mlp6"), f"{group}={option}")
-            out += [(sel, k) for k in _leaves(composed(sel)[group], group)
-                    if (option, k) not in NOT_WALKED]
+            for k in _leaves(composed(sel)[group], group):
+                node = OmegaConf.select(composed(sel), k)
+                out += [(sel, f"{k}.{c}") for c in node] if (option, k) in BY_KEY else [(sel, k)]
     for dataset in LM_DATASETS:  # token data: walked with a language model
         sel = ("model=gpt_nano", "model.layers=1", "trainer=smoke", f"dataset={dataset}",
                "dataset.seq_len=8")
