@@ -91,8 +91,8 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
         if data.task != getattr(model, "task", "classify"):  # an image model on tokens
             name = cfg.model._target_.rsplit(".", 1)[-1]
             raise ConfigError(f"model={name} classifies images and dataset {data.name} holds "
-                              f"token sequences for language models; use model=gpt_nano or "
-                              f"model=gpt2_small, or an image dataset")
+                              f"token sequences for language models; use model=gpt_nano, "
+                              f"model=gpt2_small or model=hf, or an image dataset")
         method = build_method(cfg.method)
         return method.wrap(model), method
 

@@ -63,9 +63,11 @@ def check_groups(parsed: list, options: Callable[[str], list[str]]) -> None:
         for choice in _choices(o):
             if choice not in valid:
                 hint = difflib.get_close_matches(choice, valid, n=1)
+                by_name = f"; or a library's model by name: model=timm|torchvision|hf " \
+                    f"model.name={choice} (docs/extending.md)" if o.key_or_group == "model" else ""
                 raise ConfigError(f"unknown {o.key_or_group} {choice!r}; choose one of: "
                                   f"{', '.join(valid)}"
-                                  + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                                  + (f"; did you mean {hint[0]!r}?" if hint else "") + by_name)
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> list[str]:
@@ -219,6 +221,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     the option chosen (an override or a preset that swaps one for another class would record
     `method=none` for a run of quantize)."""
     from memtrain import trust
+    from memtrain.models import offline
 
     # (a sweep's params and variants are checked as overrides of their own: config._check_sweep)
     plain = [o.input_line for o in parsed if not o.is_sweep_override()
@@ -231,6 +234,9 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     # a sweep over a logging setting (or the job's name, which names the log file): each value
     logs = [o for o in parsed if o.is_sweep_override() and not o.is_delete()
             and o.key_or_group.startswith((*trust.LOGGING, "hydra.job.name"))]
+    # a model sweep's values: each held to the offline rule (memtrain/models/offline.py)
+    swept = [(o.key_or_group, _values(o)) for o in parsed
+             if o.is_sweep_override() and o.key_or_group.startswith("model.")]
     chosen = selection(parsed)
     selections = [chosen]
     for o in parsed:
@@ -246,6 +252,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
         for o in logs:
             for v in _values(o):
                 trust.check_logging(_with(container["hydra"], o.key_or_group, v))
+        offline.check_command(container, swept)
         choices = container["hydra"]["runtime"]["choices"]
         for group in BUILT:
             if not choices.get(group) or group not in container:

@@ -18,6 +18,9 @@ CONF = ROOT / "conf"
 # jobs it starts, which inherit the environment) is checked against memtrain/columns.py: a column
 # written but not declared there fails the test that wrote it (a user's run only warns).
 os.environ["MEMTRAIN_STRICT_COLUMNS"] = "1"
+# `model=module` builds the factory MEMTRAIN_MODEL names: a test that wants one sets it
+# (the `user_factory` fixture); one set in the shell would change model=module's run_id
+os.environ.pop("MEMTRAIN_MODEL", None)
 
 # Under pytest-xdist (make test runs one worker per core) each worker gets one thread: more
 # would oversubscribe the cores and small convolutions get many times slower.
@@ -54,6 +57,28 @@ def conf_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+# Models named in a library's registry (conf/model/{hf,timm,torchvision}.yaml) and the user's
+# own module (conf/model/module.yaml): no chain of theirs is registered, so the registry-wide
+# tests of chains, of every method's walk and of the recipes take memtrain's own architectures
+# (`own_models`); tests/test_models_by_name.py walks these.
+BY_NAME = ("hf", "timm", "torchvision")
+USER_MODULE = "module"
+# The factory `model=module` builds in the tests (MEMTRAIN_MODEL, memtrain/models/user.py)
+USER_FACTORY = f"{Path(__file__).with_name('user_model.py')}:make_net"
+
+
+def own_models() -> list[str]:
+    """memtrain's own architectures: conf/model but the by-name families and the module."""
+    return [m for m in conf_options("model") if m not in (*BY_NAME, USER_MODULE)]
+
+
+@pytest.fixture
+def user_factory(monkeypatch):
+    """MEMTRAIN_MODEL names tests/user_model.py's factory: `model=module` builds its net."""
+    monkeypatch.setenv("MEMTRAIN_MODEL", USER_FACTORY)
+    return USER_FACTORY
+
+
 def language_model(model: str) -> bool:
     """A model whose conf picks token data (conf/model/<model>.yaml overrides the dataset)."""
     return "dataset: tokens" in (CONF / "model" / f"{model}.yaml").read_text()
@@ -66,6 +91,8 @@ def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: 
     if language_model(model):
         return ["dataset=tokens", f"dataset.seq_len={seq_len}", f"dataset.train_size={train_size}",
                 f"dataset.test_size={test_size}"]
+    if model in BY_NAME:  # timm's default, ConvNeXt-atto, halves its maps five times: >= 32 px
+        image_size = max(image_size, 32)
     return ["dataset=synthetic", f"dataset.image_size={image_size}",
             f"dataset.train_size={train_size}", f"dataset.test_size={test_size}"]
 

@@ -3,7 +3,7 @@ it: a new model needs its builder, a chain rule for a new type, and its YAML, no
 
 import pytest
 import torch
-from conftest import conf_options, language_model, tiny_data
+from conftest import language_model, own_models, tiny_data
 
 from memtrain import api
 from memtrain.methods.checkpoint.segments import discover
@@ -17,7 +17,7 @@ def _model(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
     return model.eval(), x  # eval: no dropout or stochastic depth, BatchNorm's running stats
 
 
-@pytest.mark.parametrize("name", conf_options("model"))
+@pytest.mark.parametrize("name", own_models())  # a registered chain each
 def test_units_compose_to_the_forward_and_both_methods_read_them(name):
     model, x = _model(name)
     chain = chain_of(model)

@@ -50,7 +50,7 @@ def _instantiate(group: str, option: str, cfg):
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in conf_options(g)])
-def test_every_option_composes_and_builds(tmp_path, group, option):
+def test_every_option_composes_and_builds(tmp_path, group, option, user_factory):
     overrides = [f"{group}={option}"]
     if group != "dataset" or option == "synthetic":  # the default dataset, made small
         overrides += SMALL

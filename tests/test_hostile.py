@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from conftest import conf_options, language_model
+from conftest import BY_NAME, conf_options, language_model
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from walker import METHODS, MODELS
 
@@ -35,6 +35,9 @@ DATASETS = ["synthetic"]
 
 
 LM_DATASETS = ["tokens", "text"]
+# model=hf's `config` is walked key by key: the node as a whole set to null is the type's
+# published size (llama: 7B parameters, built for real here)
+BY_KEY = {("hf", "model.config")}
 # the full-size transformers' options are walked on one layer (and a ViT-B/16 on 16 px images,
 # which its 16 px patches divide)
 SHRINK = {"gpt2_small": ["model.layers=1"], "vit_b16": ["model.layers=1"]}
@@ -45,7 +48,8 @@ def _base(model: str) -> tuple[str, ...]:
     if language_model(model):
         return ("dataset=tokens", "dataset.seq_len=8", "dataset.train_size=8",
                 "dataset.test_size=4", "trainer=smoke", *SHRINK.get(model, []))
-    size = ["dataset.image_size=16"] if model == "vit_b16" else []
+    size = ["dataset.image_size=16"] if model == "vit_b16" else \
+        ["dataset.image_size=32"] if model in BY_NAME else []  # timm's ConvNeXt: >= 32 px
     return (*SMALL, *size, *SHRINK.get(model, []))
 
 
@@ -73,11 +77,13 @@ def cases() -> list[tuple[tuple[str, ...], str]]:
     cfg = composed(base)
     for group in ("trainer", "optim", "dataset"):
         out += [(base, k) for k in _leaves(cfg[group], group)]
-    for group, options in (("method", METHODS), ("model", MODELS),
+    for group, options in (("method", METHODS), ("model", [*MODELS, *BY_NAME]),
                            ("optim", conf_options("optim"))):
         for option in options:
             sel = (*_base(option if group == "model" else "mlp6"), f"{group}={option}")
-            out += [(sel, k) for k in _leaves(composed(sel)[group], group)]
+            for k in _leaves(composed(sel)[group], group):
+                node = OmegaConf.select(composed(sel), k)
+                out += [(sel, f"{k}.{c}") for c in node] if (option, k) in BY_KEY else [(sel, k)]
     for dataset in LM_DATASETS:  # token data: walked with a language model
         sel = ("model=gpt_nano", "model.layers=1", "trainer=smoke", f"dataset={dataset}",
                "dataset.seq_len=8")

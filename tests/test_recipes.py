@@ -10,7 +10,7 @@ of that study (`memtrain-report`: mean and std over the seeds)."""
 import math
 
 import pytest
-from conftest import CONF, conf_options, language_model
+from conftest import CONF, language_model, own_models
 
 from memtrain import api
 
@@ -42,7 +42,7 @@ STUDY_ONLY = {"resnet34": "resnet18", "resmlp24": "resmlp12"}
 CASES = [pytest.param(model, seed, id=f"{model}-{seed}",
                       marks=pytest.mark.guard if seed == 0 and model not in STUDY_ONLY
                       else pytest.mark.study)
-         for model in conf_options("model") for seed in (0, 1, 2)]
+         for model in own_models() for seed in (0, 1, 2)]
 
 
 def test_twins_share_their_guards_recipe():

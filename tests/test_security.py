@@ -233,3 +233,78 @@ def test_a_registered_package_is_trusted(tmp_path, monkeypatch):
     assert trust.locate("mymethods.Mine", "method._target_").name == "mine"
     with pytest.raises(ConfigError):  # registered: its own classes, not its imports
         trust.locate("mymethods.os.system", "method._target_")
+
+
+# ---------------------------------------------------------------- models by name fetch nothing
+
+FETCHES = [  # (overrides, the key its one line starts with)
+    (["model=timm", "+model.kwargs.pretrained=true"], "model.kwargs.pretrained"),
+    (["model=timm", "+model.kwargs.checkpoint_path=/tmp/w.pth"], "model.kwargs.checkpoint_path"),
+    (["model=timm", "+model.kwargs.pretrained_cfg_overlay.file=w.bin"],
+     "model.kwargs.pretrained_cfg_overlay"),
+    (["model=timm", "+model.kwargs.cache_dir=/tmp/hub"], "model.kwargs.cache_dir"),
+    (["model=timm", "model.name=hf-hub:timm/resnet18.a1_in1k"], "model.name"),
+    (["model=timm", "model.name=hf_hub:timm/resnet18"], "model.name"),
+    (["model=timm", "model.name=../weights/resnet18"], "model.name"),
+    (["model=timm", "+model.kwargs.act_layer=https://example.org/x.py"],
+     "model.kwargs.act_layer"),
+    (["model=torchvision", "+model.kwargs.weights=DEFAULT"], "model.kwargs.weights"),
+    (["model=torchvision", "+model.kwargs.weights_backbone=DEFAULT"],
+     "model.kwargs.weights_backbone"),
+    (["model=hf", "+model.config.trust_remote_code=true"], "model.config.trust_remote_code"),
+    (["model=hf", "+model.config._name_or_path=org/repo"], "model.config._name_or_path"),
+    (["model=hf", "+model.config.auto_map.AutoModelForCausalLM=repo--modeling.Net"],
+     "model.config.auto_map"),
+    (["model=hf", "+model.config.local_files_only=false"], "model.config.local_files_only"),
+    (["-m", "model=timm", "+model.kwargs.pretrained=false,true"], "model.kwargs.pretrained"),
+    (["-m", "model=timm", "model.name=resnet18,hf-hub:timm/resnet18"], "model.name"),
+    (["model=module", "+hydra.job.env_set.MEMTRAIN_MODEL=evil.py:run"],
+     "hydra.job.env_set.MEMTRAIN_MODEL"),
+]
+
+
+@pytest.mark.parametrize("args,key", FETCHES, ids=lambda a: a if isinstance(a, str) else
+                         a[-1].split("=")[0])
+def test_a_model_by_name_never_fetches_from_the_command_line(in_tmp, cli_checks, args, key):
+    """Weights, code and files are never loaded: every key or name that would (timm's
+    pretrained, checkpoint_path, pretrained_cfg_overlay, hub names; torchvision's weights;
+    transformers' remote code and hub paths) is refused in one line before anything runs, and
+    a config never names the user's module (MEMTRAIN_MODEL)."""
+    p = cli_checks(*args, *TINY[:1])
+    _one_line_refusal(p, key)
+    assert not (in_tmp / "runs").exists()
+
+
+@pytest.mark.parametrize("preset,body,args,key", [
+    ("model/mine", "_target_: memtrain.models.timm_model\nname: resnet18\nkwargs:\n"
+     "  pretrained: true\n", ["model=mine"], "model.kwargs.pretrained"),
+    ("experiment/fetch", "# @package _global_\nmodel:\n  kwargs:\n    checkpoint_path: w.pth\n",
+     ["model=timm", "experiment=fetch"], "model.kwargs.checkpoint_path"),
+    ("model/hub", "_target_: memtrain.models.hf_model\nname: llama\nconfig:\n"
+     "  trust_remote_code: true\n", ["model=hub"], "model.config.trust_remote_code"),
+])
+def test_a_model_by_name_never_fetches_from_a_preset(in_tmp, cli_checks, preset, body, args,
+                                                     key):
+    group, name = preset.split("/")
+    (in_tmp / "mine" / group).mkdir(parents=True)
+    (in_tmp / "mine" / group / f"{name}.yaml").write_text(body)
+    p = cli_checks("--config-dir", str(in_tmp / "mine"), *args, *TINY[:1])
+    _one_line_refusal(p, key)
+
+
+def test_a_model_by_name_never_fetches_where_it_is_built():
+    """The API and a launcher's jobs build through the builders, which refuse too; the hub
+    clients are told to stay offline."""
+    import os
+
+    from memtrain.models import hf_model, offline, timm_model, torchvision_model
+
+    with pytest.raises(ConfigError, match="model.kwargs.pretrained=True: memtrain builds"):
+        timm_model(10, (3, 32, 32), "resnet18", {"pretrained": True})
+    with pytest.raises(ConfigError, match="model.name=hf-hub:timm/resnet18: a name from"):
+        timm_model(10, (3, 32, 32), "hf-hub:timm/resnet18")
+    with pytest.raises(ConfigError, match="model.kwargs.weights=DEFAULT"):
+        torchvision_model(10, (3, 32, 32), "resnet18", {"weights": "DEFAULT"})
+    with pytest.raises(ConfigError, match="model.config.trust_remote_code=True"):
+        hf_model(64, (16,), "llama", {"trust_remote_code": True})
+    assert all(os.environ.get(k) == "1" for k in offline.OFFLINE_ENV)

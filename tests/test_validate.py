@@ -24,6 +24,8 @@ BAD = [
     (["optim.betas=[0.9,0.99]"], "unknown option optim.betas; optim has: optim.name, optim.lr"),
     (["foo=1"], "unknown option foo; the config has: dataset, optim, model, method, trainer"),
     (["model=resnet99"], "unknown model 'resnet99'; choose one of: efficientnet_b0"),
+    (["model=convnext_atto"], "; or a library's model by name: model=timm|torchvision|hf "
+                              "model.name=convnext_atto"),
     (["optim=adam"], "unknown optim 'adam'; choose one of: adamw, sgd; did you mean 'adamw'?"),
     (["trainer=smok"], "unknown trainer 'smok'; choose one of: default, smoke"),
     # wrong types and syntax

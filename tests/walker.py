@@ -25,12 +25,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import conf_options, language_model
+from conftest import conf_options, language_model, own_models
 
 from memtrain import api
 
 METHODS = conf_options("method")
-MODELS = conf_options("model")
+MODELS = own_models()  # the by-name families and the module: tests/test_models_by_name.py
 # the reference models of measured rows: an MLP, a CNN, and one transformer of each family
 MEASURED = ("mlp6", "resnet18", "gpt_nano", "vit_tiny")
 # A stack's members are walked on every model; the stack itself on the reference models (its

@@ -31,7 +31,7 @@ from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
 from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.common.compact import MaskedReLUFn
-from memtrain.methods.common.swap import swap_modules
+from memtrain.methods.common.swap import is_hf_conv1d, linear_of_conv1d, swap_modules
 
 LAYERS = ("linear", "conv1x1", "both")
 BLOCK_SIZES = (16, 32, 64)
@@ -377,6 +377,8 @@ class PruneMethod:
         return mod
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        # transformers' Conv1D (GPT-2) is a linear layer with its weight stored transposed
+        swap_modules(model, lambda _, m: is_hf_conv1d(m), lambda _, m: linear_of_conv1d(m))
         linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
         head = None if self.prune_head or not linears else linears[-1]
         self.pruned = swap_modules(model, self._match(head), self._make)
@@ -533,7 +535,9 @@ def _below_the_peak(calls: list[_LayerCall], relus: list[_ReLUCall], tape: list[
     done: list[tuple[int, int]] = []  # (last pos, bytes freed) of the groups kept so far
     for start, last, dense, cost, keys in sorted(groups, key=lambda g: g[:2]):
         freed = sum(f for end, f in done if end < start)
-        if cost < freed + after(last, keys):
+        # a storage several pruned layers read (a Llama layer's q, k and v projections) makes
+        # blocks for each: kept only when they all take less than the storage they free
+        if cost < dense and cost < freed + after(last, keys):
             kept |= keys
             done.append((last, dense - cost))
     return kept

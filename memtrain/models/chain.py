@@ -82,9 +82,13 @@ def chain_of(model: nn.Module, who: str = "this method") -> Chain:
             if chain.segments:
                 return chain
             break
-    known = ", ".join(sorted({c.rsplit(".", 1)[-1] for c in _RULES}))
-    raise ConfigError(f"{who} has no segment rule for model type {type(model).__name__}; "
-                      f"supported: {known} (memtrain/models: a chain rule beside the builder)")
+    # a transformers model inside memtrain's wrapper (hf.py's CausalLM) is named as itself
+    cls = type(model.lm if type(model).__module__ == "memtrain.models.hf" else model)
+    known = ", ".join(sorted(_RULES, key=lambda c: c.rsplit(".", 1)[-1]))
+    raise ConfigError(f"{who} has no segment rule for model type {cls.__name__} "
+                      f"({cls.__module__}.{cls.__qualname__}): it needs the model's chain of "
+                      f"segments, which only these types register: {known} "
+                      f"(memtrain/models/chain.py: a @chain_rule beside the builder)")
 
 
 @chain_rule("torch.nn.modules.container.Sequential")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 
@@ -29,3 +30,23 @@ def recast(module: nn.Module, cls: type, **attrs) -> nn.Module:
     new.__dict__.update(module.__dict__)
     new.__dict__.update(attrs)
     return new
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's linear layers: y = x @ W + b, W stored [in, out])."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith(
+        "transformers.")
+
+
+def linear_of_conv1d(module: nn.Module) -> nn.Linear:
+    """The nn.Linear that computes what a transformers Conv1D computes: its weight transposed
+    (a copy, the same values), its bias the same Parameter."""
+    nx, nf = module.weight.shape
+    linear = nn.Linear.__new__(nn.Linear)  # no init of its own (fake tensors too)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = nx, nf
+    with torch.no_grad():
+        linear.weight = nn.Parameter(module.weight.t().contiguous(),
+                                     requires_grad=module.weight.requires_grad)
+    linear.register_parameter("bias", getattr(module, "bias", None))  # the same, or None
+    return linear
