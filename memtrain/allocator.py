@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -163,7 +164,9 @@ class CpuHistory:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                             profile_memory=True)
-        self._prof.__enter__()
+        with warnings.catch_warnings():  # torch 2.11 warns of every profile, one cycle or not
+            warnings.filterwarnings("ignore", "Warning: Profiler clears events", UserWarning)
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -185,9 +188,8 @@ def _profiled(prof) -> list[tuple[int, int, int]]:
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         n = stack.pop()
-        kind = n.typed[0]
+        kind, a = n.typed  # one call: each builds the event's fields anew
         if kind == _EventType.Allocation:
-            a = n.typed[1]
             if a.device.type == "cpu":
                 out.append((n.start_time_ns, len(out), ALLOC, a.ptr, a.alloc_size))
         elif kind == _EventType.TorchOp and n.name.startswith(MARK):
