@@ -78,7 +78,65 @@ class Column:
 _IDENTITY_GROUPS = ("method", "model", "dataset", "optim", "trainer", "experiment")
 CONFIG_GROUPS = ("method", "trainer", "dataset", "model", "optim")  # flattened into columns
 BREAKDOWN = ("params", "grads", "optim", "act", "other")  # the moments' parts (measure.py)
-ESTIMATE_AT_PEAK = ("params", "buffers", "grads", "optim", "act", "other")  # the tracker's own
+# the tracker's own, and the update's temporaries
+ESTIMATE_AT_PEAK = ("params", "buffers", "grads", "optim", "update", "act", "other")
+# the live-tensor tracker's categories (memtrain/tracker.py), bottom to top of a timeline:
+# `update`: tensors the optimizer step makes and frees (the update's temporaries)
+TRACKED = ("params", "buffers", "optim", "update", "grads", "act", "temp", "other")
+
+# What a row's columns mean is versioned: a change of meaning bumps SCHEMA_VERSION, which every
+# summary.json carries (`schema_version`; a row without it is version 1), so that rows measured
+# before and after a change can be told apart (the report warns when it mixes them).
+SCHEMA = "schema_version"
+SCHEMA_VERSION = 2
+SCHEMA_CHANGES = {
+    2: "the CPU's mem_peak_alloc_bytes and mem_peak_act_temp_bytes count every allocation of "
+       "the accounting step, kernels' scratch included (mem_peak_source=allocator; before: "
+       "the live-tensor tracker's); mem_at_peak_optim_bytes is optimizer state only (before: "
+       "with the update's temporaries, now mem_at_peak_update_bytes); checkpoint's RNG states "
+       "counted (mem_rng_state_bytes)",
+}
+
+
+# what a row of an older version holds that a row of the version after it does not: the
+# generated docs' captions say it of committed rows measured before a change
+SCHEMA_BEFORE = {
+    2: "CPU peaks are the live-tensor tracker's (no kernel scratch) and the optimizer column "
+       "holds the update's temporaries",
+}
+
+
+def schema_caption(versions: Iterable) -> str:
+    """What rows of older schema versions hold (for a caption: "" when every row is of the
+    current one)."""
+    found = sorted({schema_of({SCHEMA: v}) for v in versions})
+    old = [v for v in found if v < SCHEMA_VERSION]
+    if not old:
+        return ""
+    what = "; ".join(SCHEMA_BEFORE[v + 1] for v in old if v + 1 in SCHEMA_BEFORE)
+    return (f"rows of schema {', '.join(map(str, old))} (measured before schema "
+            f"{SCHEMA_VERSION}, memtrain/columns.py): {what}")
+
+
+def schema_of(row: Mapping) -> int:
+    """The schema version a row was written under (1: before versions were recorded)."""
+    v = row.get(SCHEMA)
+    try:
+        return int(v) if v is not None and v == v else 1
+    except (TypeError, ValueError):
+        return 1
+
+
+def mixed_schemas(versions: Iterable) -> str:
+    """A warning when rows written under several schema versions are read together (a row
+    without one is version 1), naming what changed; "" when they share one."""
+    found = sorted({schema_of({SCHEMA: v}) for v in versions})
+    if len(found) < 2:
+        return ""
+    changes = "; ".join(f"version {v}: {SCHEMA_CHANGES[v]}" for v in found[1:]
+                        if v in SCHEMA_CHANGES)
+    return (f"rows of schema versions {', '.join(map(str, found))} read together: their "
+            f"columns do not all mean the same ({changes}); compare rows of one version")
 
 # the columns the report and the studies read by name
 RUN_ID, STATUS, ERROR, METHOD, RUN_DIR = "run_id", "status", "error", "method", "run_dir"
@@ -161,6 +219,10 @@ COLUMNS: tuple[Column, ...] = (
          ("git_commit", "text", "memtrain's commit (`-dirty`: with uncommitted changes)"),
          ("hostname", "text", "the machine"),
          ("slurm_job_id", "text", "the SLURM job, if any")),
+    *_of("provenance", "record",
+         (SCHEMA, "count", "what the row's columns mean: memtrain/columns.py's SCHEMA_VERSION "
+                           "when it was written (none: 1, before versions were recorded)",
+          "schema")),
     # ---- the run
     *_of("run", "runner",
          ("num_classes", "count", "classes of the dataset (a language model's: its "
@@ -197,10 +259,15 @@ COLUMNS: tuple[Column, ...] = (
     # ---- memory (measure.py)
     *_of("memory", "measure",
          (PEAK, "bytes", "peak memory over the measured steps: CUDA's `max_memory_allocated`, or "
-                         "on the CPU the live-tensor tracker's peak (`mem_peak_source`)", "peak",
+                         "on the CPU the allocator's own peak of the accounting step, every "
+                         "allocation, kernels' scratch included (`mem_peak_source`)", "peak",
           "peak memory"),
          (RESERVED, "bytes", "CUDA's `max_memory_reserved` (none on the CPU)", "reserved"),
-         (PEAK_SOURCE, "text", "where the peak comes from: cuda or tracker", "peak source"),
+         (PEAK_SOURCE, "text", "where the peak comes from: cuda, allocator (the CPU allocator's "
+                               "events, torch's profiler) or tracker (the live-tensor tracker: "
+                               "where those events could not be had, `mem_peak_note`, and rows "
+                               "of schema 1)", "peak source"),
+         ("mem_peak_note", "text", "why a CPU peak is the tracker's, not the allocator's"),
          (SAVED, "bytes", "bytes saved for backward in one step, once per storage; tensors alive "
                           "before the step (parameters, buffers, the batch, the targets) "
                           "excluded", "saved act.", "saved activations"),
@@ -216,11 +283,26 @@ COLUMNS: tuple[Column, ...] = (
                              "models)", "act. peak", "activation memory"),
          (ACT_TEMP_PEAK, "bytes", "the highest activations + backward temporaries alive at one "
                                   "moment of a step (activation gradients, quantize's "
-                                  "dequantized copies, pool's upsampled maps): the report's "
+                                  "dequantized copies, pool's upsampled maps; on the CPU, "
+                                  "source allocator, kernels' scratch too): the report's "
                                   "activation ratios", "act.+temp. peak",
           "activation + backward temporary memory"),
          ("mem_tracker_peak_bytes", "bytes", "the live-tensor tracker's peak of the accounting "
-                                             "step"),
+                                             "step (no kernel scratch)"),
+         ("mem_tracker_act_temp_bytes", "bytes", "the live-tensor tracker's peak of activations "
+                                                 "+ backward temporaries (no kernel scratch: "
+                                                 "what the estimate predicts)"),
+         ("mem_scratch_peak_bytes", "bytes", "CPU, source allocator: the most bytes alive at "
+                                             "one moment of the accounting step in allocations "
+                                             "that hold no tensor (kernels' scratch: "
+                                             "convolution, batch norm; it grows with "
+                                             "`cpu_threads`)", "scratch peak"),
+         ("mem_rng_state_bytes", "bytes", "the most bytes of RNG state copies alive at one "
+                                          "moment of the accounting step (checkpoint keeps one "
+                                          "per recomputed group, and one more while it "
+                                          "recomputes): host tensors, on the CPU in the peak "
+                                          "(as other), on CUDA in no GPU column; present when "
+                                          "not 0", "RNG states"),
          ("mem_timeline_peak_bytes", "bytes", "the highest total of the memory timeline "
                                               "(`trainer.memory_timeline`): on the CPU the "
                                               "tracker's peak, on CUDA the allocator history's"),
@@ -251,12 +333,19 @@ COLUMNS: tuple[Column, ...] = (
          ("mem_grads_bytes", "bytes", "gradients"),
          ("mem_optim_bytes", "bytes", "optimizer state"),
          (f"mem_at_peak_{_BREAKDOWN}_bytes", "bytes",
-          "the breakdown at the moment of the peak; adds up to the peak", "", "",
+          "the breakdown at the moment of the peak (optim: optimizer state); with the update's "
+          "temporaries and the CPU's scratch below, adds up to the peak", "", "",
           {"params": "params", "grads": "grads", "optim": "optimizer", "act": "activations",
            "other": "other"}),
+         ("mem_at_peak_update_bytes", "bytes",
+          "the update's temporaries at the moment of the peak: tensors the optimizer step makes "
+          "and frees (SGD's weight-decay and Nesterov copies of a gradient)", "update temp."),
+         ("mem_at_peak_scratch_bytes", "bytes",
+          "CPU, source allocator: allocations at the moment of the peak that hold no tensor "
+          "(kernels' scratch)", "scratch"),
          (f"mem_at_act_peak_{_BREAKDOWN}_bytes", "bytes",
           "the breakdown at the moment of the activation peak (other: buffers, the batch, "
-          "backward temporaries): where methods differ", "", "",
+          "backward and update temporaries): where methods differ", "", "",
           {"params": "parameters", "grads": "gradients", "optim": "optimizer state",
            "act": "activations", "other": "other"})),
     *_of("memory", "measure",
@@ -301,14 +390,16 @@ COLUMNS: tuple[Column, ...] = (
     # ---- probes
     *_of("probe", "estimate",
          (ESTIMATE, "bytes", "predicted peak of one step (fake tensors; predicts "
-                             "`mem_tracker_peak_bytes`)", "estimate"),
+                             "`mem_tracker_peak_bytes`: no kernel scratch)", "estimate"),
          (ESTIMATE_ACT, "bytes", "predicted activation peak (predicts `mem_peak_act_bytes`)"),
          (ESTIMATE_ACT_TEMP, "bytes", "predicted activations + backward temporaries peak "
-                                      "(predicts `mem_peak_act_temp_bytes`)"),
+                                      "(predicts `mem_tracker_act_temp_bytes`: no kernel "
+                                      "scratch)"),
          ("mem_estimate_saved_bytes", "bytes",
           "predicted saved bytes (predicts `mem_act_saved_bytes`)"),
          ("mem_estimate_at_peak_{" + ",".join(ESTIMATE_AT_PEAK) + "}_bytes", "bytes",
-          "the predicted breakdown at the peak"),
+          "the predicted breakdown at the peak (optim: optimizer state; update: the update's "
+          "temporaries)"),
          (f"mem_estimate_at_act_peak_{_BREAKDOWN}_bytes", "bytes",
           "the predicted breakdown at the activation peak"),
          ("mem_estimate_device", "text", "the device the estimate modelled"),

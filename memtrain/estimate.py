@@ -12,9 +12,9 @@ number of kept blocks is ceil((1 - s) n), a shape, not data), pool's and prune's
 kernels as the outputs they allocate (`kernels.is_fake`: the launch is skipped).
 
 What it cannot see, so what the estimate leaves out: the CUDA caching allocator's rounding and
-fragmentation, cuDNN/cuBLAS workspaces, the CUDA context, and ops with no fake implementation
-(the estimate then fails and says so). Fake tensors are made on the CPU when no GPU is present,
-so autocast follows the CPU's op policy.
+fragmentation, cuDNN/cuBLAS workspaces and the CPU kernels' scratch (no kernel runs), the CUDA
+context, and ops with no fake implementation (the estimate then fails and says so). Fake
+tensors are made on the CPU when no GPU is present, so autocast follows the CPU's op policy.
 """
 
 from __future__ import annotations
@@ -125,16 +125,17 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
                   world_size: int = 1) -> dict[str, int | str]:
     """Predicted memory of one training step after warm-up (optimizer state allocated).
 
-    Predicts what the run's accounting step reports: `mem_estimate_bytes` the tracker's peak of
-    live tensors (`mem_tracker_peak_bytes`, on the CPU `mem_peak_alloc_bytes`),
-    `mem_estimate_act_bytes` the peak of activation memory (`mem_peak_act_bytes`, recomputation
-    included), `mem_estimate_act_temp_bytes` the peak of activations + backward temporaries
-    (`mem_peak_act_temp_bytes`), `mem_estimate_saved_bytes` the bytes saved for backward
-    (`mem_act_saved_bytes`),
-    and the breakdown at the peak. A method with several phases (synthetic) is estimated per
-    phase and the row gets the phase with the largest peak (`mem_estimate_phase`), its activation
-    figures the phase with the largest activation peak (`mem_estimate_act_phase`), and the
-    largest phase's activations + temporaries peak, as its run's row does.
+    Predicts what the run's accounting step's tracker reports: `mem_estimate_bytes` the peak of
+    live tensors (`mem_tracker_peak_bytes`; the CPU's `mem_peak_alloc_bytes` adds kernels'
+    scratch, which fake tensors do not run), `mem_estimate_act_bytes` the peak of activation
+    memory (`mem_peak_act_bytes`, recomputation included), `mem_estimate_act_temp_bytes` the
+    peak of activations + backward temporaries (`mem_tracker_act_temp_bytes`),
+    `mem_estimate_saved_bytes` the bytes saved for backward (`mem_act_saved_bytes`), and the
+    breakdown at the peak (optimizer state apart from the update's temporaries). A method with
+    several phases (synthetic) is estimated per phase and the row gets the phase with the
+    largest peak (`mem_estimate_phase`), its activation figures the phase with the largest
+    activation peak (`mem_estimate_act_phase`), and the largest phase's activations +
+    temporaries peak, as its run's row does.
 
     `strategy` ddp or fsdp with `world_size` N: the peak of one rank (rank 0, whose shards are
     the largest) of an N-rank run, without the ranks: on its batch (`batch_size` is the global

@@ -62,13 +62,13 @@ def _size(n: float) -> str:
 
 
 def memory_text(mem: Mapping[str, int], device: torch.device) -> str:
-    """What a progress line says of memory, each figure named: the tracked peak (CUDA's
-    allocator over the timed steps, or the CPU tracker's peak of the accounting step, the row's
+    """What a progress line says of memory, each figure named: the peak (CUDA's allocator over
+    the timed steps, or the CPU allocator's peak of the accounting step, the row's
     `mem_peak_alloc_bytes`), on CUDA what is allocated now, and the process's peak RSS."""
     parts = []
     if columns.PEAK in mem:
         parts.append(f"{_size(mem[columns.PEAK])} peak "
-                     f"({'cuda' if device.type == 'cuda' else 'tracked'})")
+                     f"({'cuda' if device.type == 'cuda' else device.type})")
     if "mem_alloc_bytes" in mem:
         parts.append(f"{_size(mem['mem_alloc_bytes'])} allocated")
     parts.append(f"{_size(mem['mem_peak_rss_bytes'])} rss")
@@ -110,7 +110,7 @@ class ProgressBar:
 
 class ProgressLines:
     """One log line every `every` steps (and on the last): step, loss, samples/s and memory
-    (`memory_text`: the tracked peak, and the process's RSS, each named).
+    (`memory_text`: the peak, and the process's RSS, each named).
     Through logging, so it reaches memtrain.log and the console however they are redirected
     (SLURM logs, nohup), where a progress bar draws nothing."""
 

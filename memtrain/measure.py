@@ -4,9 +4,12 @@ Three independent instruments, each usable alone:
 - `SavedBytes`: bytes packed for backward by `saved_tensors_hooks` in one step, counted once per
   storage; what was alive before the step (parameters, buffers, the batch: `alive_before_step`)
   is excluded, as the tracker's activation peak excludes it. Works on any device.
-- `PeakTracker`: live-tensor tracking through one step (torch's MemTracker), giving the peak,
-  its breakdown at that moment and the peak of activation memory (recomputation included). This
-  is the CPU's peak (`mem_peak_source=tracker`) and the breakdown on CUDA.
+- `PeakTracker` (memtrain/tracker.py): live-tensor tracking through one step (torch's
+  MemTracker), giving the peak, its breakdown at that moment and the peak of activation memory
+  (recomputation included): the breakdown, on every device.
+- `allocator.CpuHistory`: the CPU allocator's own events of the step (torch's profiler), filed
+  under the tracker's categories (`allocator.cpu_peaks`): the CPU's peak
+  (`mem_peak_source=allocator`), kernels' scratch included, which no tensor holds.
 - `StepTimer` + CUDA allocator statistics: step times and the real CUDA peak.
 `Measurement` applies them to a training run: which step is warm-up, accounted or timed, and
 which peak a row reports.
@@ -15,7 +18,6 @@ which peak a row reports.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import platform
 import resource
@@ -41,6 +43,7 @@ from memtrain.columns import (
     STEP_TIME_P90,
     THROUGHPUT,
 )
+from memtrain.tracker import PeakTracker
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -164,344 +167,6 @@ class SavedByModule(SavedBytes):
             row[2] += 1
         return [(m, *v) for m, v in out.items()]
 
-
-class PeakTracker:
-    """Tracks live tensors through one training step with torch's MemTracker.
-
-    After the `with` block: `peak_bytes` (total live bytes at the peak), `at_peak` (breakdown at
-    that moment: params, buffers, grads, optim, act (activations and backward temporaries),
-    other) and `act_peak_bytes`: the highest activation memory at any moment of the step, where
-    activations are the tensors made by module forwards, including forwards that a checkpointed
-    segment re-runs during backward (MemTracker files those as activations too), so whatever
-    recomputation brings back is counted. Backward temporaries are not: whatever backward
-    allocates outside a recomputed forward (activation gradients, and what a method makes to
-    run its backward: quantize's dequantized copies, pool's upsampled maps).
-    `act_temp_peak_bytes`: the highest activations + backward temporaries alive at one moment of
-    the step, the complete activation memory a method's step needs (`act_peak_bytes` alone
-    over-credits a method that trades saved bytes for backward temporaries). It equals the CPU
-    allocator's own count of what the step allocates outside kernels' workspaces, gradients
-    left out (tests/test_act_temp_peak.py).
-    `at_act_peak`: the breakdown at the moment of that activation peak (params, grads, optim,
-    act = `act_peak_bytes`, other = buffers, the batch and backward temporaries).
-    """
-
-    def __init__(self, *external, device: torch.device | None = None, timeline: bool = False,
-                 births: bool = False):
-        from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
-
-        # the run's device only (host copies of an offloaded GPU run are not GPU memory)
-        self._device = device
-
-        self._kinds = _kinds(external[0] if external else None)
-        if self._kinds is not None:  # FSDP2: its tracker tells shards from gathered copies
-            model, optimizer, *rest = external
-            self._mt = _fsdp_tracker()(model, optimizer)
-            self._mt.track_inputs(tuple(t for t in rest if isinstance(t, torch.Tensor)))
-        else:
-            self._kinds = {"params": [_MemRefType.PARAM], "buffers": [_MemRefType.BUFFER],
-                           "grads": [_MemRefType.GRAD], "optim": [_MemRefType.OPT],
-                           "act": [_MemRefType.ACT], "temp": [_MemRefType.TEMP],
-                           "other": [_MemRefType.OTH]}
-            self._mt = MemTracker()
-            self._mt.track_external(*external)
-        kinds = self._kinds
-        self.act_peak_bytes = 0
-        self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
-        # after each op: the counted devices' bytes per category (timeline.TRACKED), and what
-        # the tracker filed as an activation or temporary when it was made, to be filed again
-        # under what it turned out to be (`_refile`): record -> ([(from op, bytes)], category,
-        # made inside FSDP's hooks); (from op, to op, bytes, category, category) moves
-        self._series: list[list[int]] = []
-        self._made: dict[int, tuple[list[tuple[int, int]], int, bool]] = {}
-        self._moves: list[tuple[int, int, int, int, int]] = []
-        mt = self._mt
-        # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
-        # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
-        # whether a forward runs again in backward (MemTracker's `_in_ac`: a recomputation)
-        self.events: list[tuple] | None = [] if timeline else None
-        self.phase = "forward"
-        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
-        refs = [kinds[k] for k in names]  # timeline.TRACKED, each the tracker's kinds behind it
-        self._category = {r: name for name in names for r in kinds[name]}
-        self._t0, self.wall0 = time.perf_counter(), time.time()
-        # CUDA timeline: every storage the step makes, (address, bytes, its record), in order,
-        # so the allocator's blocks can be filed under the tracker's categories (`births`)
-        self._births: list[tuple[int, int, object]] | None = [] if births else None
-        self.start_storages: list[tuple[int, str]] = []  # (address, category) at the start
-        # the modules whose forward runs now, innermost last (None: a module outside the
-        # tracked models, such as checkpoint's wrapper of a group's first forward): in backward
-        # MemTracker's module tracker also lists the modules whose backward runs, so a forward
-        # recomputed there is named from this stack. Names as MemTracker's module tracker gives
-        # them (the root's class name, then the path), the resident models' over the trained
-        # one's: a synthetic partition's layers keep their names in the whole model
-        self._names: dict[int, str] = {}
-        for root in [e for e in external if isinstance(e, nn.Module)]:
-            for n, m in root.named_modules():
-                self._names[id(m)] = f"{type(root).__name__}.{n}" if n else type(root).__name__
-        self._by_fqn: dict[str, nn.Module] = {}
-        self._forwards: list[str | None] = []
-        self._hooks: list = []
-
-        # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
-        # breakdown at that moment (what `peak_bytes` and `at_peak` read), and a peak per module,
-        # which nothing here reads and which costs a pass over every module at every allocation
-        # (most of an accounting step's time on a few hundred modules under quantize's many
-        # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
-        # peak as MemTracker does, and the peak of the activation part alone with its moment.
-        # What the tracker files as an activation or a temporary when it is made may turn out
-        # to be something else, and is then filed again under that from the moment it was made
-        # (`_refile`, applied to the series after the step):
-        # - a parameter's gradient, made in backward: MemTracker files it as a temporary until
-        #   autograd hands it to the parameter (its grad hook retags it a few ops later; on a
-        #   256-wide MLP the weight gradient was most of the temporaries at their peak);
-        # - FSDP2's buffers: its hooks (the all-gather before a unit's forward and backward, the
-        #   reduce-scatter after its backward) make them with `empty`, and FSDP's tracker names
-        #   them (all-gather, reduce-scatter, unsharded parameter or gradient) when the
-        #   collective runs; one a hook made and freed unnamed is communication (other).
-        TRACKED = ("params", "buffers", "optim", "grads", "act", "temp", "other")
-        index = {name: i for i, name in enumerate(TRACKED)}
-        cat_of = {r: index[name] for name, rs in kinds.items() for r in rs}
-        ACT, TEMP, OTHER = index["act"], index["temp"], index["other"]
-        hooks = hasattr(mt, "in_hook")
-        made, moves, series = self._made, self._moves, self._series
-
-        # MemTracker's own categories one to one (FSDP's tracker: several behind some)
-        flat = [r[0] for r in refs] if all(len(r) == 1 for r in refs) else None
-        counted: dict = {}  # device -> whether its bytes count (the run's device type)
-
-        def update(state):
-            vector = None
-            for dev, snap in mt._curr_mem_snap.items():
-                total = snap[_TOTAL]
-                if mt._peak_mem.get(dev, 0) < total:
-                    mt._peak_mem[dev], mt._peak_mem_snap[dev] = total, dict(snap)
-                if not counted.setdefault(dev, self._counts(dev)):
-                    continue
-                get = snap.get
-                v = [get(k, 0) for k in flat] if flat is not None else \
-                    [sum(get(k, 0) for k in r) for r in refs]
-                vector = v if vector is None else [a + b for a, b in zip(vector, v)]
-            series.append(vector or [0] * len(TRACKED))
-            if self.events is not None:
-                self._record(mt, vector)
-
-        def settle(key: int, to: int) -> None:
-            parts, cat, _ = made.pop(key)
-            if to != cat:
-                now = len(series)
-                moves.extend((start, now if end is None else end, nbytes, cat, to)
-                             for start, end, nbytes in parts)
-
-        def update_snap(kind, winfo, **kw):
-            orig_update_snap(kind, winfo, **kw)
-            if not self._counts(winfo.device):
-                return
-            key = id(winfo)
-            if kind == _UpdateType.ADD:
-                cat = cat_of.get(winfo.reftype)
-                if cat in (ACT, TEMP):
-                    made[key] = ([(len(series), None, winfo.mem_consumed)], cat,
-                                 hooks and mt.in_hook > 0)
-            elif key not in made:
-                return
-            elif kind == _UpdateType.REF:
-                settle(key, cat_of.get(winfo.reftype, OTHER))
-            elif kind == _UpdateType.DEL:
-                if made[key][2]:  # a hook's buffer, never named: communication
-                    settle(key, OTHER)
-                else:
-                    del made[key]
-            elif kind == _UpdateType.SIZE:  # FSDP frees and refills a buffer by resizing it
-                parts = made[key][0]
-                start, _, nbytes = parts[-1]
-                now = len(series)
-                parts[-1] = (start, now, nbytes)
-                parts.append((now, None, winfo.mem_consumed))
-
-        orig_update_snap = mt._update_snap
-        mt._update_snap = update_snap
-        mt._update_peak_stats = update
-        if self._births is not None:
-            mt._track = self._noting_births(mt._track, 1)
-            mt._update_and_maybe_create_winfos = self._noting_births(
-                mt._update_and_maybe_create_winfos, 0)
-
-    def _noting_births(self, fn, arg: int):
-        """`fn` (a MemTracker method whose argument `arg` is a tensor), also noting the storages
-        it files for the first time."""
-        from torch.distributed._tools.common_utils import get_untyped_storages
-
-        winfos = self._mt._WINFO
-
-        def wrapped(*args, **kwargs):
-            t = args[arg]
-            new = [st for st in get_untyped_storages(t) if st not in winfos] \
-                if isinstance(t, torch.Tensor) else []
-            out = fn(*args, **kwargs)
-            for st in new:
-                if st in winfos and st.data_ptr():
-                    self._births.append((st.data_ptr(), st.nbytes(), winfos[st][0]))
-            return out
-
-        return wrapped
-
-    def gradients(self, grads: list[torch.Tensor]) -> None:
-        """The parameters' gradients, at the end of the update: any of them the tracker still
-        files as a temporary (FSDP2's sharded gradients, which its post-backward makes and its
-        tracker never retags) was gradient memory from the moment it was made."""
-        grads_at = ("params", "buffers", "optim", "grads").index("grads")
-        for g in grads:
-            info = self._mt._WINFO.get(local(g).untyped_storage(), (None, None))[0]
-            if info is not None and id(info) in self._made:
-                parts, cat, _ = self._made.pop(id(info))
-                now = len(self._series)
-                self._moves.extend((start, now if end is None else end, nbytes, cat, grads_at)
-                                   for start, end, nbytes in parts)
-
-    def _counts(self, dev: torch.device) -> bool:
-        return self._device is None or torch.device(dev).type == self._device.type
-
-    def module_now(self) -> str:
-        """The innermost module whose forward runs now (in backward: whose backward runs, unless
-        a forward is recomputed there), as torch's ModTracker names it (the root's class name,
-        then the path: 'ResNet.layer1.0.conv1'); '' outside every module."""
-        named = [n for n in self._forwards if n is not None]
-        if named:
-            return named[-1]
-        # ModTracker's active modules are nested names ("Global" outside every module)
-        tracker = self._mt._mod_tracker
-        fqn = max(tracker.parents, key=lambda n: (n != "Global", n.count("."), n))
-        if fqn == "Global":
-            return ""
-        if fqn not in self._by_fqn:  # the module it names, named as the forwards are
-            self._by_fqn = {v: k for k, v in tracker._known_modules.items()}
-        module = self._by_fqn.get(fqn)
-        return self._names.get(id(module), fqn) if module is not None else fqn
-
-    def _enter_forward(self, module: nn.Module, args) -> None:
-        self._forwards.append(self._names.get(id(module)))
-
-    def _leave_forward(self, module: nn.Module, args, out) -> None:
-        if self._forwards:
-            self._forwards.pop()
-
-    def _record(self, mt, vector: list[int]) -> None:
-        """One timeline event: the counted devices' bytes per category after this op (filed
-        again after the step, `_refile`)."""
-        self.events.append((time.perf_counter() - self._t0, self.phase, self.module_now(),
-                            bool(mt._in_ac), *vector))
-
-    def births(self) -> list[tuple[int, int, str]]:
-        """The storages the step made, (address, bytes, category as last filed: a gradient as
-        a gradient from its start), in the order the tracker saw them (with `births=True`)."""
-        return [(addr, n, self._category.get(w.reftype, "other"))
-                for addr, n, w in self._births or ()]
-
-    def __enter__(self) -> PeakTracker:
-        from torch.nn.modules.module import (
-            register_module_forward_hook,
-            register_module_forward_pre_hook,
-        )
-
-        self._t0, self.wall0 = time.perf_counter(), time.time()
-        self._mt.__enter__()
-        if self.events is not None:  # the timeline's modules (after MemTracker's hooks: its
-            # module tracker has named the module when ours runs)
-            self._hooks = [register_module_forward_pre_hook(self._enter_forward),
-                           register_module_forward_hook(self._leave_forward, always_call=True)]
-        if self._births is not None:  # what the step finds: parameters, state, the batch
-            self.start_storages = [(st.data_ptr(), self._category.get(w.reftype, "other"))
-                                   for st, (w, _) in list(self._mt._WINFO.items())
-                                   if st.data_ptr()]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks, self._forwards = [], []
-        self._mt.__exit__(*exc)
-        series = self._refile()
-        names = ("params", "buffers", "optim", "grads", "act", "temp", "other")
-        P, B, OPT, G, A, T, X = range(len(names))
-        if self.events is not None:
-            self.events = [(*e[:4], *v) for e, v in zip(self.events, series)]
-        self._made = {}
-        totals = [sum(v) for v in series]
-        self.peak_bytes = max(totals, default=0)
-        at = series[totals.index(self.peak_bytes)] if series else [0] * len(names)
-        self.at_peak = {"params": at[P], "buffers": at[B], "grads": at[G], "optim": at[OPT],
-                        "act": at[A] + at[T], "other": at[X]}
-        self.act_temp_peak_bytes = max((v[A] + v[T] for v in series), default=0)
-        acts = [v[A] for v in series]
-        self.act_peak_bytes = max(acts, default=0)
-        # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
-        a = series[acts.index(self.act_peak_bytes)] if series else [0] * len(names)
-        self.at_act_peak = {"params": a[P], "grads": a[G], "optim": a[OPT], "act": a[A],
-                            "other": a[B] + a[X] + a[T]}
-        self._series = []
-
-    def _refile(self) -> list[list[int]]:
-        """The series of the step, each move applied: what it turned out to be, from the op it
-        was made at (`from`, inclusive) to the op it was named at (`to`, exclusive)."""
-        import numpy as np
-
-        if not self._series:
-            return []
-        series = np.asarray(self._series, dtype=np.int64).reshape(len(self._series), -1)
-        diff = np.zeros((series.shape[0] + 1, series.shape[1]), dtype=np.int64)
-        for start, end, nbytes, cat, to in self._moves:
-            if end > start and nbytes:
-                diff[start, cat] -= nbytes
-                diff[start, to] += nbytes
-                diff[end, cat] += nbytes
-                diff[end, to] -= nbytes
-        self._moves = []
-        return (series + np.cumsum(diff[:-1], axis=0)).tolist()
-
-
-def _kinds(model) -> dict[str, list] | None:
-    """The tracker's categories behind each part of a breakdown when `model` is sharded by
-    FSDP2 (its own shards and the copies a step gathers are parameters, gradients likewise; the
-    all-gather and reduce-scatter buffers and the step's inputs are other); None otherwise."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    if not isinstance(model, FSDPModule):
-        return None
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType as F
-
-    return {"params": [F.SHARDED_PARAM, F.UNSHARDED_PARAM], "buffers": [F.BUFFER],
-            "grads": [F.SHARDED_GRAD, F.UNSHARDED_GRAD], "optim": [F.OPT], "act": [F.ACT],
-            "temp": [F.TEMP], "other": [F.INP, F.ALL_GATHER, F.REDUCE_SCATTER]}
-
-
-@functools.cache
-def _fsdp_tracker() -> type:
-    """torch's FSDPMemTracker, which also says when FSDP2's own hooks run (`in_hook`): the
-    unshard before a unit's forward and backward, the reshard after its forward, the
-    reduce-scatter after its backward."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    def hooked(make):
-        def instrument(self, fsdp_mod, orig):
-            inner = make(self, fsdp_mod, orig)
-
-            @functools.wraps(inner)
-            def run(*args, **kwargs):
-                self.in_hook += 1
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    self.in_hook -= 1
-            return run
-        return instrument
-
-    names = ("_fsdp_state_pre_forward", "_fsdp_state_post_forward",
-             "_fsdp_param_group_pre_backward", "_fsdp_param_group_post_backward")
-    return type("HookedFSDPMemTracker", (FSDPMemTracker,),
-                {"in_hook": 0, **{n: hooked(getattr(FSDPMemTracker, n)) for n in names}})
 
 
 class TimelineRecorder:
@@ -688,8 +353,12 @@ class Measurement:
         from memtrain.distributed import comm_buffers
 
         comm = comm_buffers(model) if accounting else []
+        # the CPU: the allocator's own events of the step (`allocator.CpuHistory`), each
+        # allocation filed under the tensor the tracker saw in it (its births and deaths marked)
+        cpu = accounting and self.device.type == "cpu"
         tracker = PeakTracker(model, optimizer, x, y, *self.resident, *comm, device=self.device,
-                              timeline=recorder is not None, births=cuda) if accounting else None
+                              timeline=recorder is not None, births=cuda,
+                              marks=cpu) if accounting else None
         if recorder is not None:  # which module saved what, for the per-module table
             self._saved = SavedByModule(alive_before_step(model, x, y), self.device, model,
                                         tracker.module_now)
@@ -699,9 +368,10 @@ class Measurement:
         self._tracker = tracker
         # CUDA: the timeline is the allocator's history of this step (the process's recorder)
         history = allocator.StepHistory(self.device) if cuda else None
+        events = allocator.CpuHistory() if cpu else None
         if timed:
             self.timer.start()
-        with maybe(history, cuda), maybe(tracker, accounting):
+        with maybe(history, cuda), maybe(events, cpu), maybe(tracker, accounting):
             t0 = time.perf_counter()
             yield
             if accounting:
@@ -712,6 +382,8 @@ class Measurement:
         self._tracker = None
         if accounting:
             self.summary.update(_accounting(self._saved, tracker, model, optimizer))
+            if cpu:
+                self.summary.update(_cpu_peak(events, tracker))
             # what recording cost the step: the same step without trainer.memory_timeline
             # (or with it) is the comparison (README, "A step's memory timeline")
             self.summary["mem_accounting_step_s"] = took
@@ -781,6 +453,8 @@ class Measurement:
             if self._window_open:
                 now = cuda_peak(self.device)
                 out.update({k: max(self.peak_cuda[k], now[k]) for k in (PEAK, RESERVED)})
+        elif PEAK in self.summary:  # the CPU's, from the accounting step on
+            out[PEAK] = self.summary[PEAK]
         elif "mem_tracker_peak_bytes" in self.summary:
             out[PEAK] = self.summary["mem_tracker_peak_bytes"]
         out["mem_peak_rss_bytes"] = peak_rss_bytes()
@@ -803,11 +477,14 @@ class Measurement:
             # holds beyond live tensors (workspaces, rounding) and what the tracker did not see.
             # Not clamped at 0: the tracker seeing more than CUDA allocated must show.
             tracked = sum(self.summary.get(f"mem_at_peak_{k}_bytes", 0) for k in
-                          ("params", "grads", "optim", "act"))
+                          ("params", "grads", "optim", "update", "act"))
             return {**self.peak_cuda, PEAK_SOURCE: "cuda", "mem_at_peak_other_bytes":
                     self.peak_cuda[PEAK] - tracked}
         if "mem_tracker_peak_bytes" not in self.summary:
             return {}
+        if PEAK in self.summary:  # the CPU's: written by the accounting step
+            return {PEAK: self.summary[PEAK], RESERVED: float("nan"),
+                    PEAK_SOURCE: self.summary.get(PEAK_SOURCE, "tracker")}
         return {PEAK: self.summary["mem_tracker_peak_bytes"], RESERVED: float("nan"),
                 PEAK_SOURCE: "tracker"}
 
@@ -830,25 +507,47 @@ class Measurement:
 
 def _accounting(saved: SavedBytes, tracker: PeakTracker, model: nn.Module,
                 optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    at = tracker.at_peak
     return {
         SAVED: saved.bytes,
         "mem_act_saved_tensors": saved.count,
         ACT_PEAK: tracker.act_peak_bytes,
         ACT_TEMP_PEAK: tracker.act_temp_peak_bytes,
         "mem_tracker_peak_bytes": tracker.peak_bytes,
+        "mem_tracker_act_temp_bytes": tracker.act_temp_peak_bytes,
         "mem_params_bytes": tensor_bytes(model.parameters()),
         "mem_buffers_bytes": tensor_bytes(model.buffers()),
         "mem_optim_bytes": optimizer_bytes(optimizer),
-        "mem_at_peak_params_bytes": at["params"],
-        "mem_at_peak_grads_bytes": at["grads"],
-        "mem_at_peak_optim_bytes": at["optim"],
-        "mem_at_peak_act_bytes": at["act"],
-        "mem_at_peak_other_bytes": at["buffers"] + at["other"],
+        **_breakdown(tracker.at_peak),
         **{f"mem_at_act_peak_{k}_bytes": v for k, v in tracker.at_act_peak.items()},
         # offload on a GPU: what the step saved in host memory (in neither column above)
         **({"mem_act_saved_host_bytes": saved.host_bytes} if saved.host_bytes else {}),
+        # checkpoint's RNG states (host tensors)
+        **({"mem_rng_state_bytes": tracker.rng_peak_bytes} if tracker.rng_peak_bytes else {}),
     }
+
+
+def _breakdown(at: dict[str, int]) -> dict[str, int]:
+    """The row's breakdown at the peak from one in the tracker's categories (act: activations
+    and backward temporaries; other: buffers and the rest; scratch where there is some)."""
+    out = {f"mem_at_peak_{k}_bytes": at[k] for k in ("params", "grads", "optim", "update")}
+    out["mem_at_peak_act_bytes"] = at.get("act", 0) + at.get("temp", 0)
+    out["mem_at_peak_other_bytes"] = at.get("buffers", 0) + at.get("other", 0)
+    if allocator.SCRATCH in at:
+        out["mem_at_peak_scratch_bytes"] = at[allocator.SCRATCH]
+    return out
+
+
+def _cpu_peak(events: allocator.CpuHistory, tracker: PeakTracker) -> dict[str, int | str]:
+    """The CPU's peak columns: the allocator's own peak of the step (every allocation, kernels'
+    scratch included) and its breakdown, or where its events could not be had, the tracker's
+    (`mem_peak_note` says why)."""
+    if events.error or not events.events:
+        return {PEAK: tracker.peak_bytes, PEAK_SOURCE: "tracker",
+                "mem_peak_note": events.error or "the profiler recorded no allocation"}
+    peaks = allocator.cpu_peaks(events.events, *tracker.cpu_records())
+    return {PEAK: peaks.peak_bytes, PEAK_SOURCE: "allocator", **_breakdown(peaks.at_peak),
+            ACT_TEMP_PEAK: peaks.act_temp_peak_bytes,
+            "mem_scratch_peak_bytes": peaks.scratch_peak_bytes}
 
 
 def _git_commit(here: Path | None = None) -> str:

@@ -94,9 +94,11 @@ def _jsonable(v: Any) -> Any:
 
 
 def write_summary(run_dir: str | os.PathLike, summary: dict[str, Any]) -> Path:
-    """summary.json, atomically. A column memtrain/columns.py does not declare is a warning (an
+    """summary.json, atomically, with the schema its columns mean (`schema_version`, set in
+    `summary` where absent). A column memtrain/columns.py does not declare is a warning (an
     error under MEMTRAIN_STRICT_COLUMNS=1, as in the tests: columns.check)."""
     path = Path(run_dir) / SUMMARY
+    summary.setdefault(columns.SCHEMA, columns.SCHEMA_VERSION)
     columns.check(summary, where=str(path))
     flat = {k: _jsonable(v) for k, v in summary.items()}
     atomic_write(path, json.dumps(flat, indent=1, sort_keys=False) + "\n")

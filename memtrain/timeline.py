@@ -23,22 +23,25 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain.columns import TRACKED
+
 FILE = "timeline.parquet"
 FIGURE = "timeline"  # .png and .pdf
-# the tracker's categories (MemTracker's reference types), bottom to top of the stacked areas;
-# `grads`: parameter gradients from the moment autograd makes them (the tracker files a gradient
-# as a temporary until autograd hands it to its parameter; the record moves those bytes back);
-# `untracked` (CUDA only): allocator blocks in which the tracker saw no tensor of the step
-# (kernels' workspaces, allocations made inside an op; at the start, what the step finds allocated
-# and does not use, such as a dataset held on the GPU)
-TRACKED = ("params", "buffers", "optim", "grads", "act", "temp", "other")
+# the tracker's categories (TRACKED: MemTracker's reference types), bottom to top of the stacked
+# areas; `grads`: parameter gradients from the moment autograd makes them (the tracker files a
+# gradient as a temporary until autograd hands it to its parameter; the record moves those bytes
+# back); `update`: the update's temporaries (what the optimizer step makes and frees; a timeline
+# written before this category has none); `untracked` (CUDA only): allocator blocks in which the
+# tracker saw no tensor of the step (kernels' workspaces, allocations made inside an op; at the
+# start, what the step finds allocated and does not use, such as a dataset held on the GPU)
 CATEGORIES = (*TRACKED, "untracked")
 LABELS = {"params": "parameters", "buffers": "buffers", "optim": "optimizer state",
-          "grads": "gradients", "act": "activations", "temp": "backward temporaries",
-          "other": "other (the batch, ...)",
+          "update": "update temporaries", "grads": "gradients", "act": "activations",
+          "temp": "backward temporaries", "other": "other (the batch, ...)",
           "untracked": "untracked (blocks of no tracked tensor: workspaces, data on the GPU)"}
-COLORS = {"params": "#4c72b0", "buffers": "#8c8c8c", "optim": "#8172b2", "grads": "#55a868",
-          "act": "#dd8452", "temp": "#c44e52", "other": "#ccb974", "untracked": "#dddddd"}
+COLORS = {"params": "#4c72b0", "buffers": "#8c8c8c", "optim": "#8172b2", "update": "#b5a8d6",
+          "grads": "#55a868", "act": "#dd8452", "temp": "#c44e52", "other": "#ccb974",
+          "untracked": "#dddddd"}
 PHASES = ("forward", "backward", "optimizer")
 PHASE_SHADE = {"forward": "#ffffff", "backward": "#e8eef7", "optimizer": "#f3ecf7"}
 RECOMPUTE_COLOR = "#333333"

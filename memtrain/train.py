@@ -198,8 +198,10 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                             loss = fault.inject(step, loss)
                     scaler.scale(loss).backward()
                     update(meas)
-                del out
                 loss_val = distributed.reduce_step(loss, checkpointer)  # several ranks: agreed
+                # nothing of this step outlives it: a tensor of it freed in the next step would
+                # be memory the next step's allocator count did not see allocated
+                del out, loss
                 if not math.isfinite(loss_val):
                     raise rec.failed("diverged", f"loss became {loss_val} at step {step}", step)
                 if step % t.log_every == 0 or step == total_steps - 1:

@@ -1,19 +1,22 @@
-"""`mem_peak_act_temp_bytes`: activations + backward temporaries alive at one moment (issue 31).
+"""`mem_peak_act_temp_bytes`: activations + backward temporaries alive at one moment.
 
 The tracker's activation peak (`mem_peak_act_bytes`) leaves out what a method allocates during
-backward (quantize's dequantized copies, pool's upsampled maps); `mem_peak_act_temp_bytes`
-includes it. Checked here against two counts that share nothing with the tracker (torch's
-MemTracker: storages, weak references, reference types):
+backward (quantize's dequantized copies, pool's upsampled maps); the tracker's
+`mem_tracker_act_temp_bytes` includes it, and the CPU's `mem_peak_act_temp_bytes` (the
+allocator's count, memtrain/allocator.py) also kernels' scratch. Checked here against two counts
+that share nothing with the tracker (torch's MemTracker: storages, weak references, reference
+types):
 
 - a hand count of the bytes alive at the backward peak of a quantized MLP;
 - the CPU allocator's own allocation and free events (torch's profiler, `profile_memory`), paired
   by address in the allocator's order. `AllocatorCount` keeps out what the tracker keeps out:
   what was alive before the counted window (parameters, the batch, optimizer state: no event in
   the window), the parameters' gradients (the allocations still alive at the end at a `.grad`'s
-  address) and the workspaces a kernel allocates and frees inside one operator (no tensor: the
-  tracker sees operators' outputs; they are no part of the column, see `AllocatorCount`).
+  address) and, for the tracker's column, the workspaces a kernel allocates and frees inside
+  one operator (no tensor: the tracker sees operators' outputs, see `AllocatorCount`); the
+  CPU's column keeps them.
 
-Two pitfalls of ad-hoc counts, both reproduced while building this one (issue 31's earlier
+Two pitfalls of ad-hoc counts, both reproduced while building this one (earlier
 counts, whose code was not kept, disagreed with the tracker): counting op outputs by storage also
 counts views of the parameters (`aten.t` of a weight is an op output whose storage existed
 before the step: 338 KB on the 64-256-256-10 MLP), and an address-keyed count that drops every
@@ -65,9 +68,10 @@ class _OpBounds(TorchDispatchMode):
 
 class AllocatorCount:
     """The peak of bytes the CPU allocator holds for what the window allocates, gradients of
-    `model`'s parameters and kernel workspaces left out (module docstring): `peak_bytes` after
-    the `with`. (Kernel workspaces are real memory no tracker column holds: on `_cnn` at batch
-    8, 16 px, the CPU convolutions' scratch raises this window's peak from 1.57 to 1.87 MB.)"""
+    `model`'s parameters left out (module docstring), after the `with`: `with_scratch_bytes`,
+    and `peak_bytes` without kernel workspaces. (Kernel workspaces are real memory no tensor
+    holds: on `_cnn` at batch 8, 16 px, the CPU convolutions' scratch raises this window's peak
+    from 1.57 to 1.87 MB.)"""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -115,6 +119,7 @@ class AllocatorCount:
         grads = {p.grad.data_ptr() for p in self.model.parameters() if p.grad is not None}
         grad_allocs = {i for ptr, i in born.items() if ptr in grads}  # alive at the end
         self.peak_bytes = self._peak(events, grad_allocs | workspace)
+        self.with_scratch_bytes = self._peak(events, grad_allocs)
 
     @staticmethod
     def _peak(events, skip: set[int]) -> int:
@@ -173,16 +178,18 @@ def test_quantize_mlp_peak_equals_hand_count():
             + B * H // 8  # the first ReLU's mask
             + B * 10 * F32  # logits
             + 2 * F32)  # the loss, its gradient
-    assert row[ACT_TEMP_PEAK] == hand == count.peak_bytes == 413_704
+    assert row["mem_tracker_act_temp_bytes"] == hand == count.peak_bytes == 413_704
+    assert row[ACT_TEMP_PEAK] == count.with_scratch_bytes  # kernels' scratch: the allocator's
     assert row[ACT_PEAK] == 288_000  # the activation-only peak (forward): 0.70x of this one
 
 
 @pytest.mark.parametrize("case", ["quantize-mlp", "pool-cnn", "none-mlp", "none-cnn",
                                   "quantize-cnn", "pool-conv+bn-cnn"])
 def test_peak_equals_allocator_count(case):
-    """The row's column equals the allocator's count on a second step, to the byte: quantize's
-    dequantized copies (MLP and CNN) and pool's upsampled maps are in it, as everything else a
-    step allocates outside a kernel's own workspace."""
+    """The row's columns equal the allocator's count on a second step, to the byte: quantize's
+    dequantized copies (MLP and CNN) and pool's upsampled maps are in them, as everything else a
+    step allocates; the tracker's leaves out the kernels' own workspaces, the row's
+    `mem_peak_act_temp_bytes` (the CPU allocator's) keeps them."""
     method, net = case.rsplit("-", 1)
     torch.manual_seed(0)
     model = _mlp() if net == "mlp" else _cnn()
@@ -193,9 +200,12 @@ def test_peak_equals_allocator_count(case):
     shape = (128, 64) if net == "mlp" else (8, 3, 16, 16)
     x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
     row, count = _row_and_count(model, x, y)
-    assert row[ACT_TEMP_PEAK] == count.peak_bytes
+    assert row["mem_tracker_act_temp_bytes"] == count.peak_bytes
+    assert row[ACT_TEMP_PEAK] == count.with_scratch_bytes
+    if net == "cnn":  # the convolutions' scratch
+        assert row[ACT_TEMP_PEAK] > row["mem_tracker_act_temp_bytes"]
     if method != "none":  # what the activation-only peak left out
-        assert row[ACT_TEMP_PEAK] > row[ACT_PEAK]
+        assert row["mem_tracker_act_temp_bytes"] > row[ACT_PEAK]
 
 
 def test_estimate_predicts_the_complete_peak():

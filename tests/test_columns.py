@@ -27,9 +27,27 @@ def test_a_users_run_only_warns_and_keeps_its_row(tmp_path, monkeypatch, caplog)
     monkeypatch.delenv(columns.STRICT_ENV)
     with caplog.at_level(logging.WARNING, logger="memtrain.columns"):
         record.write_summary(tmp_path, {"status": "ok", "my_score": 0.5})
-    assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "ok",
-                                                                   "my_score": 0.5}
+    assert json.loads((tmp_path / "summary.json").read_text()) == {
+        "status": "ok", "my_score": 0.5, columns.SCHEMA: columns.SCHEMA_VERSION}
     assert "undeclared column 'my_score'" in caplog.text
+
+
+def test_rows_of_an_older_schema_are_named_in_the_docs_captions():
+    """A row without `schema_version` is of schema 1 (NaN where a CSV mixes rows); the docs'
+    provenance line says what older rows' columns hold, and nothing of current rows."""
+    import pandas as pd
+
+    from memtrain.study import view
+
+    assert [columns.schema_of({columns.SCHEMA: v}) for v in (None, float("nan"), 2.0, "2", "x")] \
+        == [1, 1, 2, 2, 1]
+    assert columns.schema_caption([columns.SCHEMA_VERSION] * 2) == ""
+    old = view.provenance(pd.DataFrame({columns.SCHEMA: [None, float(columns.SCHEMA_VERSION)]}))
+    assert old["schema"].startswith("rows of schema 1 ") and columns.SCHEMA_BEFORE[2] in \
+        old["schema"]
+    assert view.provenance(pd.DataFrame({"status": ["ok"]}))["schema"] == old["schema"]
+    assert view.provenance(pd.DataFrame({columns.SCHEMA: [columns.SCHEMA_VERSION]}))[
+        "schema"] == ""
 
 
 @pytest.mark.parametrize("name,declared,unit", [

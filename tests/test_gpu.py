@@ -28,10 +28,25 @@ def test_cuda_peak_breakdown_against_independent_counts(in_tmp):
     assert row["mem_at_peak_act_bytes"] > 0
     # CUDA allocated at least what the tracker saw live: "other" is not clamped at 0, so a
     # tracker that overcounts shows here as a negative rest
-    tracked = sum(row[f"mem_at_peak_{k}_bytes"] for k in ("params", "grads", "optim", "act"))
+    tracked = sum(row[f"mem_at_peak_{k}_bytes"] for k in ("params", "grads", "optim", "update",
+                                                           "act"))
     assert row["mem_at_peak_other_bytes"] == row["mem_peak_alloc_bytes"] - tracked
     assert row["mem_at_peak_other_bytes"] >= 0, row
     assert row["mem_peak_reserved_bytes"] >= row["mem_peak_alloc_bytes"]
+
+
+def test_checkpoint_rng_states_are_host_memory(in_tmp):
+    """Checkpoint keeps, per recomputed group, the CPU RNG state and the GPU's (both host
+    tensors) from its forward to its recomputation, and one more set while it recomputes: in
+    `mem_rng_state_bytes`, in no GPU column."""
+    over = [*TINY, "model=mlp6", "trainer.batch_size=32", "method=checkpoint",
+            "method.strategy=uniform", "method.every=2"]
+    row = api.run(over, out_dir=in_tmp / "r")
+    assert row["status"] == "ok", row.get("error")
+    groups = len(str(row["plan_groups"]).split(";"))
+    one = torch.get_rng_state().untyped_storage().nbytes() + \
+        torch.cuda.get_rng_state().untyped_storage().nbytes()
+    assert row["mem_rng_state_bytes"] == (groups + 1) * one
 
 
 def _plain_loop_peak(model: torch.nn.Module, batch: int, steps: int, shape) -> int:

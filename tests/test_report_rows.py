@@ -129,6 +129,28 @@ def test_a_run_stopped_before_its_peak_relates_without_a_device_warning(tmp_path
     assert pd.isna(stopped["mem_peak_rel"])
 
 
+def test_rows_of_two_schemas_are_told_apart(tmp_path):
+    """Every row carries the schema of its columns (record.write_summary); a row written before
+    versions were recorded is version 1. Read together, the report says so; the CPU peaks of
+    the two (tracker's, allocator's) are no baseline of each other."""
+    from memtrain import columns
+
+    r = tmp_path / "runs"
+    write_run(r / "old_none", peak=300 * MiB, foreign={columns.SCHEMA: None},
+              extra={"device": "cpu"})
+    write_run(r / "new_pool", method="pool", peak=100 * MiB, source="allocator",
+              extra={"device": "cpu"})
+    assert json.loads((r / "new_pool" / "summary.json").read_text())[columns.SCHEMA] == \
+        columns.SCHEMA_VERSION == 2
+    raw, _ = tables.load_runs([r])
+    runs, _, warnings = analyse(raw)
+    (w,) = [w for w in warnings if "schema" in w]
+    assert "schema versions 1, 2" in w and columns.SCHEMA_CHANGES[2] in w
+    assert pd.isna(runs.set_index("method").loc["pool", "mem_peak_rel"])
+    one, _ = tables.load_runs([r / "new_pool"])
+    assert not [w for w in analyse(one)[2] if "schema" in w]
+
+
 def test_every_run_failed_still_reports(tmp_path):
     """No accuracy, no throughput anywhere: report.md and the failures figure, nothing else."""
     r = tmp_path / "runs"

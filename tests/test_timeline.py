@@ -192,10 +192,11 @@ def test_the_sweeps_timeline_has_a_panel_per_method_at_each_rows_peak(sweep):
     root, rows, rep = sweep
     drawn = pd.read_csv(root / "report" / "figures" / "timeline.csv")
     assert sorted(drawn["label"]) == sorted(SWEEP) and rep.figures["timeline"]
-    for _, d in drawn.iterrows():
-        assert d["peak_bytes"] == rows[d["label"]][PEAK] == rows[d["label"]][
-            "mem_timeline_peak_bytes"]
-        assert d["baseline_peak_bytes"] == rows["none"][PEAK]
+    for _, d in drawn.iterrows():  # the CPU's timeline is the tracker's: no kernel scratch
+        row = rows[d["label"]]
+        assert d["peak_bytes"] == row["mem_tracker_peak_bytes"] == row["mem_timeline_peak_bytes"]
+        assert row[PEAK] >= row["mem_tracker_peak_bytes"]  # the allocator's: scratch in
+        assert d["baseline_peak_bytes"] == rows["none"]["mem_tracker_peak_bytes"]
     assert drawn.set_index("label").loc["checkpoint", "recomputed_events"] > 0
     assert (drawn.set_index("label").drop(index="checkpoint")["recomputed_events"] == 0).all()
 

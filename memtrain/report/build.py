@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from memtrain import columns
 from memtrain.report import derive, markdown, tables
 from memtrain.report import html as html_page
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -54,6 +55,8 @@ def analyse(runs: pd.DataFrame, baseline: str = tables.DEFAULT_BASELINE,
     """(runs with derived and baseline columns and labels, settings aggregated over seeds,
     warnings)."""
     runs, warnings = tables.add_baselines(derive.add_columns(runs), baseline, match)
+    mixed = columns.mixed_schemas(runs.get(columns.SCHEMA, pd.Series(dtype=object)))
+    warnings = [*([mixed] if mixed else []), *warnings]
     for w in warnings:
         log.warning(w)
     runs = tables.add_labels(runs, names=names)

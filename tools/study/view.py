@@ -105,9 +105,12 @@ def provenance(df: pd.DataFrame) -> dict[str, str]:
     device = uniq("device_name")
     if device != "-" and not uniq("device").startswith("cuda"):
         device = f"CPU {device}, {uniq('cpu_threads')} torch threads"
+    from memtrain import columns
+
     return {"device": device, "date": date, "torch": uniq("torch_version"),
             "cuda": uniq("cuda_version"), "triton": uniq("triton_version"),
-            "git": uniq("git_commit")}
+            "git": uniq("git_commit"),
+            "schema": columns.schema_caption(df.get(columns.SCHEMA, [None] * len(df)))}
 
 
 def statuses(runs: Path) -> dict[str, dict]:

@@ -71,7 +71,8 @@ TOP_FROM_LARGEST = ("step_time_s_median", "step_time_s_p90", "throughput_samples
 # part1's, and a row's mem_peak_act_bytes must be the run's largest
 ACT_COLUMNS = ("mem_peak_act_bytes", "mem_act_saved_bytes")
 ACT_PREFIX = "mem_at_act_peak_"  # the breakdown at the activation peak
-ACT_TEMP = "mem_peak_act_temp_bytes"  # every phase's own; the row's is the largest
+# every phase's own; the row's is the largest (the allocator's, and the tracker's own)
+ACT_TEMP = ("mem_peak_act_temp_bytes", "mem_tracker_act_temp_bytes")
 
 
 class Synthetic:
@@ -346,9 +347,10 @@ class Synthetic:
                         if k in ACT_COLUMNS or k.startswith(ACT_PREFIX)})
         summary["synthetic_largest_act_phase"] = act_name
         # activations + backward temporaries: the largest phase's own (whichever phase it is)
-        temp = [r.summary[ACT_TEMP] for _, r in done if ACT_TEMP in r.summary]
-        if temp:
-            summary[ACT_TEMP] = max(temp)
+        for col in ACT_TEMP:
+            temp = [r.summary[col] for _, r in done if col in r.summary]
+            if temp:
+                summary[col] = max(temp)
         summary["mem_peak_rss_bytes"] = max(r.summary.get("mem_peak_rss_bytes", 0)
                                             for _, r in done)
         summary["synthetic_largest_phase"] = largest_name
