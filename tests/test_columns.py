@@ -37,7 +37,7 @@ def test_rows_of_an_older_schema_are_named_in_the_docs_captions():
     provenance line says what older rows' columns hold, and nothing of current rows."""
     import pandas as pd
 
-    from memtrain.study import view
+    from tools.study import view
 
     assert [columns.schema_of({columns.SCHEMA: v}) for v in (None, float("nan"), 2.0, "2", "x")] \
         == [1, 1, 2, 2, 1]
