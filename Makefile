@@ -15,14 +15,20 @@ help: ## show this help
 	@if [ -t 1 ]; then c='\033[36m'; r='\033[0m'; else c=''; r=''; fi; \
 	awk -v c="$$c" -v r="$$r" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-16s%s %s\n", c, $$1, r, $$2}' $(MAKEFILE_LIST)
 
+# pip prints each package as it goes (a first install downloads torch: minutes), so a first
+# `make run` or `make test` shows where it is
 $(STAMP): pyproject.toml
+	@echo "make: installing memtrain with its dev tools into $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
+	@echo "make: installed"
 
 install: $(STAMP) ## create .venv and install memtrain with its dev tools
 
-run: $(STAMP) ## the smoke study: every method a few steps on synthetic data (CPU, ~3 min), and its table
+run: $(STAMP) ## the smoke study: every method 40 steps on synthetic data (CPU), and its table
+	@echo "make run: the smoke study (experiment=quick): each job says 'memtrain: job i/n' as it" \
+	  "starts and logs its steps; then the table"
 	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) \
 	  +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
