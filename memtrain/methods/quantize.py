@@ -167,8 +167,9 @@ class QuantizeMethod:
         check_choice("method.relu_mask", relu_mask, RELU_MASKS)
         check_choice("method.channel_norm", channel_norm, CHANNEL_NORMS)
         self.bits, self.group_size, self.rounding = bits, group_size, rounding
-        if channel_norm == "auto":  # measured on resnet18 16 px (README): minmax keeps 2 bits
-            # from diverging; at 4 bits plain groups trained better on the seeds measured
+        # measured on resnet18 16 px (docs/methods/quantize.md): minmax keeps 2 bits from
+        # diverging; at 4 bits plain groups trained better on the seeds measured
+        if channel_norm == "auto":
             channel_norm = "minmax" if bits == 2 else "none"
         self.relu_mask, self.channel_norm = relu_mask, channel_norm
 
