@@ -9,20 +9,26 @@ ARGS   ?=
 QUICK_DIR := runs/quick/$(shell date +%Y-%m-%d_%H-%M-%S)
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-fast test-compat check-studies coverage lint sweep report clean
+.PHONY: help install run test test-fast test-compat check-studies coverage lint sweep report clean docs
 
 help: ## show this help
 	@if [ -t 1 ]; then c='\033[36m'; r='\033[0m'; else c=''; r=''; fi; \
 	awk -v c="$$c" -v r="$$r" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-16s%s %s\n", c, $$1, r, $$2}' $(MAKEFILE_LIST)
 
+# pip prints each package as it goes (a first install downloads torch: minutes), so a first
+# `make run` or `make test` shows where it is
 $(STAMP): pyproject.toml
+	@echo "make: installing memtrain with its dev and docs tools into $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -e '.[dev,docs]'
 	touch $(STAMP)
+	@echo "make: installed"
 
-install: $(STAMP) ## create .venv and install memtrain with its dev tools
+install: $(STAMP) ## create .venv and install memtrain with its dev and docs tools
 
-run: $(STAMP) ## the smoke study: every method a few steps on synthetic data (CPU, ~3 min), and its table
+run: $(STAMP) ## the smoke study: every method 40 steps on synthetic data (CPU), and its table
+	@echo "make run: the smoke study (experiment=quick): each job says 'memtrain: job i/n' as it" \
+	  "starts and logs its steps; then the table"
 	$(BIN)/memtrain experiment=quick hydra.sweep.dir=$(QUICK_DIR) \
 	  +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/memtrain-report $(QUICK_DIR)
@@ -30,11 +36,16 @@ run: $(STAMP) ## the smoke study: every method a few steps on synthetic data (CP
 	  "saves memory; accuracies after 40 steps are no measure of a method's cost). The multi-seed" \
 	  "study on real data is README's first figure (make headline)."
 
+# The site (mkdocs.yml: nav, theme); --strict with anchor validation: a broken link or anchor
+# fails, as tests/test_docs_site.py holds in make test
+docs: $(STAMP) ## the documentation site from docs/ (mkdocs-material, --strict) -> site/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict $(ARGS)
+
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
 # One worker per core, one thread per worker (more oversubscribes the cores: small convolutions
 # get many times slower); worksteal hands a finished worker the other's queued tests, so one
-# slow file at the end does not leave a core idle. docs/TESTING.md: the budget and its parts.
+# slow file at the end does not leave a core idle. docs/testing.md: the budget and its parts.
 PYTEST = OMP_NUM_THREADS=1 TRITON_INTERPRET=1 $(1)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode); prints the 20 slowest tests
@@ -155,13 +166,13 @@ bench-prune: $(STAMP) ## prune: grad_weight/compaction kernels vs dense and torc
 	$(BIN)/python -m benchmarks.kernels prune $(ARGS)
 	$(BIN)/python -m benchmarks.prune
 
-clean: ## remove caches (keeps .venv and runs/)
-	rm -rf .pytest_cache .ruff_cache build *.egg-info .coverage .coverage.*
+clean: ## remove caches and the built site (keeps .venv and runs/)
+	rm -rf .pytest_cache .ruff_cache build *.egg-info .coverage .coverage.* site
 
 # The whole study (tools/study/): every part a row of its own, raw results in
 # runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>),
 # then `make results-docs` (not after ARGS=--dry-run, which writes nothing).
-# Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/README.md).
+# Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/study.md).
 DEVICE   ?= cuda
 PARTS    ?=
 DEADLINE ?=
@@ -174,7 +185,7 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
   $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
 
 .PHONY: results results-docs results-figures gpu-env
-results-docs: $(if $(PY),,$(STAMP)) ## every generated table of README, docs/RESULTS.md and docs/results/*.md again from the committed CSVs (ARGS=--check: compare only)
+results-docs: $(if $(PY),,$(STAMP)) ## every generated block of README.md and docs/ again from the committed CSVs (ARGS=--check: compare only)
 	$(RESULTS_PY) -m tools.docs $(ARGS)
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows

@@ -2,7 +2,7 @@
 none, in one process, through the same `api.run` as the CLI (so the same measurement protocol).
 
     python -m benchmarks.prune                      # CUDA: batch 64, bf16, 30 steps
-    python -m benchmarks.prune --out docs/results/prune_e2e_cpu.md   # CPU: batch 2, 4 steps
+    python -m benchmarks.prune --out runs/bench/prune_e2e_cpu.md     # CPU: batch 2, 4 steps
     python -m benchmarks.prune --csv docs/results/rows/prune_e2e_cpu.csv   # the rows, as CSV
 
 Columns: peak memory (CUDA max_memory_allocated over the timed steps, or on the CPU the

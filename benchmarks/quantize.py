@@ -12,8 +12,8 @@ data (the `quantize_accuracy` experiment's recipe; that preset runs the same stu
 seeds side by side), none and bits 8/4/2, per seed; the acceptance: bits=4 within 1 point of
 none, bits=2 within 3.
 
-    python -m benchmarks.quantize saved --out docs/results/quantize_saved_cpu.md
-    python -m benchmarks.quantize accuracy --seeds 0 1 --out docs/results/quantize_acc_cpu.md
+    python -m benchmarks.quantize saved --out runs/bench/quantize_saved_cpu.md
+    python -m benchmarks.quantize accuracy --seeds 0 1 --out runs/bench/quantize_acc_cpu.md
     python -m benchmarks.quantize saved --csv docs/results/rows/quantize_saved_cpu.csv
 """
 

@@ -78,7 +78,7 @@ def measure(base: list[str], ranks: int, batch: int, tmp: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as README's table."""
+    """The rows as the clusters page's table (docs/clusters.md)."""
     head = ["strategy", "ranks", "local batch", "params", "grads", "optimizer state",
             "DDP buckets", "activation peak", "peak per rank (max / mean)",
             "estimate of one rank"]

@@ -9,7 +9,7 @@ right_input=left the last partition's per-epoch evaluation is the composed model
 phases count whole.
 
     python -m benchmarks.synthetic              # GPU sizes when CUDA is present, else CPU
-    python -m benchmarks.synthetic --cpu --out docs/results/synthetic_cpu.md
+    python -m benchmarks.synthetic --cpu --out runs/bench/synthetic_cpu.md
     python -m benchmarks.synthetic --cpu --csv docs/results/rows/synthetic_cpu.csv
 """
 

@@ -1,7 +1,7 @@
 """1-bit activation masks: pack `x > 0` into bytes, and apply the packed mask to a gradient.
 
 Used by `method=pool` so that a ReLU keeps 1 bit per element for its backward instead of its
-full-size output (the pool pitfall, docs/ARCHITECTURE.md). Bit j of byte b holds element 8*b + j
+full-size output (the pool pitfall, docs/methods/pool.md). Bit j of byte b holds element 8*b + j
 (little bit order, as numpy's `packbits(..., bitorder="little")`); the last byte is zero-padded.
 
 Three implementations with one signature each:

@@ -1,8 +1,8 @@
 """Every column a run's row (summary.json) can hold, declared once: its unit, its kind, what it
 means, which part of memtrain writes it, and how the report labels it.
 
-    python -m memtrain.columns --markdown        # the table (README.md's "Outputs")
-    python -m memtrain.columns --write README.md # put it between README's column markers
+    python -m memtrain.columns --markdown             # the table (docs/outputs.md's reference)
+    python -m memtrain.columns --write docs/outputs.md  # put it between the page's markers
 
 A name may be a family: `<option>` stands for any (dotted) option name (`method.<option>`: the
 flattened options of conf/method, a stack member's as `method.<member>.<option>`), `<j>` for a
@@ -31,7 +31,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 STRICT_ENV = "MEMTRAIN_STRICT_COLUMNS"  # "1": an undeclared column is an error (tests)
-BEGIN, END = "<!-- columns:begin (python -m memtrain.columns --write README.md) -->", \
+BEGIN, END = "<!-- columns:begin (python -m memtrain.columns --write docs/outputs.md) -->", \
     "<!-- columns:end -->"
 
 UNITS = {
@@ -41,7 +41,7 @@ UNITS = {
     "time": "a UTC ISO 8601 time", "loss": "a loss value", "option": "as written in conf/",
     "perplexity": "exp(loss per token), 1 or more",
 }
-# in the order the README lists them
+# in the order docs/outputs.md lists them
 KINDS = {
     "identity": "what ran: the run's id and the option chosen of each config group",
     "config": "every option of the composed config, flattened (`group.key`)",
@@ -419,7 +419,7 @@ COLUMNS: tuple[Column, ...] = (
                                               "counted against the cap (the largest measured)"),
          ("max_batch_context_source", "text", "where that context came from: set "
                                               "(`trainer.cuda_context_gb`), measured (CUDA) or "
-                                              "assumed (the CPU: README)")),
+                                              "assumed (the CPU: docs/estimate.md)")),
     *_of("probe", "capacity",
          ("gpu_memory_cap_bytes", "bytes", "`trainer.gpu_memory_gb` in bytes"),
          ("gpu_memory_cap_applied", "bool", "whether the cap was applied (CUDA only)")),
@@ -663,11 +663,11 @@ def check(row: Mapping, where: str = "") -> list[str]:
     return bad
 
 
-# ---------------------------------------------------------------- the README's table
+# ---------------------------------------------------------------- the outputs page's table
 
 
 def markdown() -> str:
-    """The table of every column, grouped by kind, as README.md shows it."""
+    """The table of every column, grouped by kind, as docs/outputs.md shows it."""
     lines = ["| column | unit | written by | meaning |", "| --- | --- | --- | --- |"]
     for kind, what in KINDS.items():
         lines.append(f"| **{kind}** | | | {what} |")
@@ -678,7 +678,8 @@ def markdown() -> str:
 
 
 def with_table(text: str) -> str:
-    """`text` (README.md) with the table between its markers replaced by the current one."""
+    """`text` (docs/outputs.md) with the table between its markers replaced by the current
+    one."""
     head, sep, rest = text.partition(BEGIN)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
@@ -690,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memtrain.columns", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--markdown", action="store_true", help="print the table")
-    ap.add_argument("--write", type=Path, metavar="README.md",
+    ap.add_argument("--write", type=Path, metavar="PAGE",
                     help="replace the table between the file's markers")
     a = ap.parse_args(argv)
     if a.write:

@@ -1,8 +1,9 @@
-"""The config groups a user chooses from, read from conf/: `memtrain --help` and README's group
-table are generated here, so neither goes stale when an option (a YAML file) is added.
+"""The config groups a user chooses from, read from conf/: `memtrain --help` and the usage page's
+group table (docs/usage.md) are generated here, so neither goes stale when an option (a YAML
+file) is added.
 
-    python -m memtrain.groups --markdown         # the table
-    python -m memtrain.groups --write README.md  # put it between README's group markers
+    python -m memtrain.groups --markdown              # the table
+    python -m memtrain.groups --write docs/usage.md   # put it between the page's group markers
 
 A group's options are its folder's YAML files (schemas `base_*` left out), its default the one
 conf/config.yaml's defaults list chooses. Imports the standard library only.
@@ -30,7 +31,7 @@ GROUPS = {
     "recipe": "chosen for you: conf/recipe/<model>_<optim>.yaml adjusts a model's optimizer where "
               "the shared default does not train it; command-line values still win",
 }
-BEGIN, END = "<!-- groups:begin (python -m memtrain.groups --write README.md) -->", \
+BEGIN, END = "<!-- groups:begin (python -m memtrain.groups --write docs/usage.md) -->", \
     "<!-- groups:end -->"
 EXAMPLES = (
     ("memtrain method=pool model=resnet50", "one run: a row of memory, speed and accuracy"),
@@ -83,7 +84,7 @@ def help_text(conf: Path | None = None) -> str:
     out += ["  (* the default)", "", "Examples:"]
     out += [f"  {cmd}\n      {what}" for cmd, what in EXAMPLES]
     out += ["", "More: every option of a run: memtrain --cfg job (one group: -p method); "
-            "Hydra's own flags: memtrain --hydra-help; README.md."]
+            "Hydra's own flags: memtrain --hydra-help; docs/usage.md."]
     return "\n".join(out)
 
 
@@ -95,7 +96,7 @@ def with_table(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m memtrain.groups")
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--write", metavar="README")
+    ap.add_argument("--write", metavar="PAGE")
     args = ap.parse_args(argv)
     if args.write:
         path = Path(args.write)

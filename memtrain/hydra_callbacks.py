@@ -131,6 +131,44 @@ def continue_command(overrides: DictConfig, sweep_dir: str | None = None,
     return shlex.join(words)
 
 
+def sweep_size(config: DictConfig) -> int | None:
+    """How many jobs the multirun of `config` launches, counted as the basic and the variants
+    sweepers expand them (`hydra.sweeper.params`, then the command's overrides, per variant);
+    None for a sweep counted otherwise (another sweeper's own search)."""
+    from memtrain.config import _sweep_jobs
+
+    sweeper = config.hydra.sweeper
+    if not str(sweeper.get("_target_", "")).endswith(("BasicSweeper", "VariantSweeper")):
+        return None
+    params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+    common = params + list(config.hydra.overrides.task)
+    try:
+        return sum(1 for _ in _sweep_jobs(common, [str(v) for v in sweeper.get("variants") or []]))
+    except Exception:  # the sweeper reports its own errors; progress is only a courtesy
+        return None
+
+
+class JobProgress(Callback):
+    """Prints `memtrain: job i/n -> <job folder>` as each job of a multirun starts, so a sweep
+    (`make run`'s among them) shows where it is between the jobs' own progress lines."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.total = sweep_size(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        num = config.hydra.job.get("num")
+        of = f"/{self.total}" if self.total else ""
+        where = Path(str(config.hydra.runtime.output_dir)).name
+        print(f"memtrain: job {int(num) + 1}{of} -> {where}", flush=True)
+
+
 class SweepLock(Callback):
     """One sweep at a time per sweep folder: a second one started while the first runs is
     refused in one line (exit 2) before it writes anything there. The lock is an flock, so a

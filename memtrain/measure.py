@@ -1,4 +1,4 @@
-"""Memory and time accounting: the measurement protocol of docs/ARCHITECTURE.md.
+"""Memory and time accounting: the measurement protocol of docs/measurement.md.
 
 Three independent instruments, each usable alone:
 - `SavedBytes`: bytes packed for backward by `saved_tensors_hooks` in one step, counted once per
@@ -309,7 +309,7 @@ def reset_cuda_peak(device: torch.device) -> None:
 
 
 class Measurement:
-    """The measurement protocol of one training run (docs/ARCHITECTURE.md, "Measurement").
+    """The measurement protocol of one training run (docs/measurement.md).
 
     Steps 0 .. warmup-1 warm up (excluded from every figure). The next step is the accounting step
     (unless `account_memory` is off): saved-activation bytes and the live-tensor peak are taken on
@@ -385,7 +385,7 @@ class Measurement:
             if cpu:
                 self.summary.update(_cpu_peak(events, tracker))
             # what recording cost the step: the same step without trainer.memory_timeline
-            # (or with it) is the comparison (README, "A step's memory timeline")
+            # (or with it) is the comparison (docs/timeline.md)
             self.summary["mem_accounting_step_s"] = took
             if recorder is not None:
                 recorder.add(tracker, self._saved, self.part, history)

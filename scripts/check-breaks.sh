@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Five core claims must be caught by `make test-fast` (docs/TESTING.md): each break below is
+# Five core claims must be caught by `make test-fast` (docs/testing.md): each break below is
 # applied to the working tree in turn, the test-fast selection (-m "not slow") of the test file
 # that holds the claim runs, it must fail, and the file is restored (also on Ctrl-C or error).
 # Usage: scripts/check-breaks.sh   (a clean working tree for the files it touches; .venv)

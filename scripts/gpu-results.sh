@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU study on a time-limited CUDA machine (docs/results/README.md), one third per call,
+# The GPU study on a time-limited CUDA machine (docs/results/study.md), one third per call,
 # with nothing there but python3 with torch and Triton (no make, no Hydra, offline):
 #
 #   bash scripts/gpu-results.sh CALL [NAME] [-- more arguments of tools.study]
@@ -24,7 +24,7 @@ PY=${PY:-python3}
 WHL=${WHL:-.whl}
 : "${OUT:?OUT: the folder whose files come back}"
 if ! compgen -G "$WHL/*.whl" >/dev/null; then
-  echo "gpu-results: no wheels in $WHL/ (put Hydra's wheels there: docs/results/README.md)" >&2
+  echo "gpu-results: no wheels in $WHL/ (put Hydra's wheels there: docs/results/study.md)" >&2
   exit 2
 fi
 WHL=$(cd "$WHL" && pwd)

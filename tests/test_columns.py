@@ -1,7 +1,7 @@
 """memtrain/columns.py, the one list of a row's columns: an undeclared column fails where it is
 written (the suite runs with MEMTRAIN_STRICT_COLUMNS=1, conftest.py) and only warns in a user's
-run; families cover the flattened options and the phases' copies; README's table is generated
-from the list; the rows of the committed studies hold no column the list lacks."""
+run; families cover the flattened options and the phases' copies; docs/outputs.md's table is
+generated from the list; the rows of the committed studies hold no column the list lacks."""
 
 import csv
 import json
@@ -88,11 +88,11 @@ def test_every_declaration_is_complete():
         assert c.writer and c.meaning and "\n" not in c.meaning, c
 
 
-def test_readme_holds_the_generated_table():
-    """`python -m memtrain.columns --write README.md` after a change to the list."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert columns.with_table(text) == text, "README.md's column table is stale: run " \
-        "`python -m memtrain.columns --write README.md`"
+def test_the_outputs_page_holds_the_generated_table():
+    """`python -m memtrain.columns --write docs/outputs.md` after a change to the list."""
+    text = (ROOT / "docs" / "outputs.md").read_text(encoding="utf-8")
+    assert columns.with_table(text) == text, "docs/outputs.md's column table is stale: run " \
+        "`python -m memtrain.columns --write docs/outputs.md`"
 
 
 def test_the_committed_studies_hold_only_declared_columns():

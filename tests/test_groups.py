@@ -1,4 +1,4 @@
-"""`memtrain --help` and README's group table come from conf/ (memtrain/groups.py)."""
+"""`memtrain --help` and the usage page's group table come from conf/ (memtrain/groups.py)."""
 
 from conftest import CONF, ROOT, conf_options
 
@@ -27,7 +27,8 @@ def test_every_group_folder_is_described():
     assert folders == set(groups.GROUPS)
 
 
-def test_readme_holds_the_generated_group_table():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert groups.with_table(text) == text, "run: python -m memtrain.groups --write README.md"
+def test_the_usage_page_holds_the_generated_group_table():
+    text = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    assert groups.with_table(text) == text, \
+        "run: python -m memtrain.groups --write docs/usage.md"
     assert "| `method` | the memory-saving method" in text

@@ -247,7 +247,7 @@ def test_nothing_of_memtrain_imports_the_tools():
 
 def test_the_training_loop_reads_in_one_screen():
     """train.train stays under 100 lines (docstring included): what is not the loop's order of
-    events goes into the helpers beside it (docs/ARCHITECTURE.md, the training loop)."""
+    events goes into the helpers beside it (docs/architecture.md, the training loop)."""
     tree = ast.parse((ROOT / "memtrain" / "train.py").read_text(encoding="utf-8"))
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
     assert fn.end_lineno - fn.lineno + 1 < 100, fn.end_lineno - fn.lineno + 1

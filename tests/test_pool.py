@@ -111,7 +111,8 @@ def _ratios(model, size, targets):
     return out
 
 
-# Measured on the CPU (batch 2, k=2, relu_mask=bits, min_size=4; the batch excluded, README):
+# Measured on the CPU (batch 2, k=2, relu_mask=bits, min_size=4; the batch excluded;
+# docs/methods/pool.md):
 #   resnet18 224 px: conv 0.579, conv+bn 0.235    32 px (small stem): conv 0.682, conv+bn 0.289
 #   resnet50 224 px: conv 0.662, conv+bn 0.273    32 px (small stem): conv 0.689, conv+bn 0.285
 LIMITS = {("resnet18", 224): {"conv": 0.80, "conv+bn": 0.45},

@@ -285,7 +285,7 @@ def test_small_range_channels_before_batchnorm_keep_their_gradient_at_2_bits():
 
 def test_channel_norm_auto_scales_channels_at_2_bits_only():
     """auto: per-channel scaling where it was measured to matter (2 bits: no divergence),
-    plain groups at 4 and 8 (they trained better there on resnet18, README)."""
+    plain groups at 4 and 8 (they trained better there on resnet18, docs/methods/quantize.md)."""
     assert {b: QuantizeMethod(bits=b).channel_norm for b in (2, 4, 8)} == \
         {2: "minmax", 4: "none", 8: "none"}
     assert QuantizeMethod(bits=4, channel_norm="minmax").hooks().per_channel

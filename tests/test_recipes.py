@@ -22,7 +22,7 @@ from memtrain import api
 # steps, seeds 0-2, resmlp12 0.269/0.267/0.295, resmlp24 0.258/0.290/0.279 (CPU, 2026-11-24).
 IMAGE_SIZE = {"efficientnet_b0": 32, "mlp6": 32, "resmlp12": 8, "resmlp24": 8}
 # mlp6 (no normalisation; nn.Linear's default init) sits near chance for its first ~100 steps:
-# it gets the schedule and image size of the README's mlp6 check (200 steps of 64, 32 px).
+# it gets the schedule and image size of the usage page's mlp6 check (200 steps of 64, 32 px).
 SCHEDULE = {"mlp6": ["trainer.max_steps=200", "trainer.batch_size=64"],
             "gpt2_small": ["trainer.max_steps=40", "trainer.batch_size=16"]}
 # The full-size transformers train two of their layers here (width, heads and recipe their

@@ -70,7 +70,7 @@ def test_the_wheel_folder_is_git_ignored_and_the_recipe_carries_it():
         pytest.skip("not a git checkout")
     assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q",
                            ".whl/hydra_core-1.3.8-py3-none-any.whl"]).returncode == 0
-    recipe = (ROOT / "docs" / "results" / "README.md").read_text()
+    recipe = (ROOT / "docs" / "results" / "study.md").read_text()
     assert 'carry: [".whl"]' in recipe
     for n in range(1, len(results_plan.CALLS) + 1):
         assert f"bash scripts/gpu-results.sh {n}" in recipe

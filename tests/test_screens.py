@@ -1,4 +1,4 @@
-"""The README's pictures of the report's figures (docs/figures/, `make results-figures`) are
+"""The docs' pictures of the report's figures (docs/figures/, `make results-figures`) are
 drawn from committed rows by the report's own figure functions: each draws again here, and the
 values it draws equal the committed `<name>.csv` beside the PNG (the figure's data: images differ
 across matplotlib versions, so the pixels are not compared), and it reads: no text over another,

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1"]
 NO_REPORT = "+hydra.callbacks.report.enabled=false"  # where the test is not about the report
-# the preset's values for a cluster without GPUs (README, SLURM)
+# the preset's values for a cluster without GPUs (docs/clusters.md, SLURM)
 CPU_ONLY = {"MEMTRAIN_SLURM_GPUS_PER_NODE": "0", "MEMTRAIN_SLURM_CPUS_PER_TASK": "1",
             "MEMTRAIN_SLURM_MEM_GB": "1", "MEMTRAIN_SLURM_PARTITION": slurm_cluster.PARTITION}
 

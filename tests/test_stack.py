@@ -133,7 +133,7 @@ def test_a_multirun_sweeps_two_stacks(in_tmp):
 
 @pytest.mark.slow
 def test_checkpoint_with_quantize_saves_more_than_either(tmp_path):
-    """The issue's acceptance at a tiny size (resnet18, 16 px, batch 4; README: resnet50 at
+    """The issue's acceptance at a tiny size (resnet18, 16 px, batch 4; docs/stacks.md: resnet50 at
     64 px, budget 0.5): checkpoint + quantize (4 bits) has a lower tracked activation peak than
     either alone at the same budget_fraction, and keeps fewer saved bytes. (At 16 px the stack's
     measured plans reach 0.52 of its modelled baseline at best: budget 0.6 here.)"""

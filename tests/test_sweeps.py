@@ -57,6 +57,8 @@ def test_relaunch_with_other_values_runs_only_the_new_config(in_tmp):
     (new,) = set(after) - set(before)
     assert json.loads(after[new])["trainer.seed"] == 5
     assert "memtrain: 3 jobs: ok 3 (2 skipped: already done)" in p.stdout
+    assert [ln.split(" -> ")[0] for ln in p.stdout.splitlines()
+            if ln.startswith("memtrain: job ")] == [f"memtrain: job {i}/3" for i in (1, 2, 3)]
     runs = pd.read_csv(sweep / "summary.csv")
     assert sorted(runs["trainer.seed"]) == [0, 1, 5]
     assert "never finished" not in (sweep / "report.md").read_text()  # skip markers are no loss
@@ -192,6 +194,9 @@ def test_a_fault_in_a_parallel_worker_spares_its_siblings(in_tmp):
     assert rows == {None: "ok", "sigterm": "interrupted", "error": "error"}
     assert "memtrain: 3 jobs: ok 1, error 1, interrupted 1" in p.stdout
     assert "continue with: memtrain -m hydra/launcher=parallel" in p.stderr
+    # the workers say which job of the sweep they start, as the local launcher does
+    assert {f"memtrain: job {i}/3" for i in (1, 2, 3)} <= \
+        {ln.split(" -> ")[0] for ln in p.stdout.splitlines()}
 
 
 @pytest.mark.slow
@@ -207,3 +212,29 @@ def test_a_second_sweep_into_a_finished_folder_overwrites_nothing(in_tmp):
     said = p.stdout + p.stderr
     assert said.count("already holds a finished run (status=ok); add trainer.skip_done="
                       "true to keep it") == 2, said[-2000:]
+
+
+def test_job_progress_counts_the_jobs_as_the_sweepers_expand_them(capsys):
+    """`memtrain: job i/n` (hydra_callbacks.JobProgress, `make run`'s progress): n is the
+    sweep's job count, for the variants sweeper (experiment=quick's 4 + 2 + 1 jobs, times a
+    swept common option) and for the basic one (a cartesian product)."""
+    from omegaconf import open_dict
+
+    from memtrain import config
+    from memtrain.hydra_callbacks import JobProgress, sweep_size
+
+    with config.session():
+        quick = config.hydra_compose("config", ["experiment=quick"], return_hydra_config=True)
+        plain = config.hydra_compose("config", [], return_hydra_config=True)
+        assert sweep_size(quick) == 7
+        with open_dict(quick), open_dict(plain):
+            quick.hydra.overrides.task = ["experiment=quick", "trainer.seed=0,1,2"]
+            plain.hydra.overrides.task = ["model=mlp6,resnet18", "trainer.seed=0,1,2"]
+            plain.hydra.mode = "MULTIRUN"
+            plain.hydra.job.num = 4
+            plain.hydra.runtime.output_dir = "/sweep/4_abc"
+        assert sweep_size(quick) == 21
+        progress = JobProgress()
+        progress.on_multirun_start(plain)
+        progress.on_job_start(plain)
+    assert capsys.readouterr().out == "memtrain: job 5/6 -> 4_abc\n"

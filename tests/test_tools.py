@@ -36,7 +36,7 @@ def commands() -> dict[str, set[str]]:
 
 def command_lines() -> list[str]:
     """Every benchmark (each module of benchmarks/) and every tool (the study, the docs
-    generator, README's pictures): the modules run as commands."""
+    generator, the docs' pictures): the modules run as commands."""
     found = [f"benchmarks.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)]
     return sorted([*found, "tools.docs", "tools.screens", "tools.study"])
 

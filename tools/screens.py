@@ -1,4 +1,4 @@
-"""`make results-figures`: the README's pictures of the report's figures, drawn again from
+"""`make results-figures`: the docs' pictures of the report's figures, drawn again from
 committed rows, so a picture in docs/ is what memtrain-report draws from those runs, not a
 hand-made one.
 

@@ -2,7 +2,7 @@
 
 The forward pass stays exact. Convolutions keep `pool_k(x)` for backward instead of x (grad_input
 stays exact, grad_weight is approximate); with `targets=conv+bn` BatchNorm keeps a pooled x_hat
-too (its whole backward becomes approximate). The pitfall (docs/ARCHITECTURE.md): a conv input is
+too (its whole backward becomes approximate). The pitfall (docs/methods/pool.md): a conv input is
 usually a ReLU output that the ReLU saves as well, so ReLUs keep a 1-bit (or bool) mask; max-pools
 keep uint8 window offsets instead of their input and int64 indices. Both of those are exact.
 A layer whose input is data from outside the autograd graph (the batch, or a view of it: it

@@ -10,15 +10,10 @@ and linears; nonlinear backwards such as BatchNorm's and GELU's are approximate)
 kernels: kernels/quant.py (Triton on CUDA, vectorised torch elsewhere).
 
 Channels (`channel_norm=minmax`; the default `auto` picks it at 2 bits, `none` at 4 and 8):
-before grouping, every channel (dim 1: N, C, ... of convolutions and BatchNorm, the features of
-a [B, F] linear input) is shifted and scaled to [0, 1] by its own min and range (8 bytes per
-channel in the buffer; only where a channel has at least MIN_CHANNEL_ELEMS elements, so it costs
-at most a bit per element). Without it a group of 256
-consecutive elements spans 256 / (H * W) channels of an NCHW map (64 channels at 2x2), a channel
-of small range gets a step set by its neighbours' (at 2 bits: pure noise), and BatchNorm's
-backward multiplies that error by the channel's 1 / std: resnet18 at 16 px, 2 bits, diverged
-(NaN at step 14; the gradient's norm 266x the exact one at step 13). With it a channel's step is
-at most its range / (2^bits - 1).
+before grouping, every channel (dim 1) is shifted and scaled to [0, 1] by its own min and range
+(8 bytes per channel in the buffer; only where a channel has at least MIN_CHANNEL_ELEMS
+elements), so a channel of small range no longer gets a step set by its neighbours'. Why 2 bits
+needed it: docs/methods/quantize.md.
 
 What is *not* quantized: parameters and the low-precision copies autocast makes of them (casts
 and views of a parameter), the batch and anything else a step finds alive (no grad_fn: buffers,
@@ -167,8 +162,9 @@ class QuantizeMethod:
         check_choice("method.relu_mask", relu_mask, RELU_MASKS)
         check_choice("method.channel_norm", channel_norm, CHANNEL_NORMS)
         self.bits, self.group_size, self.rounding = bits, group_size, rounding
-        if channel_norm == "auto":  # measured on resnet18 16 px (README): minmax keeps 2 bits
-            # from diverging; at 4 bits plain groups trained better on the seeds measured
+        # measured on resnet18 16 px (docs/methods/quantize.md): minmax keeps 2 bits from
+        # diverging; at 4 bits plain groups trained better on the seeds measured
+        if channel_norm == "auto":
             channel_norm = "minmax" if bits == 2 else "none"
         self.relu_mask, self.channel_norm = relu_mask, channel_norm
 

@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
                          "panels, 14 pt text) (default: %(default)s)")
     ap.add_argument("--names", metavar="FILE.yaml",
                     help="display names: short parameter names, named settings, label renames, "
-                         "model and dataset names (see the README)")
+                         "model and dataset names (docs/reports.md)")
     ap.add_argument("--label", action="append", default=[], metavar="LABEL:NAME",
                     help="draw the setting labelled LABEL as NAME (repeatable)")
     ap.add_argument("--no-figures", action="store_true", help="tables and report.md only")

@@ -3,8 +3,8 @@
 - `results.md`: device and date, the parts' statuses, headline figures, one section per part;
 - memtrain-report over every run (summary.csv, settings.csv, report.md, figures/; no parquet:
   the view is committed), and highlights/: the trade-off figure of the trade-off part and the
-  budget figure of the checkpoint part, each drawn from that part's runs alone (RESULTS.md
-  shows them);
+  budget figure of the checkpoint part, each drawn from that part's runs alone
+  (docs/results/README.md shows them);
 - every figure stamped with the device and the date it was measured on.
 Each piece is made on its own: one that fails is named in results.md, the others are written.
 """
@@ -28,7 +28,8 @@ from tools.study import tables
 # the columns a run shares with its `none` (the report's --match): the parts measure none
 # at several sizes, step counts and probe settings, and each ratio must use its own
 MATCH = ",".join(k for k in tables.MATCH if k not in ("device", "mem_peak_source"))
-# the figures RESULTS.md shows, drawn from one part's runs (and the none runs its ratios use)
+# the figures docs/results/README.md shows, drawn from one part's runs (and the none runs its
+# ratios use)
 HIGHLIGHTS = {"tradeoff": "tradeoff", "checkpoint": "budget"}
 MAX_WIDTH = 1200  # pixels: the report's multi-panel figures are ~3300 wide, too heavy to commit
 

@@ -1,4 +1,4 @@
-"""method=checkpoint: activation checkpointing (`method.py`; docs/ARCHITECTURE.md).
+"""method=checkpoint: activation checkpointing (`method.py`; docs/methods/checkpoint-planner.md).
 
 The package re-exports `CheckpointMethod` under the name conf/method/checkpoint.yaml's `_target_`
 holds (hashed into every run_id). Its modules, each importing only those listed before it:

@@ -1,5 +1,5 @@
 """method=synthetic: partitioned training with synthetic intermediate labels (`method.py`;
-docs/ARCHITECTURE.md).
+docs/methods/synthetic.md).
 
 The package re-exports `Synthetic` under the name conf/method/synthetic.yaml's `_target_` holds
 (hashed into every run_id). Its modules: `cuts` (where the model is cut, the partitioned
