@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import record, schema
+from memtrain import offline, record, schema
 from memtrain.errors import ConfigError
 from memtrain.paths import conf_dir, installed_conf_dir  # noqa: F401 (config.conf_dir)
 
@@ -464,7 +464,7 @@ def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     # key by key: resolving `hydra` here would recurse when its sweep subdir names the run_id
     c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
          else cfg[k] for k in cfg if k != "hydra"}
-    _user_module(c)
+    offline.fill_identity(c)
     trainer = c.get("trainer", {})
     for k in NOT_IN_RUN_ID:
         trainer.pop(k, None)
@@ -485,20 +485,6 @@ def run_id(cfg: DictConfig, resolve: bool = True) -> str:
             trainer[k] = int(v)
     blob = json.dumps(c, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-
-USER_MODULE = "memtrain.models.user_module"  # model=module (memtrain/models/user.py)
-
-
-def _user_module(c: dict[str, Any]) -> None:
-    """`model=module` on the command line: the name and architecture hash of the factory that
-    MEMTRAIN_MODEL names go into the config's identity, so two factories never share a run_id
-    (the API sets them itself)."""
-    node = c.get("model")
-    if isinstance(node, dict) and node.get("_target_") == USER_MODULE and not node.get("arch"):
-        from memtrain.models import user
-
-        user.fill_identity(c)
 
 
 def _same(value: Any, default: Any) -> bool:
@@ -528,7 +514,7 @@ def identity(cfg: DictConfig, choices: dict[str, str], resolve: bool = True) -> 
     row.update({g: choices.get(g) or "" for g in ("method", "model", "dataset", "optim",
                                                   "trainer", "experiment")})
     c = OmegaConf.to_container(cfg, resolve=resolve)
-    _user_module(c)
+    offline.fill_identity(c)
     for group in ("method", "trainer", "dataset", "model", "optim"):
         row.update(_flatten(group, c.get(group, {})))
     return row

@@ -43,7 +43,7 @@ from memtrain.columns import (
     STEP_TIME_P90,
     THROUGHPUT,
 )
-from memtrain.tracker import PeakTracker
+from memtrain.tracker import PeakTracker, local
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -54,14 +54,6 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     t = local(t)
     s = t.untyped_storage()
     return (str(t.device), s._cdata if is_fake(t) else s.data_ptr())
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """What this process holds of `t`: a DTensor's local shard (FSDP's parameters, gradients and
-    optimizer state), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[torch.Tensor]:

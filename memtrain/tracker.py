@@ -297,8 +297,6 @@ class PeakTracker:
         """The parameters' gradients, at the end of the update: any of them the tracker still
         files as a temporary (FSDP2's sharded gradients, which its post-backward makes and its
         tracker never retags) was gradient memory from the moment it was made."""
-        from memtrain.measure import local
-
         grads_at = TRACKED.index("grads")
         for g in grads:
             info = self._mt._WINFO.get(local(g).untyped_storage(), (None, None))[0]
@@ -473,3 +471,11 @@ def _fsdp_tracker() -> type:
              "_fsdp_param_group_pre_backward", "_fsdp_param_group_post_backward")
     return type("HookedFSDPMemTracker", (FSDPMemTracker,),
                 {"in_hook": 0, **{n: hooked(getattr(FSDPMemTracker, n)) for n in names}})
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this process holds of `t`: a DTensor's local shard (FSDP's parameters, gradients and
+    optimizer state), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t

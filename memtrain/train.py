@@ -145,10 +145,9 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
     synthetic-label partitions) pass their own and an `evaluate_fn` of `evaluate`'s signature;
     `metric_prefix` namespaces the metric names of such sub-runs; `eval_name` is what the log
     line calls the evaluation's accuracy (a sub-run graded on its own targets is not test_acc);
-    `resident`: modules whose tensors stay where they are beside `model` (synthetic: the whole
-    partitioned model), counted in the accounting step's peak where they are on `device`.
-    `checkpointer` saves resumable state at step boundaries and hands it back on resume.
-    Raises RunFailed (oom, diverged, interrupted) with the records so far.
+    `resident`: modules whose tensors stay beside `model` (synthetic: the whole partitioned
+    model), counted in the accounting step's peak; `checkpointer` saves resumable state at step
+    boundaries. Raises RunFailed (oom, diverged, interrupted) with the records so far.
     """
     t, loss_fn, evaluate_fn = trainer, loss_fn or cross_entropy, evaluate_fn or evaluate
     steps_per_epoch, total_steps, epochs = _schedule(t, len(data.train))
@@ -187,8 +186,7 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
             for x, y in batches:
                 if step >= total_steps:
                     break
-                if t.channels_last and x.ndim == 4:
-                    x = x.contiguous(memory_format=torch.channels_last)
+                x = _layout(x, t.channels_last)
                 # ---- one training step: forward, backward, update
                 with meas.step(step, model, optimizer, x, y):
                     with meas.forward(), autocast():
@@ -233,6 +231,13 @@ def train(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
 
     rec.summary.update(_end_columns(meas, t.batch_size, loss_val, step, epochs, t_start))
     return TrainResult(rec.summary, rec.metrics)
+
+
+def _layout(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """An image batch in channels-last memory format when the trainer asks for it."""
+    if channels_last and x.ndim == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
 
 
 def _fault(t: Trainer) -> Fault | None:

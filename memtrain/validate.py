@@ -220,8 +220,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     And a row names what ran: the `_target_`s under `method`, `model` and `dataset` are those of
     the option chosen (an override or a preset that swaps one for another class would record
     `method=none` for a run of quantize)."""
-    from memtrain import trust
-    from memtrain.models import offline
+    from memtrain import offline, trust
 
     # (a sweep's params and variants are checked as overrides of their own: config._check_sweep)
     plain = [o.input_line for o in parsed if not o.is_sweep_override()
@@ -234,7 +233,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     # a sweep over a logging setting (or the job's name, which names the log file): each value
     logs = [o for o in parsed if o.is_sweep_override() and not o.is_delete()
             and o.key_or_group.startswith((*trust.LOGGING, "hydra.job.name"))]
-    # a model sweep's values: each held to the offline rule (memtrain/models/offline.py)
+    # a model sweep's values: each held to the offline rule (memtrain/offline.py)
     swept = [(o.key_or_group, _values(o)) for o in parsed
              if o.is_sweep_override() and o.key_or_group.startswith("model.")]
     chosen = selection(parsed)

@@ -22,7 +22,7 @@ from memtrain.schema import Trainer
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 LINE = re.compile(r"step (\d+)/(\d+) epoch \d+ loss [\d.]+ samples/s (\d+|-) "
-                  r"mem (?:([\d.]+[MG]) peak \(tracked\), )?[\d.]+[MG] rss")
+                  r"mem (?:([\d.]+[MG]) peak \(cpu\), )?[\d.]+[MG] rss")
 
 
 def _metrics(path):
@@ -40,7 +40,7 @@ def test_progress_lines_reach_a_redirected_log(in_tmp):
     assert p.returncode == 0, p.stderr
     lines = list(LINE.finditer((in_tmp / "log.txt").read_text()))
     assert [int(m.group(1)) for m in lines] == list(range(4, 41, 4))
-    # the tracked peak, once the accounting step has measured it (smoke: step 2, after 1 warm-up)
+    # the CPU peak, once the accounting step has measured it (smoke: step 2, after 1 warm-up)
     assert all(m.group(4) for m in lines)
     # the run's own log file holds the same lines
     assert len(LINE.findall((in_tmp / "r" / "memtrain.log").read_text())) == 10
@@ -141,11 +141,12 @@ def test_metrics_csv_holds_memory_and_throughput_consistent_with_the_row(in_tmp)
     assert [s for s, _ in rate] == list(range(3, 9))
     assert row["throughput_samples_s"] == pytest.approx(
         sorted(v for _, v in rate)[len(rate) // 2], rel=1e-9)  # torch's lower median of times
-    # the CPU's peak is the tracker's, known from the accounting step on: the row's value
+    # the CPU's peak is the allocator's events' in the accounting step, known from it on: the
+    # row's value
     peak = named("mem_peak_alloc_bytes")
     assert [s for s, _ in peak] == list(range(2, 9))
     assert {v for _, v in peak} == {row["mem_peak_alloc_bytes"]}
-    assert row["mem_peak_source"] == "tracker"
+    assert row["mem_peak_source"] == "allocator"
     rss = [v for _, v in named("mem_peak_rss_bytes")]
     assert len(rss) == 9 and rss == sorted(rss) and rss[-1] <= row["mem_peak_rss_bytes"]
 

@@ -20,10 +20,10 @@ import torch
 from conftest import ROOT, USER_FACTORY, conf_options
 from torch import nn
 
-from memtrain import api, config, record
+from memtrain import api, config, offline, record
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
-from memtrain.models import hf, offline, user
+from memtrain.models import hf, user
 
 IMAGES = ["dataset=synthetic", "dataset.image_size=32", "dataset.train_size=8",
           "dataset.test_size=4"]

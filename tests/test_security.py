@@ -297,7 +297,8 @@ def test_a_model_by_name_never_fetches_where_it_is_built():
     clients are told to stay offline."""
     import os
 
-    from memtrain.models import hf_model, offline, timm_model, torchvision_model
+    from memtrain import offline
+    from memtrain.models import hf_model, timm_model, torchvision_model
 
     with pytest.raises(ConfigError, match="model.kwargs.pretrained=True: memtrain builds"):
         timm_model(10, (3, 32, 32), "resnet18", {"pretrained": True})

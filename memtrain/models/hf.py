@@ -1,6 +1,6 @@
 """Causal language models by transformers' model type (`model=hf model.name=llama`): the type's
 config class (`AutoConfig.for_model`) at the sizes the config node gives, then
-`AutoModelForCausalLM.from_config`: random weights, nothing fetched (memtrain/models/offline.py).
+`AutoModelForCausalLM.from_config`: random weights, nothing fetched (memtrain/offline.py).
 
 The data sets the vocabulary (`vocab_size`: dataset.vocab_size) and the context
 (`max_position_embeddings`: dataset.seq_len). conf/model/hf.yaml declares the sizes, by
@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import memtrain.models.fake as fake
+from memtrain import offline
 from memtrain.errors import ConfigError
-from memtrain.models import fake, offline
 
 INSTALL = "pip install 'memtrain[hf]' (transformers>=5,<6)"
 # run-set keys: where each comes from
@@ -96,7 +97,7 @@ def hf_model(num_classes: int, input_shape: tuple[int, ...], name: str = "llama"
         raise ConfigError(f"model=hf model.name={name}: {str(e).splitlines()[0]}") from None
 
 
-def precheck(builder: str, node: dict[str, Any]) -> None:
+def precheck(node: dict[str, Any]) -> None:
     """The checks of `hf_model` that need no data (offline.precheck): the type, the keys the
     run sets, the attention, the sizes."""
     config = offline.check_kwargs("model.config", node.get("config"), RESERVED)
@@ -195,3 +196,6 @@ def _check_size_value(key: str, value: Any) -> None:
              "head_dim", *MLP_KEYS)
     if key in sized and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"model.config.{key} must be a positive integer, got {value!r}")
+
+
+hf_model.precheck = precheck

@@ -39,11 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
+import memtrain.models.fake as fake
+from memtrain import offline
 from memtrain.errors import ConfigError
-from memtrain.models import fake, offline
 
 ENV = offline.ENV_MODEL
-TARGET = "memtrain.models.user_module"
+TARGET = offline.USER_MODULE
 _REGISTERED: dict[str, Callable[..., nn.Module]] = {}  # arch -> factory (this process)
 
 
@@ -157,34 +158,3 @@ def load(spec: str) -> Callable[..., nn.Module]:
     if not callable(factory):
         raise ConfigError(f"{ENV}={spec}: {where} has no function {attr!r}")
     return factory
-
-
-def env_identity() -> tuple[str, str] | None:
-    """(name, arch) of the factory MEMTRAIN_MODEL names, without running it: the factory's
-    name and a hash of the spec and its source file's bytes; None when unset."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return None
-    where, _, attr = spec.rpartition(":")
-    h = hashlib.sha1(spec.encode())
-    path = Path(where).expanduser() if where.endswith(".py") else None
-    if path is None and where:
-        try:
-            found = importlib.util.find_spec(where)
-            path = Path(found.origin) if found and found.origin else None
-        except (ImportError, ValueError):
-            path = None
-    if path is not None and path.is_file():
-        h.update(path.read_bytes())
-    return attr or spec, h.hexdigest()[:12]
-
-
-def fill_identity(c: dict[str, Any]) -> None:
-    """A composed config (a plain dict) of `model=module` without `model.arch`: name and arch
-    from MEMTRAIN_MODEL, so the run_id tells two factories apart (config.run_id)."""
-    node = c.get("model")
-    if not isinstance(node, dict) or node.get("_target_") != TARGET or node.get("arch"):
-        return
-    found = env_identity()
-    if found is not None:
-        node["name"], node["arch"] = node.get("name") or found[0], found[1]

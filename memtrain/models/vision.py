@@ -1,6 +1,6 @@
 """Image classifiers by name: any timm architecture (`model=timm model.name=convnext_atto`) or
 torchvision classification model (`model=torchvision model.name=mobilenet_v3_small`), built
-offline with random weights (memtrain/models/offline.py).
+offline with random weights (memtrain/offline.py).
 
 The data sets what the run fixes: the classes (`num_classes`), the channels (timm's `in_chans`;
 torchvision's first convolution is rebuilt for them) and, where the architecture takes an input
@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import memtrain.models.fake as fake
+from memtrain import offline
 from memtrain.errors import ConfigError
-from memtrain.models import fake, offline
 
 TIMM_RESERVED = {"num_classes": "dataset.num_classes", "in_chans": "dataset.channels",
                  "img_size": "dataset.image_size"}
@@ -71,14 +72,20 @@ def torchvision_model(num_classes: int, input_shape: tuple[int, int, int],
     return model
 
 
-def precheck(builder: str, node: dict[str, Any]) -> None:
-    """The checks of `timm_model` / `torchvision_model` that need no data (offline.precheck)."""
-    if builder == "timm_model":
-        offline.check_kwargs("model.kwargs", node.get("kwargs"), TIMM_RESERVED)
-        timm_name(node.get("name"))
-    else:
-        offline.check_kwargs("model.kwargs", node.get("kwargs"), TV_RESERVED)
-        torchvision_name(node.get("name"))
+def _timm_precheck(node: dict[str, Any]) -> None:
+    """The checks of `timm_model` that need no data (offline.precheck)."""
+    offline.check_kwargs("model.kwargs", node.get("kwargs"), TIMM_RESERVED)
+    timm_name(node.get("name"))
+
+
+def _torchvision_precheck(node: dict[str, Any]) -> None:
+    """The checks of `torchvision_model` that need no data (offline.precheck)."""
+    offline.check_kwargs("model.kwargs", node.get("kwargs"), TV_RESERVED)
+    torchvision_name(node.get("name"))
+
+
+timm_model.precheck = _timm_precheck
+torchvision_model.precheck = _torchvision_precheck
 
 
 def _image(input_shape: tuple[int, ...], family: str) -> tuple[int, int, int]:

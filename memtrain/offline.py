@@ -12,10 +12,13 @@ imports a library: the checks read strings.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib.util
 import math
 import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from memtrain.errors import ConfigError
@@ -109,6 +112,7 @@ def check_node(node: Any, where: str = "model") -> None:
 # the by-name builders (memtrain.models.<function>) and the library whose registry they read
 BY_NAME = {"timm_model": "timm", "torchvision_model": "torchvision", "hf_model": "transformers"}
 ENV_MODEL = "MEMTRAIN_MODEL"  # memtrain/models/user.py: names code to run; only a shell sets it
+USER_MODULE = "memtrain.models.user_module"  # model=module
 
 
 def check_command(container: dict[str, Any], swept: list[tuple[str, list[Any]]]) -> None:
@@ -138,19 +142,21 @@ def check_command(container: dict[str, Any], swept: list[tuple[str, list[Any]]])
     if builder in BY_NAME:
         for name in names:
             if isinstance(name, str) and "${" not in name:
-                precheck(builder, {**node, "name": name})
+                precheck(str(node["_target_"]), {**node, "name": name})
 
 
-def precheck(builder: str, node: dict[str, Any]) -> None:
+def precheck(target: str, node: dict[str, Any]) -> None:
     """What a by-name builder checks before it builds (its name in the library's registry, the
-    keys the run sets itself, transformers' sizes), on a composed node: ConfigError."""
-    if builder == "hf_model":
-        from memtrain.models.hf import precheck as check
-    else:
-        from memtrain.models.vision import precheck as check
+    keys the run sets itself, transformers' sizes), on a composed node: ConfigError. The checks
+    are the builder's own (its `precheck` attribute), found through its `_target_` as the run
+    would build it."""
+    from memtrain import trust
+
+    check = getattr(trust.locate(target, "model._target_"), "precheck", None)
     resolved = {k: v for k, v in node.items() if k != "_target_"}
-    if not any(isinstance(v, str) and "${" in v for v in _leaves(resolved)):
-        check(builder, resolved)
+    if check is not None and not any(isinstance(v, str) and "${" in v
+                                     for v in _leaves(resolved)):
+        check(resolved)
 
 
 def _leaves(node: Any) -> list[Any]:
@@ -195,3 +201,34 @@ def check_kwargs(where: str, kwargs: Any, reserved: dict[str, str]) -> dict[str,
         if msg:
             raise ConfigError(msg)
     return dict(kwargs)
+
+
+def env_identity() -> tuple[str, str] | None:
+    """(name, arch) of the factory MEMTRAIN_MODEL names, without running it: the factory's
+    name and a hash of the spec and its source file's bytes; None when unset."""
+    spec = os.environ.get(ENV_MODEL)
+    if not spec:
+        return None
+    where, _, attr = spec.rpartition(":")
+    h = hashlib.sha1(spec.encode())
+    path = Path(where).expanduser() if where.endswith(".py") else None
+    if path is None and where:
+        try:
+            found = importlib.util.find_spec(where)
+            path = Path(found.origin) if found and found.origin else None
+        except (ImportError, ValueError):
+            path = None
+    if path is not None and path.is_file():
+        h.update(path.read_bytes())
+    return attr or spec, h.hexdigest()[:12]
+
+
+def fill_identity(c: dict[str, Any]) -> None:
+    """A composed config (a plain dict) of `model=module` without `model.arch`: name and arch
+    from MEMTRAIN_MODEL, so the run_id tells two factories apart (config.run_id)."""
+    node = c.get("model")
+    if not isinstance(node, dict) or node.get("_target_") != USER_MODULE or node.get("arch"):
+        return
+    found = env_identity()
+    if found is not None:
+        node["name"], node["arch"] = node.get("name") or found[0], found[1]
