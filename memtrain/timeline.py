@@ -75,8 +75,8 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
     where the table has none), plus `total`."""
     if "recompute" not in df:  # written before the column existed
         df = df.assign(recompute=False)
-    if "total" in df:  # already wide
-        return df
+    if "total" in df:  # already wide; rows written before a category existed have none of it
+        return df.assign(**{c: 0 for c in CATEGORIES if c not in df})
     meta = df.drop_duplicates("event").set_index("event")[
         ["part", "time_s", "phase", "module", "recompute"]]
     cats = df.groupby(["event", "category"])["bytes"].sum().unstack("category", fill_value=0)

@@ -447,7 +447,7 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
     # reduce-scatter buffer meanwhile (two runs here measured 280 and 326 kB against 278 kB)
     est = _estimate(TINY, "fsdp", 2, in_tmp / "estimate")
     for e, col in (("mem_estimate_act_bytes", "mem_peak_act_bytes"),
-                   ("mem_estimate_act_temp_bytes", "mem_peak_act_temp_bytes"),
+                   ("mem_estimate_act_temp_bytes", "mem_tracker_act_temp_bytes"),  # no scratch
                    ("mem_estimate_at_act_peak_optim_bytes", "mem_optim_bytes")):
         assert est[e] == pytest.approx(row[f"rank_max.{col}"], rel=0.05), col
     _, model, _ = api.build(single)
@@ -457,13 +457,14 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
         measured = row[f"{agg}.mem_tracker_peak_bytes"]
         assert 0.98 * est["mem_estimate_bytes"] <= measured <= est["mem_estimate_bytes"] + \
             2 * unit, (agg, measured, est["mem_estimate_bytes"], unit)
-    # what the collectives hold is no activation memory: each rank's complete activation peak
-    # (activations and backward temporaries) is one process's on the rank's batch
-    assert row["rank_max.mem_peak_act_temp_bytes"] == pytest.approx(
-        _rank_step(single, "single")["mem_peak_act_temp_bytes"], rel=0.05)
+    # what the collectives hold is no activation memory: each rank's activations and backward
+    # temporaries, tensor by tensor, are one process's on the rank's batch (the allocator's
+    # column adds the scratch no tensor holds, gloo's collective buffers among it)
+    assert row["rank_max.mem_tracker_act_temp_bytes"] == pytest.approx(
+        _rank_step(single, "single")["mem_tracker_act_temp_bytes"], rel=0.05)
 
-    # bad input found after the ranks started (every rank refuses it): rank 0 says why, on
-    # stderr and in memtrain.log, and exits 2, as one process does; the row says it too
+    # bad input under torchrun (every rank refuses it, before any folder is made): rank 0 says
+    # why in one line and exits 2, as one process does; nothing is written
     refused = in_tmp / "refused"
     p = torchrun(*args, "method=synthetic", f"hydra.run.dir={refused}", cwd=in_tmp)
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("memtrain: ")]
@@ -471,9 +472,8 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
                     f"{SHARDED_REFUSED['synthetic']}, each a model of its own, which the "
                     f"strategy's wrapper of one model does not cover; use "
                     f"trainer.strategy=single"], p.stderr[-3000:]
-    assert said[0] in (refused / "memtrain.log").read_text()
     assert "exitcode  : 2" in p.stderr  # torchrun's report of the ranks' exit status
-    assert _row(refused)["error"] == said[0].removeprefix("memtrain: error: ")
+    assert not refused.exists()
 
     stopped = in_tmp / "stopped"
     fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",
