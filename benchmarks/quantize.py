@@ -1,6 +1,6 @@
 """Benchmark of method=quantize against method=none: saved bytes, activation peak, accuracy.
 
-`saved`: resnet50 and resmlp24 at 224 px, batch 2, fp32 (issue 19's acceptance: bits=8 <= 0.30x
+`saved`: resnet50 and resmlp24 at 224 px, batch 2, fp32 (the acceptance goal: bits=8 <= 0.30x
 and bits=2 <= 0.12x on resnet50, bits=2 <= 0.15x on resmlp24): saved-activation bytes of one
 training step (`measure.SavedBytes`, per storage; parameters and batch excluded, as every run
 counts them) and the tracked activation peaks of that step (`measure.PeakTracker`: activations

@@ -444,12 +444,12 @@ NOT_IN_RUN_ID = record.DRIVING_OPTIONS
 # every option is. tests/test_run_ids.py fails on an option of an existing choice that is
 # neither frozen nor listed here. Keys: dotted paths as on the command line ("trainer.x").
 LATER_OPTIONS: dict[str, Any] = {
-    # find_max_batch's margin (issue 33): at these values it searches as it did before them
+    # find_max_batch's margin: at these values it searches as it did before them
     "trainer.max_batch_headroom": 0.0, "trainer.max_batch_multiple": 1,
     "trainer.cuda_context_gb": 0.0,
-    # what a checkpoint op plan minimises (issue 34): measured times, as before the option
+    # what a checkpoint op plan minimises: measured times, as before the option
     "method.cost": "time", "method.checkpoint.cost": "time",
-    # one run across processes (issue 36): one process, as before
+    # one run across processes: one process, as before
     "trainer.strategy": "single", "trainer.world_size": None, "trainer.fault_rank": None,
 }
 # Trainer options that only tune a probe, left out of run_id while that probe is off: they

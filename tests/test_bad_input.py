@@ -1,5 +1,5 @@
 """Bad input and broken files end in one line (or a row that says what is wrong), never in a
-traceback or an `ok` row that measured nothing (issue 15, classes 8 and 9)."""
+traceback or an `ok` row that measured nothing."""
 
 import contextlib
 import json

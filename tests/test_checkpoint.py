@@ -245,7 +245,7 @@ def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extr
 
 
 def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, caplog):
-    """A budget below the smallest feasible peak plans at that peak (issue 33: the default 0.5
+    """A budget below the smallest feasible peak plans at that peak (the default 0.5
     did not fit mlp6): the warning names the peak, the row keeps the budget asked for and the
     one planned for, and that plan is the least any budget gets (a budget at it, asked
     directly, gives the same plan, raising nothing)."""

@@ -173,7 +173,7 @@ def test_cuda_memory_series_end_at_the_rows_peak(in_tmp):
 
 
 def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
-    """issue 34: the estimate of gpt2_small (1024 tokens, batch 8, bf16-true, math attention,
+    """The estimate of gpt2_small (1024 tokens, batch 8, bf16-true, math attention,
     dropout 0.1) for CUDA, backward included: its saved bytes are 12 layers of Korthikanti's
     s*b*h*(34 + 5*a*s/h) (CUDA's 1-byte dropout masks) within 5%."""
     from memtrain import estimate, runner, tokens

@@ -26,7 +26,7 @@ GROUPS = ("dataset", "model", "method", "optim", "trainer", "recipe", "experimen
 def selections() -> list[list[str]]:
     """Every group choice alone, and the mixed command lines frozen beside them (a method with
     its options, a recipe's model on another dataset, driving options that stay out of the id:
-    first stored when the runner was restructured, issue 16)."""
+    first stored when the runner was restructured)."""
     frozen = json.loads(FROZEN.read_text()) if FROZEN.exists() else {}
     own = [[]] + [[f"{g}={o}"] for g in GROUPS for o in conf_options(g)]
     mixed = [k.split() for k in frozen if k != "(defaults)" and k.split() not in own]

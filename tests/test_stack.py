@@ -207,7 +207,7 @@ def test_a_stack_replans_while_measured_over_budget(monkeypatch, caplog):
     measurement is replaced here by the model's peak plus a fixed excess): each measured excess
     lowers the model's budget by as much and the plan is chosen again; when no plan fits, the
     plan that measured least is kept, with a warning naming the stack's option and that peak,
-    which the row keeps as the budget it was raised to (issue 33: a default runs)."""
+    which the row keeps as the budget it was raised to (a default runs)."""
     import memtrain.methods.checkpoint.plan as planner
 
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])

@@ -74,7 +74,7 @@ VARIANTS: dict[str, list[list[str]]] = {
 # exact uniform schedule (its budget plan measures each candidate in a tracked step); prune's
 # default 32x32 blocks do not fit the walked batch of 16 rows on mlp6 (the run refuses it).
 # (Checkpoint's default budget, 0.5 of none's activation peak, below mlp6's smallest feasible
-# plan at ~0.62, is raised to that plan since issue 33: its defaults are walked.)
+# plan at ~0.62, is raised to that plan: its defaults are walked.)
 DEFAULTS: dict[str, list[str]] = {
     "prune": ["method.block_size=16"],
     "checkpoint+quantize": ["method.checkpoint.strategy=uniform",

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision import models as tvm
 
 from memtrain.errors import ConfigError, check_range
 from memtrain.models.chain import Chain, Segment, chain_rule, children
 
 SMALL_INPUT_MAX = 32  # images of 32 px and below get the CIFAR-style stem
+
+
+def _tvm():
+    """torchvision's models, imported when one is built: importing torchvision imports torch's
+    compiler stack (seconds), which a run of another model never needs."""
+    from torchvision import models
+
+    return models
 
 
 def _resnet(factory, num_classes: int, input_shape: tuple[int, int, int],
@@ -31,17 +38,17 @@ def _resnet(factory, num_classes: int, input_shape: tuple[int, int, int],
 def resnet18(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
              zero_init_residual: bool = False) -> nn.Module:
     """ResNet-18 (torchvision); `small_input` None picks the small stem for <= 32 px images."""
-    return _resnet(tvm.resnet18, num_classes, input_shape, small_input, zero_init_residual)
+    return _resnet(_tvm().resnet18, num_classes, input_shape, small_input, zero_init_residual)
 
 
 def resnet34(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
              zero_init_residual: bool = False) -> nn.Module:
-    return _resnet(tvm.resnet34, num_classes, input_shape, small_input, zero_init_residual)
+    return _resnet(_tvm().resnet34, num_classes, input_shape, small_input, zero_init_residual)
 
 
 def resnet50(num_classes: int, input_shape: tuple[int, int, int], small_input: bool | None = None,
              zero_init_residual: bool = False) -> nn.Module:
-    return _resnet(tvm.resnet50, num_classes, input_shape, small_input, zero_init_residual)
+    return _resnet(_tvm().resnet50, num_classes, input_shape, small_input, zero_init_residual)
 
 
 def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout: float = 0.2,
@@ -53,7 +60,7 @@ def efficientnet_b0(num_classes: int, input_shape: tuple[int, int, int], dropout
         raise ConfigError(f"model efficientnet_b0 needs images of >= 8 px, got {h}x{w}")
     check_range("model.dropout", dropout, 0, 1, hi_open=True)
     check_range("model.stochastic_depth_prob", stochastic_depth_prob, 0, 1, hi_open=True)
-    model = tvm.efficientnet_b0(num_classes=num_classes, dropout=dropout,
+    model = _tvm().efficientnet_b0(num_classes=num_classes, dropout=dropout,
                                 stochastic_depth_prob=stochastic_depth_prob)
     # torchvision draws the classifier from U(+-1/sqrt(num_classes)), a range made for 1000
     # classes: with 10 the first logits are ~10x too large (measured: initial loss ~15 instead
