@@ -1125,6 +1125,8 @@ def capture(runs: Path, name: str, root: Path = ROOT) -> Path:
     (out / "summary.parquet").unlink(missing_ok=True)
     prefixes = {str(root.resolve()) + os.sep, str(Path.cwd().resolve()) + os.sep}
     for f in out.iterdir():
+        if not f.is_file() or f.suffix not in (".csv", ".md"):  # a run's own folder (timelines)
+            continue
         text = f.read_text(encoding="utf-8")
         for prefix in prefixes:
             text = text.replace(prefix, "")
