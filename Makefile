@@ -221,20 +221,26 @@ gpu-env: ## offline box with torch but no Hydra: Hydra's wheels from .whl/ into 
 # The GPU call rehearsed as the box runs it: a throwaway Python 3.12 environment with torch 2.11
 # and the box's packages only (no Hydra from the registry: Hydra comes from the wheels in .whl/,
 # as on the box), then scripts/gpu-results.sh itself at the smoke size on the CPU, within the
-# call's deadline; what it writes goes to a scratch folder, never to docs/results/.
+# call's deadline; what it writes goes to a scratch folder, never to docs/results/. The
+# environment is built once (rm -rf .venv-rehearsal builds it again).
 REHEARSAL     ?= .venv-rehearsal
 REHEARSAL_PY  ?= python3.12
 REHEARSAL_PKGS ?= torch==2.11.0 timm scipy pandas matplotlib pyarrow pytest setuptools
 REHEARSAL_OUT ?= runs/rehearsal
 .PHONY: gpu-rehearsal
-gpu-rehearsal: ## the one GPU call (scripts/gpu-results.sh) at smoke size on the CPU, Python 3.12 + torch 2.11 + .whl/ only
-	@ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu-rehearsal: no wheels in .whl/ (docs/results/study.md)" >&2; exit 2; }
-	rm -rf $(REHEARSAL) $(REHEARSAL_OUT) .whl/site
+$(REHEARSAL)/.installed:
+	rm -rf $(REHEARSAL)
 	$(REHEARSAL_PY) -m venv $(REHEARSAL)
 	$(REHEARSAL)/bin/python -m pip install -q $(REHEARSAL_PKGS)
+	touch $@
+
+gpu-rehearsal: $(REHEARSAL)/.installed ## the one GPU call (scripts/gpu-results.sh) at smoke size on the CPU, Python 3.12 + torch 2.11 + .whl/ only
+	@ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu-rehearsal: no wheels in .whl/ (docs/results/study.md)" >&2; exit 2; }
+	rm -rf $(REHEARSAL_OUT) .whl/site
 	mkdir -p $(REHEARSAL_OUT)
 	PY=$(CURDIR)/$(REHEARSAL)/bin/python OUT=$(CURDIR)/$(REHEARSAL_OUT)/out OMP_NUM_THREADS=1 \
 	  bash scripts/gpu-results.sh rehearsal -- --device cpu --profile smoke \
 	  --parts tests,table,monet,papers --runs $(REHEARSAL_OUT)/runs \
 	  --out $(REHEARSAL_OUT)/view --committed $(REHEARSAL_OUT)/committed $(ARGS)
-	tar tzf $(REHEARSAL_OUT)/out/study.tar.gz | grep -c summary.json
+	@echo "gpu-rehearsal: rows archived:" \
+	  $$(tar tzf $(REHEARSAL_OUT)/out/study.tar.gz | grep -c summary.json)

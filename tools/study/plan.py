@@ -3,9 +3,10 @@
 Every measurement is a command a user could type (`memtrain -m ...`, `python -m
 benchmarks.overhead`, `python -m benchmarks.kernels prune`, `pytest -m gpu`), so the
 study measures exactly what users get. Sizes live in PROFILES, one dict per part; every value can
-be changed from the command line (`--set pool.batches=64`). `gpu` is the CUDA study (an H100:
-~18 min in all by the budgets below); `cpu` the same study at a size this project's 2-core CPU
-runs in minutes; `smoke` the smallest size that still runs every command (the CI test).
+be changed from the command line (`--set pool.batches=64`). `gpu` is the CUDA study (its
+PRIORITY parts in one call of CALL_S, the rest while time remains); `cpu` the same study at a
+size this project's 2-core CPU runs in minutes; `smoke` the smallest size that still runs every
+command (the CI test and the rehearsal of the GPU call).
 
 Budgets (`job_s` per job, `start_s` per process) are estimates for an H100 in the `gpu` profile,
 never measurements: resnet50 at 224 px runs ~1500 img/s (fp32 with TF32 convolutions) to ~3000
@@ -55,7 +56,7 @@ _GPU: dict[str, dict] = {
                   job_s=15),
     # the seed papers' ratios: pool on resnet50, prune on resmlp24, quantize at 2 bits
     "papers": dict(model="resnet50", image_size=224, batch=64, prune_model="resmlp24",
-                   bits=2, steps=6, warmup=2, job_s=12),
+                   prune_batch=64, prune_image_size=224, bits=2, steps=6, warmup=2, job_s=12),
     "baseline": dict(overhead_batch=64, overhead_steps=20, overhead_rounds=3, overhead_s=45),
     "pool": dict(batches="128", precisions="fp32,bf16", kernel_sizes="2,4",
                  targets="conv,conv+bn", job_s=8),
@@ -93,8 +94,8 @@ _CPU = _smaller(_GPU, {
                   text_model="gpt_nano", seq_len=128, text_batch=2, text_others="quantize",
                   precisions="fp32", steps=3, warmup=1, job_s=20),
     "monet": dict(image_size=64, batch=4, steps=3, warmup=1, job_s=25),
-    "papers": dict(image_size=64, batch=4, prune_model="resmlp12", steps=3, warmup=1,
-                   job_s=20),
+    "papers": dict(image_size=64, batch=4, prune_model="resmlp12", prune_batch=4,
+                   prune_image_size=64, steps=3, warmup=1, job_s=20),
     "baseline": dict(overhead_batch=2, overhead_steps=4, overhead_rounds=2, overhead_s=40),
     "pool": dict(batches="4", precisions="fp32", job_s=12),
     "prune": dict(image_size=128, batch=2, precisions="fp32", steps=4, warmup=1, job_s=10,
@@ -113,8 +114,11 @@ _SMOKE = _smaller(_CPU, {
     "resnet50": dict(image_size=16, batches="2", steps=2, warmup=0, job_s=8),
     "table": dict(image_size=16, image_batch=2, seq_len=32, steps=2, warmup=0, job_s=10),
     "monet": dict(image_size=16, batch=2, steps=2, warmup=0, job_s=12),
-    # batch 32: prune's 32x32 blocks run along the rows; below them prune is refused
-    "papers": dict(image_size=16, batch=32, steps=2, warmup=0, job_s=12),
+    # prune at the prune part's smoke size (at 16 px too few rows for its blocks)
+    "papers": dict(image_size=16, batch=2, prune_image_size=32, prune_batch=2, steps=2,
+                   warmup=0, job_s=12),
+    # the files that mark gpu tests, as on the GPU machine (here they skip, saying why)
+    "tests": dict(paths="gpu-marked"),
     "baseline": dict(overhead_steps=2, overhead_rounds=1, overhead_s=20),
     "pool": dict(batches="2", kernel_sizes="2", targets="conv"),
     "prune": dict(image_size=32, sparsities="0.5", steps=2, warmup=0, kernel_blocks="16",
@@ -277,8 +281,11 @@ def papers(ctx: Context) -> list[Step]:
             ctx.sweep("papers", "quantize", ["method=quantize", f"method.bits={s['bits']}",
                                              *at], 1, s["job_s"]),
             ctx.sweep("papers", "prune", ["method=none,prune", "optim=adamw",
-                                          *_timed(s, s["prune_model"], image, s["batch"],
-                                                  "fp32")], 2, s["job_s"])]
+                                          *_timed(s, s["prune_model"],
+                                                  ["dataset=synthetic", "dataset.image_size="
+                                                   f"{s['prune_image_size']}"],
+                                                  s["prune_batch"], "fp32")],
+                      2, s["job_s"])]
 
 
 def baseline(ctx: Context) -> list[Step]:

@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         view.make(runs, out, env)
         if a.archive:
             pack(a.archive, [runs, out])
-    print(f"results: done in {time.monotonic() - t0:.0f} s -> {out / 'results.md'}")
+    print(f"results: done in {time.monotonic() - t0:.0f} s -> "
+          f"{runs if a.no_report else out / 'results.md'}")
     return 0
 
 
