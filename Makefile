@@ -238,7 +238,7 @@ gpu-rehearsal: $(REHEARSAL)/.installed ## the one GPU call (scripts/gpu-results.
 	@ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu-rehearsal: no wheels in .whl/ (docs/results/study.md)" >&2; exit 2; }
 	rm -rf $(REHEARSAL_OUT) .whl/site
 	mkdir -p $(REHEARSAL_OUT)
-	PY=$(CURDIR)/$(REHEARSAL)/bin/python OUT=$(CURDIR)/$(REHEARSAL_OUT)/out OMP_NUM_THREADS=1 \
+	PY=$(abspath $(REHEARSAL))/bin/python OUT=$(abspath $(REHEARSAL_OUT))/out OMP_NUM_THREADS=1 \
 	  bash scripts/gpu-results.sh rehearsal -- --device cpu --profile smoke \
 	  --parts tests,table,monet,papers --runs $(REHEARSAL_OUT)/runs \
 	  --out $(REHEARSAL_OUT)/view --committed $(REHEARSAL_OUT)/committed $(ARGS)

@@ -3,6 +3,8 @@ call's deadline with the installs, run most valuable first, a part complete in t
 records is not measured again unless asked, and the archive is written after every part."""
 
 import json
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 
 from memtrain.columns import SCHEMA, SCHEMA_VERSION
 from tools.study import plan, results
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gpu_steps(part: str, tmp_path: Path) -> list[plan.Step]:
@@ -138,3 +142,21 @@ def test_later_parts_start_a_step_only_where_its_budget_fits(tmp_path, monkeypat
     monkeypatch.setitem(plan.BUILDERS, "table", lambda ctx: [plan.Step("table", "t", [], 9e3)])
     results.run_part("table", ctx, {}, lambda: 1e6)
     assert ran == [("t", pytest.approx(plan.PART_CAP * plan.BUDGETS["table"], abs=1))]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_the_rehearsal_runs_the_script_in_its_own_environment(tmp_path):
+    """make gpu-rehearsal (printed, not run): a fresh Python 3.12 environment of its own with
+    torch 2.11 and no Hydra from the registry, then the GPU call's own script at smoke size,
+    writing nowhere near docs/results/."""
+    p = subprocess.run(["make", "-n", "-C", str(ROOT), "gpu-rehearsal",
+                        f"REHEARSAL={tmp_path / 'env'}"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    assert "python3.12 -m venv" in text and "--system-site-packages" not in text
+    install = next(ln for ln in text.splitlines() if "pip install" in ln)
+    assert "torch==2.11.0" in install and "hydra" not in install.lower()
+    assert "bash scripts/gpu-results.sh" in text and "--profile smoke" in text
+    assert "--device cpu" in text and "--out runs/rehearsal/view" in text
+    assert f"PY={tmp_path / 'env'}/bin/python" in text
