@@ -209,7 +209,7 @@ timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline
 	  hydra.sweep.dir=$(TIMELINE_DIR) +hydra.callbacks.report.enabled=false $(ARGS)
 	$(BIN)/python -m tools.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
 
-results: $(if $(PY),,$(STAMP)) ## the GPU study (~18 min on an H100) -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
+results: $(if $(PY),,$(STAMP)) ## the study, priority parts first -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
 	  $(RESULTS_PY) -m tools.study $(RESULTS_ARGS)
 	$(if $(findstring --dry-run,$(ARGS)),,$(MAKE) --no-print-directory results-docs ARGS=)
@@ -222,3 +222,30 @@ gpu-env: ## offline box with torch but no Hydra: Hydra's wheels from .whl/ into 
 	$(GPU_PY) -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	PYTHONPATH=$(CURDIR)/.whl/site $(GPU_PY) -c "import hydra, memtrain.kernels, torch, triton; \
 	  print('gpu-env: torch', torch.__version__, 'triton', triton.__version__, 'hydra', hydra.__version__)"
+
+# The GPU call rehearsed as the box runs it: a throwaway Python 3.12 environment with torch 2.11
+# and the box's packages only (no Hydra from the registry: Hydra comes from the wheels in .whl/,
+# as on the box), then scripts/gpu-results.sh itself at the smoke size on the CPU, within the
+# call's deadline; what it writes goes to a scratch folder, never to docs/results/. The
+# environment is built once (rm -rf .venv-rehearsal builds it again).
+REHEARSAL     ?= .venv-rehearsal
+REHEARSAL_PY  ?= python3.12
+REHEARSAL_PKGS ?= torch==2.11.0 timm scipy pandas matplotlib pyarrow pytest setuptools
+REHEARSAL_OUT ?= runs/rehearsal
+.PHONY: gpu-rehearsal
+$(REHEARSAL)/.installed:
+	rm -rf $(REHEARSAL)
+	$(REHEARSAL_PY) -m venv $(REHEARSAL)
+	$(REHEARSAL)/bin/python -m pip install -q $(REHEARSAL_PKGS)
+	touch $@
+
+gpu-rehearsal: $(REHEARSAL)/.installed ## the one GPU call (scripts/gpu-results.sh) at smoke size on the CPU, Python 3.12 + torch 2.11 + .whl/ only
+	@ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu-rehearsal: no wheels in .whl/ (docs/results/study.md)" >&2; exit 2; }
+	rm -rf $(REHEARSAL_OUT) .whl/site
+	mkdir -p $(REHEARSAL_OUT)
+	PY=$(abspath $(REHEARSAL))/bin/python OUT=$(abspath $(REHEARSAL_OUT))/out OMP_NUM_THREADS=1 \
+	  bash scripts/gpu-results.sh rehearsal -- --device cpu --profile smoke \
+	  --parts tests,table,monet,papers --runs $(REHEARSAL_OUT)/runs \
+	  --out $(REHEARSAL_OUT)/view --committed $(REHEARSAL_OUT)/committed $(ARGS)
+	@echo "gpu-rehearsal: rows archived:" \
+	  $$(tar tzf $(REHEARSAL_OUT)/out/study.tar.gz | grep -c summary.json)

@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# The GPU study on a time-limited CUDA machine (docs/results/study.md), one third per call,
-# with nothing there but python3 with torch and Triton (no make, no Hydra, offline):
+# The study on a time-limited CUDA machine (docs/results/study.md) in one call, with nothing
+# there but python3 with torch and Triton (no make, no Hydra, offline):
 #
-#   bash scripts/gpu-results.sh CALL [NAME] [-- more arguments of tools.study]
+#   bash scripts/gpu-results.sh [NAME] [-- more arguments of tools.study]
 #
-# CALL 1, 2 or 3: the parts of `python -m tools.study --call CALL`; NAME: the study's
-# folder (default <date>_<gpu>; give the first call's to a call on a later UTC date).
-# Reads Hydra's wheels from $WHL (default .whl/, git-ignored: put Hydra's wheels there
-# and take the folder along). Writes $OUT/studyCALL.tar.gz (raw results and view, after every part)
-# and $OUT/studyCALL.log. DEADLINE (s, default 480) keeps the call inside a 600 s command limit.
+# Parts in priority order (tools/study/plan.py: PRIORITY, then the rest while time remains);
+# parts complete under docs/results/*/parts/ for a GPU are skipped (-- --remeasure PARTS).
+# NAME: the study's folder (default <date>_<gpu>). Reads Hydra's wheels from $WHL (default
+# .whl/, git-ignored: put Hydra's wheels there and take the folder along). Writes
+# $OUT/study.tar.gz (raw results and part records, packed again after every part) and
+# $OUT/study.log. DEADLINE (s, default 480) is the whole call's, installs included.
+# MEMTRAIN_COMMIT names the commit where the copy has no git history.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-call=${1:?usage: bash scripts/gpu-results.sh 1|2|3 [NAME] [-- ARGS]}
-case $call in
-  1|2|3) shift ;;
-  *) echo "gpu-results: CALL is 1, 2 or 3 (tools.study --call), not '$call'" >&2
-     exit 2 ;;
-esac
 name=""
-if [ $# -gt 0 ] && [ "$1" != "--" ]; then name=$1; shift; fi
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then
+  case $1 in
+    -*) echo "gpu-results: usage: bash scripts/gpu-results.sh [NAME] [-- ARGS], not '$1'" >&2
+        exit 2 ;;
+  esac
+  name=$1; shift
+fi
 [ "${1:-}" = "--" ] && shift
 PY=${PY:-python3}
 WHL=${WHL:-.whl}
@@ -40,7 +42,11 @@ study() {
   export PYTHONPATH="$WHL/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   "$PY" -c "import hydra, memtrain.kernels, torch, triton; print('gpu-results: torch', \
 torch.__version__, 'triton', triton.__version__, 'hydra', hydra.__version__)"
-  "$PY" -m tools.study --call "$call" ${name:+--name "$name"} \
-    --deadline-s "${DEADLINE:-480}" --archive "$OUT/study$call.tar.gz" "$@"
+  # the driver's deadline is what the installs left of the call's; no view on the box (it is
+  # made from the archive afterwards: make results PARTS=report)
+  local left=$(( ${DEADLINE:-480} - SECONDS ))
+  echo "gpu-results: installs took ${SECONDS} s; the study gets ${left} s"
+  "$PY" -m tools.study ${name:+--name "$name"} --no-report --deadline-s "$left" \
+    --archive "$OUT/study.tar.gz" "$@"
 }
-study "$@" 2>&1 | tee "$OUT/study$call.log"  # pipefail: the study's status is the script's
+study "$@" 2>&1 | tee "$OUT/study.log"  # pipefail: the study's status is the script's

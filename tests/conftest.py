@@ -197,7 +197,7 @@ def pytest_collection_modifyitems(config, items):
     `-m slow` or `-k` never pulls one into make test. Tests marked gpu need CUDA; on a machine
     without it they are skipped, saying why."""
     if not config.getoption("--studies"):
-        studies = [item for item in items if "study" in item.keywords]
+        studies = [item for item in items if item.get_closest_marker("study")]
         if studies:
             config.hook.pytest_deselected(items=studies)
             items[:] = [item for item in items if "study" not in item.keywords]
@@ -205,5 +205,6 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        # the marker, not the keyword: keywords hold folder names too (a checkout in gpu/)
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)

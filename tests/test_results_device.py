@@ -1,6 +1,6 @@
 """Where `make results` runs: DEVICE picks the device and its sizes, a CUDA study without CUDA
-is a one-line error, and the GPU run's three device-tool calls (scripts/gpu-results.sh) install
-the carried wheels and run between them every part, each call within its deadline."""
+is a one-line error, and the GPU run's one call (scripts/gpu-results.sh) installs the carried
+wheels, then runs the parts in priority order within what the installs left of its deadline."""
 
 import os
 import shutil
@@ -52,18 +52,6 @@ def test_a_cuda_study_without_cuda_is_a_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "r").exists()  # nothing started
 
 
-def test_the_calls_cover_every_part_once_each_within_its_deadline(tmp_path):
-    parts = [p for call in results_plan.CALLS for p in call.split(",")]
-    assert sorted(parts) == sorted(results_plan.PARTS)  # each part in exactly one call
-    for call in results_plan.CALLS:
-        # a call may land on a fresh machine: no baseline `none` to reuse unless it runs one
-        ctx = results_plan.Context("cuda", tmp_path, results_plan.PROFILES["gpu"],
-                                   lambda where, call=call: "baseline" in call)
-        budget = sum(s.budget_s for p in call.split(",")
-                     for s in results_plan.BUILDERS[p](ctx))
-        assert budget <= results_plan.GPU_CALL_S - results.VIEW_RESERVE_S, (call, budget)
-
-
 def test_the_wheel_folder_is_git_ignored_and_the_recipe_carries_it():
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
@@ -71,9 +59,9 @@ def test_the_wheel_folder_is_git_ignored_and_the_recipe_carries_it():
     assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q",
                            ".whl/hydra_core-1.3.8-py3-none-any.whl"]).returncode == 0
     recipe = (ROOT / "docs" / "results" / "study.md").read_text()
-    assert 'carry: [".whl"]' in recipe
-    for n in range(1, len(results_plan.CALLS) + 1):
-        assert f"bash scripts/gpu-results.sh {n}" in recipe
+    assert "`.whl/` folder" in recipe and "bash scripts/gpu-results.sh" in recipe
+    assert "make gpu-rehearsal" in recipe
+    assert ".venv-rehearsal" in (ROOT / ".gitignore").read_text()
 
 
 def _fake_python(tmp_path: Path) -> Path:
@@ -99,21 +87,23 @@ def test_gpu_call_installs_the_carried_wheels_then_runs_its_parts(tmp_path):
     whl = tmp_path / "whl"
     whl.mkdir()
     (whl / "hydra_core-1.3.8-py3-none-any.whl").write_bytes(b"")
-    p = _script(tmp_path, whl, "2", "2030-01-01_h100", "--", "--dry-run")
+    p = _script(tmp_path, whl, "2030-01-01_h100", "--", "--dry-run", "--committed",
+                str(tmp_path / "none"))
     assert p.returncode == 0, p.stdout + p.stderr
     wheels, editable = (tmp_path / "pip.log").read_text().splitlines()
     assert "--no-deps" in wheels and f"--target {whl}/site" in wheels
     assert wheels.endswith("hydra_core-1.3.8-py3-none-any.whl")
     assert "--no-deps" in editable and editable.endswith("-e .")
-    log = (tmp_path / "out" / "study2.log").read_text()
+    log = (tmp_path / "out" / "study.log").read_text()
     assert "gpu-results: torch" in log  # the imports were checked before the study
-    assert "## checkpoint" in log and "## tradeoff" not in log and "## pool" not in log
-    assert "trainer.device=cuda" in log
+    order = [log.index(f"## {p}") for p in results_plan.PARTS]
+    assert order == sorted(order)  # priority parts first
+    assert "trainer.device=cuda" in log and "the study gets" in log
 
 
 def test_gpu_call_without_wheels_or_with_a_wrong_call_stops_at_once(tmp_path):
     (tmp_path / "empty").mkdir()
-    for args, why in ((["1"], "no wheels in"), (["4"], "CALL is 1, 2 or 3")):
+    for args, why in ((["name"], "no wheels in"), (["--name"], "usage:")):
         p = _script(tmp_path, tmp_path / "empty", *args)
         assert p.returncode == 2 and why in p.stderr and len(p.stderr.splitlines()) == 1
     assert not (tmp_path / "pip.log").exists()

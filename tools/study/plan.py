@@ -3,9 +3,10 @@
 Every measurement is a command a user could type (`memtrain -m ...`, `python -m
 benchmarks.overhead`, `python -m benchmarks.kernels prune`, `pytest -m gpu`), so the
 study measures exactly what users get. Sizes live in PROFILES, one dict per part; every value can
-be changed from the command line (`--set pool.batches=64`). `gpu` is the CUDA study (an H100:
-~18 min in all by the budgets below); `cpu` the same study at a size this project's 2-core CPU
-runs in minutes; `smoke` the smallest size that still runs every command (the CI test).
+be changed from the command line (`--set pool.batches=64`). `gpu` is the CUDA study (its
+PRIORITY parts in one call of CALL_S, the rest while time remains); `cpu` the same study at a
+size this project's 2-core CPU runs in minutes; `smoke` the smallest size that still runs every
+command (the CI test and the rehearsal of the GPU call).
 
 Budgets (`job_s` per job, `start_s` per process) are estimates for an H100 in the `gpu` profile,
 never measurements: resnet50 at 224 px runs ~1500 img/s (fp32 with TF32 convolutions) to ~3000
@@ -22,14 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-PARTS = ("tests", "baseline", "pool", "prune", "checkpoint", "synthetic", "tradeoff", "probes")
+# The one call on a CUDA machine (scripts/gpu-results.sh): the parts in priority order, the most
+# valuable figures first, so that a call cut off anywhere has measured those. PRIORITY's parts
+# run whatever their budget; the REST (the whole study) only where a step's budget still fits.
+PRIORITY = ("tests", "table", "monet", "papers")
+REST = ("baseline", "pool", "prune", "checkpoint", "synthetic", "tradeoff", "probes")
+PARTS = PRIORITY + REST
 METHODS = "none,pool,prune,checkpoint,synthetic"
-# The GPU study split for the device tool (10 minutes a call): each call's parts fit within
-# GPU_CALL_S by their budgets (tests/test_results.py holds them to it); scripts/gpu-results.sh N
-# (checkpoint alone since it sweeps both granularities: 396 s by its budgets; the others 351 s
-# and 419 s)
-CALLS = ("tests,baseline,pool,synthetic", "checkpoint", "prune,probes,tradeoff")
-GPU_CALL_S = 480  # the deadline each call runs under, of the 600 s the tool allows
+CALL_S = 480  # the one call's command time, installs included, of a 600 s command limit
+INSTALL_S = 30  # the script's installs (Hydra's wheels, memtrain editable) before the driver
+# Each priority part's budget (s) on an H100 in the `gpu` profile: its steps' budgets fit in it
+# and its steps are stopped at PART_CAP x it, so a hang cannot take the next parts' time
+# (tests/test_study_call.py holds INSTALL_S + these to CALL_S)
+BUDGETS = {"tests": 60, "table": 210, "monet": 70, "papers": 90}
+PART_CAP = 2.0
 
 _GPU: dict[str, dict] = {
     # a step is stopped after timeout_factor x its budget + 120 s (a hang must not eat the study)
@@ -37,7 +44,19 @@ _GPU: dict[str, dict] = {
     # the resnet50 cells the baseline measures; pool and checkpoint reuse its `none` rows
     "resnet50": dict(image_size=224, batches="64,128", precisions="fp32,bf16", steps=20,
                      warmup=3, start_s=10, job_s=6),
-    "tests": dict(paths="tests", budget_s=120),
+    "tests": dict(paths="gpu-marked", budget_s=60),  # gpu-marked: the files that mark gpu
+    # the CUDA table: fixed sizes, so that GPUs compare; none and checkpoint in fp32 and bf16
+    # autocast, the other methods at their defaults in fp32, each with the GPU-free estimate
+    "table": dict(image_model="resnet50", image_size=224, image_batch=128,
+                  image_others="pool,quantize,offload", text_model="gpt2_small", seq_len=1024,
+                  text_batch=8, text_others="quantize,offload", precisions="fp32,bf16",
+                  steps=6, warmup=2, job_s=12),
+    # MONeT's point: the op-level plan at 0.40x of none's activation peak, the block plan beside
+    "monet": dict(model="resnet50", image_size=224, batch=184, budget=0.4, steps=10, warmup=3,
+                  job_s=15),
+    # the seed papers' ratios: pool on resnet50, prune on resmlp24, quantize at 2 bits
+    "papers": dict(model="resnet50", image_size=224, batch=64, prune_model="resmlp24",
+                   prune_batch=64, prune_image_size=224, bits=2, steps=6, warmup=2, job_s=12),
     "baseline": dict(overhead_batch=64, overhead_steps=20, overhead_rounds=3, overhead_s=45),
     "pool": dict(batches="128", precisions="fp32,bf16", kernel_sizes="2,4",
                  targets="conv,conv+bn", job_s=8),
@@ -70,6 +89,13 @@ _CPU = _smaller(_GPU, {
     "resnet50": dict(image_size=64, batches="2,4", precisions="fp32", steps=4, warmup=1,
                      start_s=8, job_s=12),
     "tests": dict(paths="tests/test_gpu.py", budget_s=20),
+    # no offload on a CPU run (nothing to offload to: the runner refuses it)
+    "table": dict(image_size=64, image_batch=4, image_others="pool,quantize",
+                  text_model="gpt_nano", seq_len=128, text_batch=2, text_others="quantize",
+                  precisions="fp32", steps=3, warmup=1, job_s=20),
+    "monet": dict(image_size=64, batch=4, steps=3, warmup=1, job_s=25),
+    "papers": dict(image_size=64, batch=4, prune_model="resmlp12", prune_batch=4,
+                   prune_image_size=64, steps=3, warmup=1, job_s=20),
     "baseline": dict(overhead_batch=2, overhead_steps=4, overhead_rounds=2, overhead_s=40),
     "pool": dict(batches="4", precisions="fp32", job_s=12),
     "prune": dict(image_size=128, batch=2, precisions="fp32", steps=4, warmup=1, job_s=10,
@@ -86,6 +112,13 @@ _CPU = _smaller(_GPU, {
 # The smallest size at which every command still runs (CI).
 _SMOKE = _smaller(_CPU, {
     "resnet50": dict(image_size=16, batches="2", steps=2, warmup=0, job_s=8),
+    "table": dict(image_size=16, image_batch=2, seq_len=32, steps=2, warmup=0, job_s=10),
+    "monet": dict(image_size=16, batch=2, steps=2, warmup=0, job_s=12),
+    # prune at the prune part's smoke size (at 16 px too few rows for its blocks)
+    "papers": dict(image_size=16, batch=2, prune_image_size=32, prune_batch=2, steps=2,
+                   warmup=0, job_s=12),
+    # the files that mark gpu tests, as on the GPU machine (here they skip, saying why)
+    "tests": dict(paths="gpu-marked"),
     "baseline": dict(overhead_steps=2, overhead_rounds=1, overhead_s=20),
     "pool": dict(batches="2", kernel_sizes="2", targets="conv"),
     "prune": dict(image_size=32, sparsities="0.5", steps=2, warmup=0, kernel_blocks="16",
@@ -180,12 +213,79 @@ def _none_unless_measured(ctx: Context, part: str, batches: str, precisions: str
                       len(cells), r["job_s"])]
 
 
+def gpu_marked(root: Path = Path("tests")) -> list[str]:
+    """The test files that mark a test gpu: pytest collects only those (collecting the whole
+    suite would import every tool and model first)."""
+    return sorted(str(f) for f in root.glob("test_*.py") if "mark.gpu" in f.read_text())
+
+
 def tests(ctx: Context) -> list[Step]:
     s = ctx.size["tests"]
     xml = ctx.runs / "tests" / "junit.xml"
-    return [Step("tests", "pytest", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                     f"--junitxml={xml}", *s["paths"].split(",")],
+    paths = gpu_marked() if s["paths"] == "gpu-marked" else s["paths"].split(",")
+    # -rA: one line per test in the log, kept even when a timeout stops pytest before its xml
+    return [Step("tests", "pytest", ["-m", "pytest", "-m", "gpu", "-q", "-rA",
+                                     "-p", "no:cacheprovider", f"--junitxml={xml}", *paths],
                  s["budget_s"], xml)]
+
+
+def _timed(s: dict, model: str, size: list[str], batch: int, precision: str) -> list[str]:
+    """A few timed steps on synthetic data, the GPU-free estimate of the same job beside them."""
+    return [f"model={model}", *size, f"trainer.batch_size={batch}",
+            f"trainer.precision={precision}", f"trainer.max_steps={s['steps']}",
+            f"trainer.warmup_steps={s['warmup']}", "trainer.eval_max_batches=1",
+            "trainer.estimate=true"]
+
+
+def table(ctx: Context) -> list[Step]:
+    """The CUDA table: an image model and a language model at fixed sizes; none and checkpoint
+    in each precision, the other methods at their defaults in fp32. One process per sweep
+    (Hydra's basic launcher runs its jobs one after the other in it)."""
+    s = ctx.size["table"]
+    image = ["dataset=synthetic", f"dataset.image_size={s['image_size']}"]
+    text = [f"dataset.seq_len={s['seq_len']}", f"model.context={s['seq_len']}"]
+    steps = []
+    for tag, model, size, batch, others in (
+            ("image", s["image_model"], image, s["image_batch"], s["image_others"]),
+            ("text", s["text_model"], text, s["text_batch"], s["text_others"])):
+        steps.append(ctx.sweep("table", tag, ["method=none,checkpoint",
+                                              *_timed(s, model, size, batch, s["precisions"])],
+                               2 * _n(s["precisions"]), s["job_s"]))
+        if others:
+            steps.append(ctx.sweep("table", f"{tag}_others",
+                                   [f"method={others}", *_timed(s, model, size, batch, "fp32")],
+                                   _n(others), s["job_s"]))
+    return steps
+
+
+def monet(ctx: Context) -> list[Step]:
+    """MONeT's point: checkpoint's op-level plan at `budget` x none's activation peak, the
+    block plan at the same budget beside it, and none for the step-time overhead."""
+    s = ctx.size["monet"]
+    at = _timed(s, s["model"], ["dataset=synthetic", f"dataset.image_size={s['image_size']}"],
+                s["batch"], "fp32")
+    return [ctx.sweep("monet", "none", ["method=none", *at], 1, s["job_s"]),
+            ctx.sweep("monet", "checkpoint",
+                      ["method=checkpoint", "method.strategy=budget",
+                       "method.granularity=op,block", f"method.budget_fraction={s['budget']}",
+                       *at], 2, s["job_s"])]
+
+
+def papers(ctx: Context) -> list[Step]:
+    """The seed papers' ratios: pool on the image model, quantize at `bits`, prune on the
+    ResMLP (where its linear layers have inputs to prune), each beside its none."""
+    s = ctx.size["papers"]
+    image = ["dataset=synthetic", f"dataset.image_size={s['image_size']}"]
+    at = _timed(s, s["model"], image, s["batch"], "fp32")
+    return [ctx.sweep("papers", "image", ["method=none,pool", *at], 2, s["job_s"]),
+            ctx.sweep("papers", "quantize", ["method=quantize", f"method.bits={s['bits']}",
+                                             *at], 1, s["job_s"]),
+            ctx.sweep("papers", "prune", ["method=none,prune", "optim=adamw",
+                                          *_timed(s, s["prune_model"],
+                                                  ["dataset=synthetic", "dataset.image_size="
+                                                   f"{s['prune_image_size']}"],
+                                                  s["prune_batch"], "fp32")],
+                      2, s["job_s"])]
 
 
 def baseline(ctx: Context) -> list[Step]:
@@ -301,5 +401,6 @@ def probes(ctx: Context) -> list[Step]:
 
 
 BUILDERS: dict[str, Callable[[Context], list[Step]]] = {
-    "tests": tests, "baseline": baseline, "pool": pool, "prune": prune,
+    "tests": tests, "table": table, "monet": monet, "papers": papers, "baseline": baseline,
+    "pool": pool, "prune": prune,
     "checkpoint": checkpoint, "synthetic": synthetic, "tradeoff": tradeoff, "probes": probes}

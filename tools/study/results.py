@@ -1,6 +1,6 @@
 """`make results`: the whole study in one command, each part a row of its own.
 
-    python -m tools.study                       # CUDA: the gpu profile (~18 min, H100)
+    python -m tools.study                       # CUDA: the gpu profile, priority parts first
     python -m tools.study --device cpu          # the same study, tiny, on the CPU
     python -m tools.study --parts pool --set pool.batches=64 --dry-run
     python -m tools.study --parts report --name 2026-11-30_h100-80gb-hbm3
@@ -11,7 +11,12 @@ summary.csv, report.md and figures/), is made again from all raw results at the 
 invocation, so parts run in several invocations (or on several machines, their archives unpacked
 over each other) end in one view. A part that fails or times out is recorded as such and the
 next part runs. `--archive FILE` packs raw results and view into one .tar.gz after every part,
-so a killed study still leaves what it measured. Sizes: tools/study/plan.py.
+so a killed study still leaves what it measured. Each part's record (its status, seconds
+against budget, device, commit and the rows' schema version) is also written to
+<view>/parts/<part>.json; a part complete there for this kind of device (any GPU, or the CPU)
+and this schema is not measured again unless --remeasure names it. Parts run in priority
+order (plan.PRIORITY); the rest start a step only where its budget still fits. Sizes:
+tools/study/plan.py.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from memtrain.columns import SCHEMA, SCHEMA_VERSION
 from memtrain.record import atomic_write
 from tools.study import plan, view
 
@@ -115,8 +121,46 @@ def run_step(step: plan.Step, log: Path, timeout: float, env: dict) -> dict:
             "log": str(log)}
 
 
-def run_part(part: str, ctx: plan.Context, env: dict, time_left) -> dict:
-    """Every step of a part, each recorded; a failing step never stops the next."""
+def commit() -> str | None:
+    """The checkout's commit (MEMTRAIN_COMMIT where the copy has no git history)."""
+    if os.environ.get("MEMTRAIN_COMMIT"):
+        return os.environ["MEMTRAIN_COMMIT"]
+    try:
+        p = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout.strip() or None if p.returncode == 0 else None
+
+
+def complete(record: dict) -> bool:
+    """Did every step of the part run to its end (a failing test is a measured result; a step
+    skipped, timed out or stopped is not)?"""
+    unfinished = ("skipped", "timeout", "stopped")
+    return record.get("status") != "running" and "error" not in record and \
+        bool(record.get("steps")) and \
+        not any(str(s.get("status", "")).startswith(unfinished) for s in record["steps"])
+
+
+def committed(root: Path, part: str, slug: str) -> Path | None:
+    """A complete record of `part` under root/*/parts/ measured on the same kind of device (a
+    GPU for a GPU, the CPU for the CPU) with rows of this schema, or None."""
+    for path in sorted(root.glob(f"*/parts/{part}.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if complete(rec) and rec.get(SCHEMA) == SCHEMA_VERSION and \
+                (rec.get("device") == "cpu") == (slug == "cpu"):
+            return path
+    return None
+
+
+def run_part(part: str, ctx: plan.Context, env: dict, time_left, stamp: dict | None = None,
+             whole_steps: bool = False) -> dict:
+    """Every step of a part, each recorded; a failing step never stops the next. A priority
+    part's steps stop at plan.PART_CAP x its budget; `whole_steps`: start a step only where its
+    budget fits in the time left (the parts after the priority ones)."""
     folder = ctx.runs / part
     if folder.exists():  # a part measured again starts clean: no stale rows
         import shutil
@@ -125,15 +169,17 @@ def run_part(part: str, ctx: plan.Context, env: dict, time_left) -> dict:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     sizes = {k: ctx.size[k] for k in ("study", "resnet50", part)}  # what this part ran at
     record = {"part": part, "status": "running", "started": started, "size": sizes,
-              "steps": []}
+              **(stamp or {}), "steps": []}
+    t0 = time.monotonic()
+    cap = plan.PART_CAP * plan.BUDGETS[part] if part in plan.BUDGETS else float("inf")
     atomic_write(folder / STATUS, json.dumps(record, indent=1) + "\n")
     try:
         steps = plan.BUILDERS[part](ctx)
     except Exception as e:  # a bad size: the part's row says so, the study goes on
         steps, record["error"] = [], f"{type(e).__name__}: {e}"
     for step in steps:
-        left = time_left()
-        if left < 30 or _STOP:
+        left = min(time_left(), cap - (time.monotonic() - t0))
+        if left < 30 or _STOP or (whole_steps and step.budget_s > left):
             why = "stopped by signal" if _STOP else "deadline"
             record["steps"].append({"name": step.name, "status": f"skipped ({why})",
                                     "budget_s": step.budget_s, "seconds": 0})
@@ -180,10 +226,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--parts", default=",".join(plan.PARTS),
                     help=f"comma list of {', '.join(plan.PARTS)}, report (default: all; the "
                          f"report is made after any of them)")
-    ap.add_argument("--call", type=int, choices=range(1, len(plan.CALLS) + 1),
-                    help="the parts of one device-tool call of the GPU run (instead of "
-                         "--parts): " + "; ".join(f"{i}: {c}" for i, c in
-                                                  enumerate(plan.CALLS, 1)))
+    ap.add_argument("--remeasure", default="", metavar="PARTS",
+                    help="comma list of parts (or all) to measure again although complete "
+                         "records of them are under --committed")
+    ap.add_argument("--committed", type=Path, default=Path("docs/results"),
+                    help="where complete part records (*/parts/<part>.json) are looked for")
     ap.add_argument("--set", action="append", default=[], metavar="PART.KEY=VALUE",
                     help="change one size, e.g. pool.batches=64 (repeatable)")
     ap.add_argument("--name", help="folder name (default: <date>_<gpu or cpu>)")
@@ -199,9 +246,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    chosen = plan.CALLS[a.call - 1] if a.call else a.parts
-    parts = [p.strip() for p in chosen.split(",") if p.strip()]
-    wrong = [p for p in parts if p not in (*plan.PARTS, "report")]
+    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    again = [p.strip() for p in a.remeasure.split(",") if p.strip()]
+    again = list(plan.PARTS) if again == ["all"] else again
+    wrong = [p for p in parts + again if p not in (*plan.PARTS, "report")]
     if wrong or not parts:
         print(f"results: unknown part {', '.join(wrong) or '(none)'}; valid: "
               f"{', '.join(plan.PARTS)}, report", file=sys.stderr)
@@ -218,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         device_slug(a.device) if measuring or not a.name else None
     name = a.name or f"{datetime.date.today().isoformat()}_{slug}"
     out, runs = a.out or Path("docs/results") / name, a.runs or Path("runs/results") / name
+    done = {p: committed(a.committed, p, slug or a.device) for p in measuring
+            if p not in again}
+    done = {p: path for p, path in done.items() if path}
+    for p, path in done.items():
+        print(f"results: {p}: complete in {path}; not measured again (--remeasure {p})",
+              flush=True)
+    measuring = [p for p in measuring if p not in done]
     if a.dry_run:
         ctx = plan.Context(a.device, runs, size, lambda where: "baseline" in parts)
         return dry_run(ctx, measuring)
@@ -238,13 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
+    stamp = {"device": slug or a.device, "commit": commit(), SCHEMA: SCHEMA_VERSION,
+             "torch": _torch_version()}
     for part in measuring:
         if _STOP or time_left() < 30:  # not started: its earlier results, if any, stay
             print(f"results: {part}: not started ({'signal' if _STOP else 'deadline'})",
                   flush=True)
             continue
-        run_part(part, ctx, env, time_left)
-        if a.archive:
+        record = run_part(part, ctx, env, time_left, stamp,
+                          whole_steps=part not in plan.PRIORITY)
+        atomic_write(out / "parts" / f"{part}.json", json.dumps(record, indent=1) + "\n")
+        if a.archive:  # after every part: a call cut off later returns what it measured
             pack(a.archive, [runs, out])
     if _STOP:  # asked to stop: keep what was measured, leave the view to a later `report`
         print(f"results: stopped by signal {_STOP[0]}; raw results in {runs}", file=sys.stderr)
@@ -253,8 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         view.make(runs, out, env)
         if a.archive:
             pack(a.archive, [runs, out])
-    print(f"results: done in {time.monotonic() - t0:.0f} s -> {out / 'results.md'}")
+    print(f"results: done in {time.monotonic() - t0:.0f} s -> "
+          f"{runs if a.no_report else out / 'results.md'}")
     return 0
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def dry_run(ctx: plan.Context, parts: list[str]) -> int:
@@ -263,7 +329,8 @@ def dry_run(ctx: plan.Context, parts: list[str]) -> int:
         steps = plan.BUILDERS[part](ctx)
         budget = sum(s.budget_s for s in steps)
         total += budget
-        print(f"## {part}: ~{budget:.0f} s")
+        cap = f" (part budget {plan.BUDGETS[part]} s)" if part in plan.BUDGETS else ""
+        print(f"## {part}: ~{budget:.0f} s{cap}")
         for s in steps:
             print(f"  [{s.budget_s:.0f} s] python {' '.join(s.argv)}")
     print(f"total ~{total:.0f} s ({total / 60:.1f} min)")
