@@ -380,11 +380,12 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     if own["ranks"] and t.batch_size % own["ranks"]:
         raise ConfigError(f"trainer.batch_size={t.batch_size} (the global batch) is not a "
                           f"multiple of ranks={own['ranks']}; use a multiple of {own['ranks']}")
-    cfgs = []
+    cfgs, picked = [], []
     for s in chosen:
-        c, _ = config.compose([*base, *s.overrides()[:1 + len(s.params)]])
+        c, ch = config.compose([*base, *s.overrides()[:1 + len(s.params)]])
         runner.check(c)
         cfgs.append(c)
+        picked.append(ch)
     cap = int(t.gpu_memory_gb * GiB)
     if t.cuda_context_gb is not None:
         context, source = int(t.cuda_context_gb * GiB), "set"
@@ -401,13 +402,14 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     optim = _kwargs(cfg.optim)
     make_optimizer = lambda m: build_optimizer(m, **optim)  # noqa: E731
     committed = committed_rows()
-    rows = []
+    rows, runs = [], []
     for s, c in zip(chosen, cfgs):
         t0 = time.perf_counter()
         say(f"{COMMAND}: {s.label}: estimating batch {t.batch_size} on fake tensors ...")
         rows.append(_row(s, c, model_name, data, make_optimizer, budget, t.batch_size,
                          committed))
         rows[-1].update(card_info, estimate_s=round(time.perf_counter() - t0, 3))
+        runs.append(_run_row(s, c, picked[len(rows) - 1], rows[-1]))
         r = rows[-1]
         say(f"{COMMAND}: {s.label}: {r['status']}"
             + (f", peak {r['peak_bytes'] / GiB:.3f} GiB, largest batch {r['max_batch']}"
@@ -417,8 +419,32 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     result = Answer(rows, text, card_info, out_dir=None if out_dir is None else str(out_dir))
     result.wall_s = round(time.perf_counter() - started, 3)
     if out_dir is not None:
-        result.files = write(result, Path(out_dir), figure)
+        result.files = write(result, Path(out_dir), figure, runs)
     return result
+
+
+def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> dict | None:
+    """The setting as a probes-only run's row (memtrain-report reads it like any sweep's):
+    the config's columns, the estimate at the batch asked, find_max_batch's columns; None for
+    an fsdp row (its run would be a sharded one)."""
+    import torch
+
+    from memtrain import measure
+
+    if s.ranks > 1:
+        return None
+    est = row.get("estimate", {})
+    out = {**config.identity(cfg, choices), **measure.provenance(torch.device("cpu")),
+           "status": "ok" if row["status"] == "ok" else "error"}
+    if row["status"] != "ok":
+        return {**out, "error": row.get("error", "")}
+    out.update({k: v for k, v in est.items() if k.startswith("mem_estimate_")})
+    if row.get("grads_exact") is not None:
+        out["grads_exact"] = row["grads_exact"]
+    out.update(max_batch_size=row["max_batch"], max_batch_budget_bytes=row["budget_bytes"],
+               max_batch_context_bytes=row["context_bytes"],
+               max_batch_context_source=row["context_source"])
+    return out
 
 
 def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, batch: int,
@@ -444,6 +470,7 @@ def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, ba
                 if k.startswith("mem_estimate_at_peak_")})
     if "mem_estimate_phase" in first:
         row["phase"] = first["mem_estimate_phase"]
+    row["estimate"] = first  # the estimate's own columns, for the run rows (not the table's)
     row["fits"] = row["peak_bytes"] <= budget
     row["headroom_bytes"] = budget - row["peak_bytes"]
     # a recomputing method (or a stack's member): its plan, and the budget it was raised to
@@ -568,14 +595,24 @@ def table(result: Answer) -> str:
     return "\n".join(lines)
 
 
-def write(result: Answer, out: Path, figure: bool = True) -> list[str]:
-    """willfit.csv, willfit.json (rows, card, answer) and willfit.png in `out`."""
+def write(result: Answer, out: Path, figure: bool = True,
+          runs: Sequence[dict | None] = ()) -> list[str]:
+    """willfit.csv, willfit.json (rows, card, answer) and willfit.png in `out`; each setting's
+    row as a run's, runs/<num>_<run_id>/summary.json (`memtrain-report DIR/runs`)."""
     import pandas as pd
 
+    from memtrain import record
+
     out.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(result.rows).to_csv(out / "willfit.csv", index=False)
+    for num, run in enumerate(runs):
+        if run is not None:
+            folder = out / "runs" / f"{num}_{run['run_id']}"
+            folder.mkdir(parents=True, exist_ok=True)
+            record.write_summary(folder, {**run, "run_dir": str(folder)})
+    pd.DataFrame([{k: v for k, v in r.items() if k != "estimate"} for r in result.rows]) \
+        .to_csv(out / "willfit.csv", index=False)
     (out / "willfit.json").write_text(json.dumps(asdict(result), indent=1, default=str) + "\n")
-    files = ["willfit.csv", "willfit.json"]
+    files = ["willfit.csv", "willfit.json", *(["runs/"] if any(runs) else [])]
     if figure:
         plot(result, out / "willfit.png")
         files.append("willfit.png")

@@ -93,8 +93,15 @@ def test_a_real_step_at_the_largest_batch_fits_and_one_above_does_not(found, in_
 @pytest.mark.slow
 def test_the_files_hold_the_rows_and_the_answer(found):
     out, folder = found
-    assert sorted(p.name for p in folder.iterdir()) == ["willfit.csv", "willfit.json",
+    assert sorted(p.name for p in folder.iterdir()) == ["runs", "willfit.csv", "willfit.json",
                                                          "willfit.png"]
+    # each setting as a probes-only run's row: memtrain-report reads them as a sweep's
+    from memtrain.report.tables import load_runs
+
+    runs, skipped = load_runs([folder / "runs"])
+    assert skipped == [] and len(runs) == len(out.rows)
+    by_method = dict(zip(runs["method"], runs["mem_estimate_bytes"]))
+    assert by_method == {r["method"]: r["peak_bytes"] for r in out.rows}
     saved = json.loads((folder / "willfit.json").read_text())
     assert saved["answer"] == out.answer and len(saved["rows"]) == len(out.rows)
     peak = out.rows[0]["peak_bytes"] / GiB
