@@ -193,6 +193,37 @@ def test_an_fsdp_row_is_the_estimate_of_one_rank(in_tmp):
     assert row["max_batch"] == 4 * row["max_batch_per_rank"] and row["max_batch_verified"]
 
 
+def test_overhead_and_error_come_from_the_rows_of_the_same_setting():
+    """CUDA rows before CPU rows, the same model before others, the setting's own options
+    matched (quantize at 4 bits is not quantize at 2); the estimate's error only from a row of
+    the very setting (model, batch, input size, precision)."""
+    from omegaconf import OmegaConf
+
+    def run(model, bits, rel, device="cpu", **more):
+        return {"method": "quantize", "status": "ok", "model": model, "method.bits": bits,
+                "step_time_rel": rel, "device": device, **more}
+
+    rows = [("a.csv", run("mlp6", 4, 3.0)), ("a.csv", run("mlp6", 4, 2.0)),
+            ("b.csv", run("mlp6", 2, 9.0)), ("c.csv", run("resnet18", 4, 1.5))]
+    q4, q2 = willfit.Setting("quantize"), willfit.Setting("quantize", ("method.bits=2",))
+    defaults = {"method.bits": 4}
+    assert willfit.overhead_from_rows(q4, "mlp6", rows, defaults) == \
+        (1.5, "measured CPU rows (2 rows: a.csv)")
+    assert willfit.overhead_from_rows(q2, "mlp6", rows, defaults)[0] == 8.0
+    assert willfit.overhead_from_rows(q4, "vit_tiny", rows, defaults) == \
+        (1.0, "measured CPU rows (other models: mlp6, resnet18; 3 rows: a.csv, c.csv)")
+    rows.append(("g.csv", run("resnet18", 4, 1.25, device="cuda")))
+    assert willfit.overhead_from_rows(q4, "mlp6", rows, defaults)[1].startswith(
+        "committed CUDA rows (other models: resnet18")
+    cfg = OmegaConf.create({"trainer": {"precision": "fp32"}, "dataset": {"image_size": 16}})
+    measured = run("mlp6", 4, 3.0, **{"trainer.batch_size": 8, "trainer.precision": "fp32",
+                                     "dataset.image_size": 16, "mem_estimate_bytes": 99,
+                                     "mem_tracker_peak_bytes": 100})
+    assert willfit.estimate_error(q4, cfg, "mlp6", 8, [("m.csv", measured)], defaults) == \
+        (99 / 100 - 1, "m.csv")
+    assert willfit.estimate_error(q4, cfg, "mlp6", 16, [("m.csv", measured)], defaults) is None
+
+
 @pytest.mark.parametrize("args, says", [
     (["card=gtx0"], "card must be one of rtx3090, rtx4090"),
     (["card=rtx4090", "trainer.gpu_memory_gb=24"], "card= and trainer.gpu_memory_gb both"),
