@@ -8,12 +8,12 @@ breakdown; whether it fits the card with find_max_batch's margin (peak + CUDA co
 (1 - `trainer.max_batch_headroom`) x `trainer.gpu_memory_gb`); the largest batch that fits;
 the predicted step-time overhead with its source; and whether the gradients are exact.
 
-The largest batch: the peak is affine in the batch for a fixed plan (weights, gradients and
-optimizer state do not depend on it, activations grow with it), so two estimates give the
-line and the batch where it meets the budget. That answer is then checked with full
-estimates: it fits at B and not at B + 1. Where the check fails (a plan that changes with the
-batch, allocation rounding), a search over full estimates finds the batch instead, bracketing
-from the line's answer.
+The largest batch: for a fixed plan the peak is affine in the batch in pieces (weights,
+gradients and optimizer state do not grow with it, activations do; the peak moves from the
+update to backward as the batch grows), so the line through two estimates gives a first
+answer and secant steps through full estimates near it settle on the right piece. The answer
+is then checked with full estimates: it fits at B and not at B + 1; a bisection over full
+estimates where the steps do not settle (a plan that changes with the batch).
 
 What the estimate leaves out (said in the output): the CUDA caching allocator's rounding and
 fragmentation, cuDNN/cuBLAS workspaces; the CUDA context is counted as find_max_batch counts
