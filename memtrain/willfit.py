@@ -373,6 +373,8 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     cfg, choices = config.compose(base)
     t = runner.check(cfg)
     model_name = str(choices.get("model"))
+    shown = f"{model_name} {cfg.model.name}" if isinstance(cfg.model.get("name"), str) and \
+        cfg.model.name != model_name else model_name  # a model by name: timm's convnext_atto
     if t.gpu_memory_gb is None:
         raise ConfigError(f"{COMMAND} needs the card's memory: card=NAME ({', '.join(CARDS)}) "
                           f"or trainer.gpu_memory_gb=GiB")
@@ -396,7 +398,7 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     card_info = {"card": own["card"], "gpu_memory_gb": t.gpu_memory_gb, "cap_bytes": cap,
                  "headroom": t.max_batch_headroom, "context_bytes": context,
                  "context_source": source, "budget_bytes": budget,
-                 "batch_size": t.batch_size, "model": model_name,
+                 "batch_size": t.batch_size, "model": shown,
                  "precision": t.precision, "optim": str(choices.get("optim"))}
     data = runner._target(cfg.dataset, "dataset")(**_kwargs(cfg.dataset))
     optim = _kwargs(cfg.optim)
@@ -407,7 +409,7 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
         t0 = time.perf_counter()
         say(f"{COMMAND}: {s.label}: estimating batch {t.batch_size} on fake tensors ...")
         rows.append(_row(s, c, model_name, data, make_optimizer, budget, t.batch_size,
-                         committed))
+                         committed, base))
         rows[-1].update(card_info, estimate_s=round(time.perf_counter() - t0, 3))
         runs.append(_run_row(s, c, picked[len(rows) - 1], rows[-1]))
         r = rows[-1]
@@ -448,7 +450,7 @@ def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> d
 
 
 def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, batch: int,
-         committed) -> dict[str, Any]:
+         committed, base: Sequence[str] = ()) -> dict[str, Any]:
     from memtrain import runner
 
     defaults = _defaults(cfg)
@@ -506,15 +508,20 @@ def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, ba
         row.update(estimate_error=err[0], estimate_error_source=err[1])
     if exact is False:
         row["accuracy_evidence"] = EVIDENCE.get(s.method, "none committed")
-        row["accuracy_command"] = sweep_command(s, model_name)
+        row["accuracy_command"] = sweep_command(s, base)
     return row
 
 
-def sweep_command(s: Setting, model: str) -> str:
-    """The sweep that measures this setting's accuracy against none on the user's data."""
-    params = " ".join(s.params)
-    return (f"memtrain -m method=none,{s.method} {params + ' ' if params else ''}"
-            f"model={model} dataset=YOUR_DATASET trainer.seed=0,1,2")
+def sweep_command(s: Setting, base: Sequence[str]) -> str:
+    """The sweep that measures this setting's accuracy against none over three seeds on the
+    user's data: the variants sweeper (none has no options of the other method), the user's
+    overrides but the card's."""
+    card = ("trainer.gpu_memory_gb=", "trainer.cuda_context_gb=", "trainer.max_batch_headroom=")
+    given = [o for o in base if not o.lstrip("+").startswith(card)]
+    data = [] if any(o.startswith("dataset=") for o in given) else ["dataset=YOUR_DATASET"]
+    variant = " ".join([f"method={s.method}", *s.params])
+    return (f"memtrain -m hydra/sweeper=variants 'hydra.sweeper.variants=[\"method=none\","
+            f"\"{variant}\"]' {' '.join([*given, *data])} trainer.seed=0,1,2")
 
 
 # ---------------------------------------------------------------- the answer

@@ -122,7 +122,18 @@ def test_when_none_does_not_fit_the_answer_names_the_cheapest_that_does(in_tmp):
     assert not rows["none"]["fits"] and rows["quantize"]["fits"]
     assert rows["quantize"]["grads_exact"] is False
     assert rows["quantize"]["accuracy_evidence"] == "docs/methods/quantize.md"
-    assert rows["quantize"]["accuracy_command"].startswith("memtrain -m method=none,quantize ")
+    # the sweep that measures its accuracy is one memtrain accepts (on a dataset of the user's)
+    import shlex
+
+    from memtrain import config
+
+    command = shlex.split(rows["quantize"]["accuracy_command"])
+    assert command[:3] == ["memtrain", "-m", "hydra/sweeper=variants"]
+    assert 'hydra.sweeper.variants=["method=none","method=quantize"]' in command
+    assert "trainer.batch_size=2048" in command and "dataset=YOUR_DATASET" in command
+    assert not any(a.startswith("trainer.gpu_memory_gb") for a in command)
+    config.check_overrides([a.replace("YOUR_DATASET", "synthetic") for a in command[2:]],
+                           multirun=True)
     assert out.answer.startswith("cheapest that fits: quantize (") and \
         out.answer.endswith("(approximate gradients)")
 
