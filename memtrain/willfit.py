@@ -485,7 +485,7 @@ def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, ba
     if s.ranks > 1:  # the global batch: every rank's
         found_batch["max_batch_per_rank"] = found_batch["max_batch"]
         found_batch["max_batch"] *= s.ranks
-    row.update(found_batch)
+    row.update(found_batch, estimates=len(est.cache))  # full estimates this row took
     # the step-time overhead: none is the reference; a checkpoint plan's own cost model; else
     # the committed rows of the same setting
     found = overhead_from_rows(s, model_name, committed, defaults)
