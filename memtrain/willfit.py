@@ -591,13 +591,16 @@ def table(result: Answer) -> str:
                 key=lambda r: (not r["fits"], *rank_key(r)))
     for r in ok:
         o = r.get("overhead")
-        lines.append(f"{r['setting']:<34} {'exact' if r.get('grads_exact') else 'approx':<6} "
+        name = r["setting"] + (" *" if "plan_budget_raised_to_bytes" in r else "")
+        lines.append(f"{name:<34} {'exact' if r.get('grads_exact') else 'approx':<6} "
                      f"{r['peak_bytes'] / GiB:>9.3f} {'yes' if r['fits'] else 'no':<4} "
                      f"{r['headroom_bytes'] / GiB:>9.3f} {r['max_batch']:>9} "
                      f"{'?' if o is None else f'{100 * o:+.0f}%':>9}  {r['overhead_source']}")
     for r in result.rows:
         if r["status"] != "ok":
             lines.append(f"{r['setting']:<34} {r['status']}: {r.get('error', '')}")
+    if any("plan_budget_raised_to_bytes" in r for r in ok):
+        lines.append("* below the least feasible plan: planned at the least feasible peak")
     lines += [f"answer: {result.answer}", f"the estimate leaves out: {result.leaves_out}"]
     return "\n".join(lines)
 
@@ -635,13 +638,18 @@ def plot(result: Answer, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in result.rows:
-        if r["status"] != "ok" or r.get("overhead") is None:
-            continue
-        x, y = 100 * r["overhead"], r["peak_bytes"] / GiB
+    points = [(100 * r["overhead"], r["peak_bytes"] / GiB, r) for r in result.rows
+              if r["status"] == "ok" and r.get("overhead") is not None]
+    xs, ys = [p[0] for p in points] or [0], [p[1] for p in points] or [0]
+    dx, dy = 0.05 * (max(xs) - min(xs) or 1), 0.04 * (max(ys) - min(ys) or 1)
+    labelled: list[tuple[float, float]] = []
+    for x, y, r in points:
         ax.scatter([x], [y], marker="o" if r.get("grads_exact") else "x",
                    color="tab:blue" if r.get("grads_exact") else "tab:red")
-        ax.annotate(r["setting"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        near = sum(abs(x - a) < dx and abs(y - b) < dy for a, b in labelled)
+        ax.annotate(r["setting"], (x, y), fontsize=7, xytext=(3, 3 + 9 * near),
+                    textcoords="offset points")  # points close together: labels stacked
+        labelled.append((x, y))
     c = result.card
     ax.axhline(c["cap_bytes"] / GiB, color="k", lw=1, label=f"card {c['gpu_memory_gb']:g} GiB")
     ax.axhline(c["budget_bytes"] / GiB, color="k", lw=1, ls="--",
