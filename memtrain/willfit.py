@@ -163,14 +163,15 @@ def parse(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 def settings(methods: Sequence[str] | None, which: str = "all",
              ranks: int | None = None) -> list[Setting]:
     """The rows to estimate: `methods`' settings (None: every method's), or with `which`
-    defaults only each method at its defaults; with `ranks`, also none and checkpoint as one
-    rank of an fsdp run over that many."""
+    defaults only each method at its defaults; with `ranks`, also none (and checkpoint, where
+    chosen) as one rank of an fsdp run over that many."""
     chosen = [s for s in SETTINGS if (methods is None or s.method in methods)
               and (which == "all" or not s.params)]
     if "none" not in [s.method for s in chosen]:  # the baseline row is always there
         chosen.insert(0, SETTINGS[0])
-    if ranks:
-        chosen += [Setting("none", ranks=ranks), Setting("checkpoint", ranks=ranks)]
+    if ranks:  # fsdp beside the chosen of none and checkpoint (none is always chosen)
+        chosen += [Setting(m, ranks=ranks) for m in ("none", "checkpoint")
+                   if m in {s.method for s in chosen}]
     return chosen
 
 
@@ -676,7 +677,8 @@ Options beside memtrain's overrides:
   methods=a,b         only these ({', '.join(FAMILIES)}); none is always estimated
   settings=defaults   each method at its defaults only (all: also the settings that change
                       its memory; the default)
-  ranks=N             also none and checkpoint as one rank of an fsdp run over N ranks
+  ranks=N             also none (and checkpoint, where chosen) as one rank of an fsdp run
+                      over N ranks
   out=DIR             rows and figure (default runs/willfit/<date>/<time>/<model>)
 Docs: docs/willfit.md."""
 
