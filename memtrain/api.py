@@ -9,6 +9,11 @@ Your own nn.Module (or a function that makes one), without packaging it:
     row = api.run(["method=quantize", "trainer=smoke"], model=MyNet())
     rows = api.sweep(["trainer=smoke"], model=make_net, methods=["none", "quantize", "pool"])
 
+Will it fit: every method for a model, a batch and a card, on fake tensors (no GPU):
+
+    found = api.will_fit(["model=resnet50", "trainer.batch_size=256"], card="rtx4090")
+    print(found.answer)
+
 A module runs as `model=module` (memtrain/models/user.py): deep-copied for every run, so each
 starts from the same initial weights; its class and a hash of its architecture are the row's
 `model.name` and `model.arch`, part of run_id.
@@ -133,3 +138,20 @@ def sweep(overrides: list[str] | None = None, *, model: Model | None = None,
 
         make_report([out_dir], out_dir)
     return rows
+
+
+def will_fit(overrides: list[str] | None = None, *, card: str | None = None,
+             methods: Sequence[str] | None = None, out_dir: str | Path | None = None,
+             figure: bool = True, defaults_only: bool = False):
+    """What `memtrain-willfit` answers (memtrain/willfit.py, docs/willfit.md): for the
+    overrides' model, batch, precision and optimizer on a card (`card`, a preset name, or
+    `trainer.gpu_memory_gb`), every method and stack (`methods`: a few of them;
+    `defaults_only`: each at its defaults only) estimated on fake tensors: its peak and
+    breakdown, whether it fits, the largest batch that fits, the predicted step-time overhead
+    and its source, exact or approximate gradients. Returns a `willfit.Answer` (`rows`,
+    `answer`, `card`); with `out_dir`, willfit.csv, willfit.json and willfit.png are written
+    there. Bad input raises a one-line ConfigError before anything is written."""
+    from memtrain import willfit
+
+    return willfit.will_fit(list(overrides or []), out_dir=out_dir, methods=methods, card=card,
+                            figure=figure, defaults_only=defaults_only)

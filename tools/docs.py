@@ -1047,6 +1047,8 @@ BLOCKS = [
     Block("quantize-estimate", quantize_estimate),
     Block("sharding", sharding),
     Block("ranks", _bench_table("ranks_cpu.csv", ranks_table, "0", "1 accounted")),
+    Block("willfit", _bench_table("willfit_cpu.csv", _bench("willfit"), "-",
+                                  "one call, fake tensors")),
     Block("timeline-cost", _bench_table("timeline_cost_cpu.csv")),
     Block("overhead", _bench_table("overhead_cpu.csv", _bench("overhead"), "0",
                                    "median step time per round, median over 5 alternating "
