@@ -213,10 +213,15 @@ def _none_unless_measured(ctx: Context, part: str, batches: str, precisions: str
                       len(cells), r["job_s"])]
 
 
-def gpu_marked(root: Path = Path("tests")) -> list[str]:
-    """The test files that mark a test gpu: pytest collects only those (collecting the whole
-    suite would import every tool and model first)."""
-    return sorted(str(f) for f in root.glob("test_*.py") if "mark.gpu" in f.read_text())
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def gpu_marked(root: Path = CHECKOUT) -> list[str]:
+    """The test files that mark a test gpu, relative to the checkout `root` (where the call
+    runs pytest): pytest collects only those (collecting the whole suite would import every
+    tool and model first)."""
+    return sorted(f"tests/{f.name}" for f in (root / "tests").glob("test_*.py")
+                  if "mark.gpu" in f.read_text())
 
 
 def tests(ctx: Context) -> list[Step]:
