@@ -154,11 +154,11 @@ def test_an_image_size_the_architecture_cannot_take_is_refused():
 # What each method does on these models: runs, or refuses in one line with this reason.
 # checkpoint finds the chain of blocks where no rule is registered (tests/test_chains.py);
 # synthetic needs a registered chain (timm's VisionTransformer has one: memtrain's own ViTs
-# are that class), as it cuts the model before any batch is seen; pool needs a convolution, ReLU or max-pool beyond
-# the input's; prune, a Linear or 1x1 convolution whose input its blocks would free (at these
-# sizes a ViT's rows, batch 2 x 5 tokens, are fewer than a block; MobileNet's 1x1 convolutions
-# read inputs that other ops keep); offload, a GPU (on any model); synthetic, class labels. The
-# stack fails as its checkpoint does.
+# are that class), as it cuts the model before any batch is seen; pool needs a convolution,
+# ReLU or max-pool beyond the input's; prune, a Linear or 1x1 convolution whose input its
+# blocks would free (at these sizes a ViT's rows, batch 2 x 5 tokens, are fewer than a block;
+# MobileNet's 1x1 convolutions read inputs that other ops keep); offload, a GPU (on any
+# model); synthetic, class labels.
 NO_CHAIN = "has no segment rule for model type {}"
 PRUNES_NOTHING = "method=prune prunes nothing in {}"
 REFUSED = {

@@ -134,11 +134,11 @@ def chain_of(model: nn.Module, who: str = "this method", sample: Any = None) -> 
                           f"of segments before any batch is seen, which only these types "
                           f"register: {known} (memtrain/models/chain.py: a @chain_rule beside "
                           f"the builder)")
-    from memtrain.models import discover
+    from memtrain.models.discover import find
 
     if isinstance(sample, torch.Tensor) and sample.dim() and sample.shape[0] > SAMPLES:
         sample = sample[:SAMPLES]
-    found = discover.find(model, sample)
+    found = find(model, sample)
     if not found.names:
         raise ConfigError(f"{who}: found no chain of blocks in {cls.__name__} "
                           f"({cls.__module__}.{cls.__qualname__}), where each block's output "

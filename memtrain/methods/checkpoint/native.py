@@ -3,8 +3,8 @@ says, the peer a plan is measured against on the same model.
 
 - timm: `model.set_grad_checkpointing(True)` (its forward then runs `checkpoint_seq` over its
   blocks or stages; non-reentrant unless TIMM_REENTRANT_CKPT says otherwise);
-- transformers: `gradient_checkpointing_enable(gradient_checkpointing_kwargs=
-  {"use_reentrant": False})`: every decoder layer recomputed in backward.
+- transformers: `activation_checkpointing_enable({"use_reentrant": False})` (before 5.x's
+  rename: `gradient_checkpointing_enable`): every decoder layer recomputed in backward.
 
 Found on the model or, for a wrapper (memtrain's hf.py CausalLM, a user's module around a
 library's model), on the first of its submodules that has one. A model with neither, or whose
@@ -20,12 +20,13 @@ from memtrain.errors import ConfigError
 
 TIMM = "set_grad_checkpointing"
 HF = "gradient_checkpointing_enable"
+HF_NEW = "activation_checkpointing_enable"  # transformers' name since its deprecation of HF
 
 
 def owner(model: nn.Module) -> tuple[nn.Module, str] | None:
     """(module, method name): the outermost module with its own checkpointing switch."""
     for m in model.modules():
-        for name in (HF, TIMM):
+        for name in (HF_NEW, HF, TIMM):
             if callable(getattr(m, name, None)):
                 return m, name
     return None
@@ -42,7 +43,9 @@ def enable(model: nn.Module) -> None:
                           f"method.strategy=budget (or uniform, sqrt, selective)")
     module, name = found
     try:
-        if name == HF:
+        if name == HF_NEW:
+            module.activation_checkpointing_enable({"use_reentrant": False})
+        elif name == HF:
             module.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
