@@ -20,7 +20,9 @@ from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.checkpoint.segments import discover
+from memtrain.methods.synthetic import Synthetic
 from memtrain.models import chain_of
+from memtrain.models.chain import remember_input
 
 
 @pytest.fixture(autouse=True)
@@ -262,3 +264,41 @@ def test_a_changed_op_sequence_says_which_op_and_where():
                                           r"aten.mul.Tensor") as e:
         opplan.profile_model(model, discover(model), torch.randn(2, 4), repeats=2)
     assert "\n" not in str(e.value)
+
+
+class Whole(nn.Module):
+    """Nothing but modules in sequence: its found chain is its whole forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def test_synthetic_cuts_a_found_chain_that_is_the_whole_forward_and_refuses_the_rest():
+    model = remember_input(Whole(), (4,))  # as the builders note their model's input
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ref = model(x)
+    parts = Synthetic(partitions=2, cuts=[2]).wrap(model)  # found on a sample of its input
+    assert [s.name for s in chain_of(model).segments] == ["stem", "body.0", "body.1", "body.2",
+                                                          "head"]
+    assert len(parts.units) == 5 and list(parts.state_dict()) == list(model.state_dict())
+    with torch.no_grad():
+        assert parts(x).shape == ref.shape
+    with pytest.raises(ConfigError, match="method=synthetic cuts Decoder between the blocks "
+                                          "of the chain found on a sample, and cannot: its "
+                                          "blocks take side inputs") as e:
+        Synthetic(partitions=2).wrap(remember_input(Decoder(), (4,)))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # a whole run: two partitions and recovery
+def test_synthetic_runs_on_a_found_chain(tmp_path):
+    row = api.run(["method=synthetic", *MODELS["convnext"], *STEPS], out_dir=tmp_path / "r")
+    assert row["status"] == "ok", row.get("error")
+    assert row["part0.units"].startswith("0-") and row["part1.units"].endswith("-15")

@@ -97,7 +97,35 @@ def chain_rule(*classes: str) -> Callable[[Rule], Rule]:
 
 
 _FOUND: weakref.WeakKeyDictionary[nn.Module, Chain] = weakref.WeakKeyDictionary()
+# what a builder knows of its model's input: (one sample's shape, vocabulary or None: images)
+_INPUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], int | None]] = \
+    weakref.WeakKeyDictionary()
 SAMPLES = 2  # samples of the batch the chain is traced on
+
+
+def remember_input(model: nn.Module, input_shape: tuple[int, ...],
+                   vocab: int | None = None) -> nn.Module:
+    """Note the input a builder made `model` for (token ids below `vocab`, else images), so its
+    chain can be found before any batch is seen (`chain_of` without a sample: synthetic cuts
+    the model in `wrap`). Returns `model`."""
+    _INPUTS[model] = (tuple(input_shape), vocab)
+    return model
+
+
+def _sample(model: nn.Module) -> torch.Tensor | None:
+    """A random batch of the input the model's builder noted, on its parameters' device and
+    dtype (fake under the estimate's fake mode); the global RNG untouched. None: not noted."""
+    spec = _INPUTS.get(model)
+    if spec is None:
+        return None
+    shape, vocab = spec
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    dtype = p.dtype if p is not None and p.dtype.is_floating_point else None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if vocab is not None:
+            return torch.randint(0, vocab, (SAMPLES, *shape), device=device)
+        return torch.randn(SAMPLES, *shape, device=device, dtype=dtype)
 
 
 def registered(model: nn.Module) -> Chain | None:
@@ -120,13 +148,16 @@ def _named(model: nn.Module) -> type:
 
 def chain_of(model: nn.Module, who: str = "this method", sample: Any = None) -> Chain:
     """The model's chain: its registered rule's, else found by one traced forward of `sample`
-    (the first samples of a batch of the model's input; `discover.py`), once per model.
+    (the first samples of a batch of the model's input; without one, a random batch of the
+    input its builder noted: `remember_input`; `discover.py`), once per model.
     ConfigError naming `who` when there is none: no rule and no sample, or the trace found no
     chain (the line says what broke it)."""
     chain = registered(model)
     if chain is not None:
         return chain
     cls = _named(model)
+    if sample is None:
+        sample = _sample(model)
     if sample is None:
         known = ", ".join(sorted(_RULES, key=lambda c: c.rsplit(".", 1)[-1]))
         raise ConfigError(f"{who} has no segment rule for model type {cls.__name__} "
