@@ -14,10 +14,11 @@ children of one call (their parent module's forward, or a Sequential's), where:
   outside it: grouped, the intermediate outputs are never seen by anyone else.
 
 A call whose own forward does nothing but run such a chain of its children (an nn.Sequential,
-a stage of a downsample and its blocks) is replaced by that chain, recursively: timm's ResNet
-becomes its stem's modules, every block of every stage, pooling and fc. The longest chain found
-anywhere in the tree wins (the first of equals, outermost first); fewer than two calls is no
-chain, refused in one line that says what broke it.
+a stage of a downsample and its blocks) is replaced by that chain, recursively, as many levels
+down as keep the chain within `MAX_SEGMENTS`: timm's ResNet becomes its stem's modules, every
+block of every stage, pooling and fc. Of the chains found anywhere in the tree, the one that
+runs the most of the forward's ops wins (the first of equals, outermost first); fewer than two
+segments is no chain, refused in one line that says what broke it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 MIN_SEGMENTS = 2
+MAX_SEGMENTS = 32  # expansion stops before a chain has more segments (`_segments`)
+MAX_DEPTH = 8
 
 
 @dataclass(eq=False)  # compared by identity
@@ -207,7 +210,7 @@ class _Analysis:
         self.made = made
         self._unfit: dict[int, str | None] = {}
         self._runs: dict[int, list[tuple[list[Call], str]]] = {}
-        self._expand: dict[int, list[Call]] = {}
+        self._expand: dict[tuple[int, int], list[Call]] = {}
 
     def main(self, c: Call) -> torch.Tensor | None:
         return c.args[0] if c.args and isinstance(c.args[0], torch.Tensor) else None
@@ -319,12 +322,15 @@ class _Analysis:
             return run
         return None
 
-    def expand(self, c: Call) -> list[Call]:
-        if id(c) not in self._expand:
-            run = self.whole_run(c)
-            self._expand[id(c)] = [c] if run is None else [s for r in run
-                                                           for s in self.expand(r)]
-        return self._expand[id(c)]
+    def expand(self, c: Call, depth: int) -> list[Call]:
+        """`c` replaced by the run of its children that is all it does, recursively, at most
+        `depth` levels down."""
+        key = (id(c), depth)
+        if key not in self._expand:
+            run = self.whole_run(c) if depth > 0 else None
+            self._expand[key] = [c] if run is None else [s for r in run
+                                                         for s in self.expand(r, depth - 1)]
+        return self._expand[key]
 
 
 def find(model: nn.Module, sample: Any) -> Found:
@@ -349,18 +355,34 @@ def find(model: nn.Module, sample: Any) -> Found:
         return Found([], why=why or _first_reason(a, calls))
     first = best[0][0]
     side = len(first.args) > 1 or bool(first.kwargs)
-    whole = _segments(a, [calls[0]]) == best and calls[0].children and not side
+    # the whole forward: the model's own call expanded gives the same segments
+    whole = any(_pieces(a, [calls[0]], d) == best for d in range(1, MAX_DEPTH + 2)) \
+        and calls[0].children and not side
     return Found([[c.name for c in s] for s in best], side=side, whole=bool(whole))
 
 
 def _segments(a: _Analysis, run: list[Call]) -> list[list[Call]]:
-    """The run's calls, each replaced by its own chain where it is nothing else, as segments:
-    a call that writes into its input in place joins the segment before it (its sibling's:
-    a segment is one parent's modules), or, where that is no sibling, splits the chain (the
-    longest piece is kept). A call that hands its input back untouched (nn.Identity, dropout
-    at p=0) is no segment: in a group it passes on what it is given, which is the same."""
+    """The run as segments, its calls replaced by their own chains (`_Analysis.expand`) as
+    many levels down as keeps it within `MAX_SEGMENTS` (stages into blocks, but not every
+    block into its layers: the op-level plan decides inside a segment, and the planner's
+    program grows with the square of the segments), at least the run itself."""
+    best = _pieces(a, run, 0)
+    for depth in range(1, MAX_DEPTH + 1):
+        segs = _pieces(a, run, depth)
+        if len(segs) > MAX_SEGMENTS:
+            break
+        best = segs
+    return best
+
+
+def _pieces(a: _Analysis, run: list[Call], depth: int) -> list[list[Call]]:
+    """The run expanded `depth` levels down, as segments: a call that writes into its input in
+    place joins the segment before it (its sibling's: a segment is one parent's modules), or,
+    where that is no sibling, splits the chain (the longest piece is kept). A call that hands
+    its input back untouched (nn.Identity, dropout at p=0) is no segment: in a group it passes
+    on what it is given, which is the same."""
     pieces: list[list[list[Call]]] = [[]]
-    for c in (s for r in run for s in a.expand(r)):
+    for c in (s for r in run for s in a.expand(r, depth)):
         if c.out is a.main(c) and a.ops_in(c) == 0:
             continue
         if a.writes_input(c):
