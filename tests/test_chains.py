@@ -302,3 +302,22 @@ def test_synthetic_runs_on_a_found_chain(tmp_path):
     row = api.run(["method=synthetic", *MODELS["convnext"], *STEPS], out_dir=tmp_path / "r")
     assert row["status"] == "ok", row.get("error")
     assert row["part0.units"].startswith("0-") and row["part1.units"].endswith("-15")
+
+
+def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
+    """benchmarks/coverage.py (make coverage, not run here): at least 40 timm architectures and
+    6 transformers types; its table says ok with the peak against none's, or the line."""
+    from benchmarks.coverage import ARCHS, METHODS, table
+
+    libs = [fam.split()[0] for _, fam, _ in ARCHS]
+    assert libs.count("timm") >= 40 and libs.count("transformers") >= 6
+    assert {"none", "checkpoint", "native", "synthetic"} <= set(METHODS)
+    rows = [{"arch": "a", "family": "timm X", "method": "none", "status": "ok",
+             "mem_peak_act_bytes": 200},
+            {"arch": "a", "family": "timm X", "method": "checkpoint", "status": "ok",
+             "mem_peak_act_bytes": 50},
+            {"arch": "a", "family": "timm X", "method": "synthetic", "status": "refused",
+             "reason": "method=synthetic cuts A ..."}]
+    text = table(rows, ["none", "checkpoint", "synthetic"])
+    assert "| timm X | a | ok | ok 0.25 | refused |" in text
+    assert "- a / synthetic: refused: method=synthetic cuts A ..." in text
