@@ -53,17 +53,18 @@ def _timm(name: str, family: str, size: int = 64, *kwargs: str) -> tuple[str, st
 
 
 def _tv(name: str, size: int = 64) -> tuple[str, str, list[str]]:
-    return name, "torchvision", ["model=torchvision", f"model.name={name}", *IMAGES,
-                                 f"dataset.image_size={size}"]
+    return f"tv:{name}", "torchvision", ["model=torchvision", f"model.name={name}", *IMAGES,
+                                         f"dataset.image_size={size}"]
 
 
 def _hf(name: str) -> tuple[str, str, list[str]]:
-    return name, "transformers", ["model=hf", f"model.name={name}",
+    return f"hf:{name}", "transformers", ["model=hf", f"model.name={name}",
                                   "model.config.hidden_size=64",
                                   "model.config.num_hidden_layers=2", *TOKENS]
 
 
-# (architecture, family, overrides): one or more per family, each at a size it accepts
+# (label, family, overrides): one or more architectures per family, each at a size it accepts;
+# torchvision's labelled tv:<name>, transformers' hf:<type> (timm has names of the same)
 ARCHS = [
     _timm("resnet18", "ResNet"), _timm("resnet10t", "ResNet"), _timm("resnext26ts", "ResNeXt"),
     _timm("regnetx_002", "RegNet"), _timm("regnety_002", "RegNet"),
@@ -100,7 +101,8 @@ def one(arch: str, family: str, overrides: list[str], method: str, out: Path) ->
     row = {"arch": arch, "family": family, "method": method}
     t0 = time.perf_counter()
     try:
-        got = api.run([*METHODS[method], *overrides, *STEPS], out_dir=out / f"{arch}_{method}")
+        got = api.run([*METHODS[method], *overrides, *STEPS],
+                      out_dir=out / f"{arch.replace(':', '_')}_{method}")
     except ConfigError as e:
         row.update(status="refused", reason=str(e).splitlines()[0])
     except Exception as e:  # a crash is a row, not the end of the sweep
@@ -170,9 +172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(1)
     only = set(args.only.split(",")) if args.only else None
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # each run's folder: its label and method
         for arch, family, overrides in ARCHS:
-            if only is not None and arch not in only:
+            if only is not None and arch not in only and arch.split(":")[-1] not in only:
                 continue
             for m in methods:
                 rows.append(one(arch, family, overrides, m, Path(tmp)))
