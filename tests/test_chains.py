@@ -105,14 +105,22 @@ def test_the_blocks_are_found_with_their_side_inputs_and_kept():
     assert not chain_of(seq, sample=torch.randn(2, 4)).found
 
 
+class Staged(nn.Module):
+    """A stem with an in-place activation, stages of layers (one an identity), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True))
+        self.stages = nn.Sequential(nn.Sequential(nn.Identity(), nn.Linear(8, 8)),
+                                    nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)))
+
+
 def test_containers_are_replaced_by_their_blocks_and_identities_dropped():
-    model = nn.Module()
-    model.stem = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True))
-    model.stages = nn.Sequential(nn.Sequential(nn.Identity(), nn.Linear(8, 8)),
-                                 nn.Sequential(nn.Linear(8, 8), nn.GELU()))
-    model.head = nn.Linear(8, 2)
-    model.forward = lambda x: model.head(model.stages(model.stem(x)))
-    chain = chain_of(model, sample=torch.randn(2, 4))
+    chain = chain_of(Staged(), sample=torch.randn(2, 4))
     # the in-place ReLU joins the Linear before it (a group cannot start on an overwritten
     # input); nn.Identity hands its input back and is no segment
     assert [(s.name, s.attrs) for s in chain.segments] == [
