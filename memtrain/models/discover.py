@@ -17,8 +17,9 @@ A call whose own forward does nothing but run such a chain of its children (an n
 a stage of a downsample and its blocks) is replaced by that chain, recursively, as many levels
 down as keep the chain within `MAX_SEGMENTS`: timm's ResNet becomes its stem's modules, every
 block of every stage, pooling and fc. Of the chains found anywhere in the tree, the one that
-runs the most of the forward's ops wins (the first of equals, outermost first); fewer than two
-segments is no chain, refused in one line that says what broke it.
+runs the most of the forward's ops outside its largest segment wins (the first of equals,
+outermost first); fewer than two segments is no chain, refused in one line that says what
+broke it.
 """
 
 from __future__ import annotations
@@ -345,8 +346,10 @@ def find(model: nn.Module, sample: Any) -> Found:
     for p in calls:  # outermost first: the first of equal chains is the outermost
         for run, end in a.runs(p):
             segs = _segments(a, run)
-            # the chain that runs the most of the forward's ops
-            covered = (sum(a.ops_in(c) for s in segs for c in s), len(segs))
+            # the chain that runs the most of the forward's ops outside its largest segment:
+            # what a plan can split (not one segment holding most of the forward)
+            ops = [sum(a.ops_in(c) for c in s) for s in segs]
+            covered = (sum(ops) - max(ops, default=0), len(segs))
             if len(segs) >= MIN_SEGMENTS and covered > score:
                 best, score = segs, covered
             elif not why:
