@@ -138,6 +138,10 @@ bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block,
 bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
 	$(BIN)/python -m benchmarks.checkpoint $(ARGS)
 
+.PHONY: coverage
+coverage: $(STAMP) ## every method on ~60 architectures by name (timm, torchvision, transformers), 2 steps each on the CPU (45-90 min; ARGS=--only a,b) -> runs/coverage/
+	$(BIN)/python -m benchmarks.coverage --csv runs/coverage/rows.csv --out runs/coverage/table.md $(ARGS)
+
 .PHONY: transformer-study-cpu
 transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scale on the CPU (sequence lengths 128-1024) -> docs/results/rows/transformer_study_cpu/, docs/figures/sequence.png
 	$(BIN)/memtrain -m experiment=transformer_study model=gpt_nano model.context=1024 \

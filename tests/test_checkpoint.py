@@ -314,9 +314,12 @@ def test_bad_options_are_config_errors(key, value):
         CheckpointMethod(**{key: value})
 
 
-def test_unknown_model_is_a_config_error():
-    with pytest.raises(ConfigError, match="no segment rule"):
-        CheckpointMethod().wrap(torch.nn.Linear(2, 2))
+def test_a_model_without_a_chain_is_a_config_error():
+    """No rule registered and none found on the batch (tests/test_chains.py finds them)."""
+    method = CheckpointMethod()
+    model = method.wrap(torch.nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="found no chain of blocks in Linear"):
+        method.prepare(model, torch.randn(2, 2), torch.zeros(2, dtype=torch.long))
 
 
 @pytest.mark.slow

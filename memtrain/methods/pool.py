@@ -23,7 +23,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.swap import recast, swap_modules
-from memtrain.models import chain_of
+from memtrain.models.chain import registered
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,10 @@ class PoolMethod:
 
 def _stem_convs(model: nn.Module) -> set[str]:
     """Names of the convolutions in the model's chain entry (what reads the batch: a ViT's
-    patch embedding, a ResNet's first convolution); empty for a model without a chain rule."""
-    try:
-        entry = chain_of(model).entry
-    except ConfigError:
-        return set()
+    patch embedding, a ResNet's first convolution); empty for a model without a chain rule
+    (a chain found by tracing has no entry module)."""
+    chain = registered(model)
+    entry = chain.entry if chain is not None else None
     inside = {id(m) for m in entry.modules()} if entry is not None else set()
     return {n for n, m in model.named_modules() if type(m) is nn.Conv2d and id(m) in inside}
 

@@ -29,6 +29,7 @@ from torch import nn
 import memtrain.models.fake as fake
 from memtrain import offline
 from memtrain.errors import ConfigError
+from memtrain.models.chain import remember_input
 
 INSTALL = "pip install 'memtrain[hf]' (transformers>=5,<6)"
 # run-set keys: where each comes from
@@ -92,7 +93,7 @@ def hf_model(num_classes: int, input_shape: tuple[int, ...], name: str = "llama"
             cfg, attn_implementation=attn_implementation, dtype=torch.get_default_dtype())
 
     try:
-        return CausalLM(fake.build(make))
+        return remember_input(CausalLM(fake.build(make)), input_shape, num_classes)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model=hf model.name={name}: {str(e).splitlines()[0]}") from None
 

@@ -42,6 +42,7 @@ from torch import nn
 import memtrain.models.fake as fake
 from memtrain import offline
 from memtrain.errors import ConfigError
+from memtrain.models.chain import remember_input
 
 ENV = offline.ENV_MODEL
 TARGET = offline.USER_MODULE
@@ -90,7 +91,8 @@ def call(factory: Callable[..., nn.Module], num_classes: int, input_shape: tuple
     dtype = torch.get_default_dtype()
     if dtype != torch.float32:  # trainer.precision=bf16-true: a module made before, in fp32
         module.to(dtype)
-    return module
+    lm = getattr(module, "task", "classify") == "lm"  # token ids below num_classes
+    return remember_input(module, input_shape, num_classes if lm else None)
 
 
 def _name(factory: Callable) -> str:

@@ -22,6 +22,7 @@ from torch import nn
 import memtrain.models.fake as fake
 from memtrain import offline
 from memtrain.errors import ConfigError
+from memtrain.models.chain import remember_input
 
 TIMM_RESERVED = {"num_classes": "dataset.num_classes", "in_chans": "dataset.channels",
                  "img_size": "dataset.image_size"}
@@ -45,7 +46,7 @@ def timm_model(num_classes: int, input_shape: tuple[int, int, int], name: str = 
 
     model = _build(name, create, {"img_size": h if h == w else (h, w)}, kwargs)
     _check_size(model, name, input_shape, _timm_own_size(model))
-    return model
+    return remember_input(model, input_shape)
 
 
 def torchvision_model(num_classes: int, input_shape: tuple[int, int, int],
@@ -69,7 +70,7 @@ def torchvision_model(num_classes: int, input_shape: tuple[int, int, int],
     if c != 3:
         _first_conv_for(model, c, name)
     _check_size(model, name, input_shape, (224, 224))
-    return model
+    return remember_input(model, input_shape)
 
 
 def _timm_precheck(node: dict[str, Any]) -> None:

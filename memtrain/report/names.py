@@ -90,6 +90,7 @@ UNUSED_PARAMS: dict[tuple[str, str], set[str]] = {
     ("strategy", "sqrt"): {"budget_fraction", "every", *_PLANNER},
     ("strategy", "uniform"): {"budget_fraction", *_PLANNER},
     ("strategy", "compile"): {"every", *_PLANNER},
+    ("strategy", "native"): {"budget_fraction", "every", *_PLANNER},
     ("strategy", "budget"): {"every"},
     ("granularity", "block"): {"cost"},
 }

@@ -70,7 +70,10 @@ def _forward(bn: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tens
 def split_batchnorms(modules: list[nn.Module]) -> int:
     """Every BatchNorm under `modules` runs split (an instance forward over its class's);
     returns how many. The state_dict is unchanged."""
-    todo = [bn for bn in batchnorms(modules) if "forward" not in vars(bn)]
+    # only BatchNorm's own forward: a subclass's (timm's BatchNormAct2d: BatchNorm, dropout
+    # and activation) does more than the split would
+    todo = [bn for bn in batchnorms(modules) if "forward" not in vars(bn)
+            and type(bn).forward is nn.modules.batchnorm._BatchNorm.forward]
     for bn in todo:
         bn.forward = _forward.__get__(bn)
     return len(todo)

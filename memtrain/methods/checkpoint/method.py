@@ -10,7 +10,12 @@ Strategies (`method.strategy`):
 - `selective`: every segment checkpointed with torch's selective activation checkpointing:
   matmul and convolution outputs saved, the cheap ops recomputed;
 - `compile`: torch.compile with `torch._functorch.config.activation_memory_budget`, PyTorch's own
-  budgeted rematerialisation (the peer baseline).
+  budgeted rematerialisation (the peer baseline);
+- `native`: the model's own checkpointing, as researchers switch it on (timm's
+  `set_grad_checkpointing()`, transformers' `gradient_checkpointing_enable()`; `native.py`).
+
+The segments are the model's chain (`memtrain/models/chain.py`): its registered rule's at
+`wrap`, else found on the run's first batch in `prepare` (and on the probe's in `probe_steps`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 import memtrain.methods.checkpoint.batchnorm as batchnorm
 import memtrain.methods.checkpoint.cache as cache
 import memtrain.methods.checkpoint.compact as compaction
+import memtrain.methods.checkpoint.native as native
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
 import memtrain.methods.common.hooks as hooks
@@ -37,10 +43,11 @@ from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.losses import cross_entropy
 from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep, Sharding
 from memtrain.methods.checkpoint.segments import Segment, apply_groups, discover
+from memtrain.models.chain import registered
 
 log = logging.getLogger("memtrain.methods.checkpoint")  # the name runs have logged under
 
-STRATEGIES = ("uniform", "sqrt", "budget", "selective", "compile")
+STRATEGIES = ("uniform", "sqrt", "budget", "selective", "compile", "native")
 PLANNED = ("uniform", "sqrt", "budget")
 GRANULARITIES = ("op", "block")
 
@@ -194,7 +201,26 @@ class CheckpointMethod:
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.strategy == "compile":
             return CompiledBudget(model, self.budget_fraction)
-        self.segments = discover(model)
+        if self.strategy == "native":
+            native.enable(model)
+            return model
+        chain = registered(model)
+        if chain is None:  # found on the run's first batch (`_find`: prepare, probe_steps)
+            return model
+        self.segments = chain.segments
+        self._segmented(model)
+        return model
+
+    def _find(self, model: nn.Module, x: torch.Tensor) -> None:
+        """The segments of a model without a registered chain, found by one traced forward of
+        the batch's first samples (`memtrain/models/discover.py`), then set up as `wrap` sets
+        up a registered chain's; ConfigError where the trace finds no chain."""
+        if self.segments or self.strategy in ("compile", "native"):
+            return
+        self.segments = discover(model, x)
+        self._segmented(model)
+
+    def _segmented(self, model: nn.Module) -> None:
         if self.strategy == "budget":
             # BatchNorm as statistics + normalisation (`batchnorm.py`): an op plan keeps the
             # statistics and recomputes one elementwise pass; block plans profile the same forward
@@ -210,7 +236,6 @@ class CheckpointMethod:
                     m.inplace = False
             apply_groups(model, self.segments, [(i, i) for i in range(len(self.segments))],
                          policy=_save_matmul_conv, inside=self.inside)
-        return model
 
     def check_trainer(self, trainer: Any) -> None:
         """`dry_run` plans and stops before the first step: a memory timeline of a training
@@ -230,6 +255,10 @@ class CheckpointMethod:
 
     def check_stack(self, names: list[str]) -> None:
         """In a stack (methods/stack.py), what only checkpoint knows it cannot do."""
+        if self.strategy == "native":
+            raise ConfigError("checkpoint strategy=native is the model's own checkpointing, "
+                              "which recomputes outside the other members' hooks; it stacks "
+                              "with nothing (use budget, uniform, sqrt or selective)")
         if self.strategy == "compile":
             raise ConfigError("checkpoint strategy=compile lets torch.compile choose what the "
                               "whole graph saves; it stacks with nothing (use budget, uniform, "
@@ -259,6 +288,7 @@ class CheckpointMethod:
         check the op sequence: plans there are of whole groups (`plan_granularity=block`, a
         warning)."""
         self._shard(context.sharding)
+        self._find(model, x)
         if self.strategy not in PLANNED:
             if self.dry_run:
                 print(f"checkpoint strategy {self.strategy} has no plan to show; "
@@ -496,6 +526,7 @@ class CheckpointMethod:
         same ops). `context.sharding`: one rank of a sharded run, planned as its `prepare`
         plans; the probe neither reads nor writes the sweep's profile cache."""
         self._shard(context.sharding)
+        self._find(model, x)
         if self.strategy in PLANNED:
             self.plan = self._choose(model, x, y, autocast)
             self._apply(model)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 import memtrain.methods.checkpoint.plan as planner
 from memtrain import measure
+from memtrain.errors import ConfigError
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 
@@ -162,7 +163,7 @@ class OpTimer(TorchDispatchMode):
 
 
 def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
-                autocast=contextlib.nullcontext) -> OpProfile:
+                autocast=contextlib.nullcontext, names: list[str] | None = None) -> OpProfile:
     """`repeats` forwards under OpTimer (the first warms up); `rec_factory()` is a fresh
     profiling recorder (`plan._Recorder`) telling the current segment and the outputs.
     Each forward enters `autocast` anew, as a training step does: autocast caches its weight
@@ -180,10 +181,17 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
         del out
         runs.append(timer.ops)
     ops = runs[-1]
-    names = [[o.name for o in seg] for seg in ops]
-    for r in runs:
-        if [[o.name for o in seg] for seg in r] != names:
-            raise RuntimeError("the op sequence changed between profiling forwards")
+    for k, r in enumerate(runs[:-1]):
+        changed = _first_change(r, ops)
+        if changed is not None:
+            i, j, was, now = changed
+            where = names[i] if names and i < len(names) else f"#{i}"
+            raise ConfigError(f"method checkpoint: the op sequence changed between profiling "
+                              f"forwards {k + 1} and {len(runs)}: in segment {i} ({where}), op "
+                              f"{j} was {was} and is {now}; an op plan needs the same ops in "
+                              f"every forward (a forward that branches on state it changes, or "
+                              f"a chain rule whose segments differ between calls): fix that, or "
+                              f"plan whole groups with method.granularity=block")
     out_keys = {measure.storage_key(o) for o in rec.outputs if isinstance(o, torch.Tensor)}
     for i, seg in enumerate(ops):
         for j, o in enumerate(seg):
@@ -194,6 +202,20 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
             if any(timer.producer.get(k) == (i, j) for k in out_keys):
                 o.keepable = False  # the segment's output: a boundary, modelled per segment
     return OpProfile(ops)
+
+
+def _first_change(a: list[list[Op]], b: list[list[Op]]) -> tuple[int, int, str, str] | None:
+    """(segment, op index, op in `a`, op in `b`) where two forwards' op sequences first differ
+    ("none": one ends there), or None when they are the same."""
+    for i in range(max(len(a), len(b))):
+        sa = a[i] if i < len(a) else []
+        sb = b[i] if i < len(b) else []
+        for j in range(max(len(sa), len(sb))):
+            na = sa[j].name if j < len(sa) else "none"
+            nb = sb[j].name if j < len(sb) else "none"
+            if na != nb:
+                return i, j, na, nb
+    return None
 
 
 # ---------------------------------------------------------------- plans and the program
@@ -518,7 +540,7 @@ def profile_model(model, segments, x: torch.Tensor, autocast=None, repeats: int 
     with planner.unchanged(model, x.device):
         return profile_ops(model, x, lambda: planner._Recorder(model, segments, x, x.device,
                                                                count_flops=False),
-                           repeats, scale, autocast)
+                           repeats, scale, autocast, [s.name for s in segments])
 
 
 @functools.cache

@@ -23,10 +23,11 @@ from memtrain.models.chain import Segment, chain_of
 __all__ = ["CheckpointGroup", "Segment", "apply_groups", "discover", "group_of"]
 
 
-def discover(model: nn.Module) -> list[Segment]:
+def discover(model: nn.Module, sample=None) -> list[Segment]:
     """The model's checkpointable segments, in forward order: its chain's
-    (`memtrain.models.chain_of`); ConfigError for a model type without a chain rule."""
-    return chain_of(model, "method checkpoint").segments
+    (`memtrain.models.chain_of`: its registered rule's, else found on `sample`); ConfigError
+    for a model without a chain."""
+    return chain_of(model, "method checkpoint", sample).segments
 
 
 # ---------------------------------------------------------------- BatchNorm during recompute
@@ -122,12 +123,14 @@ class CheckpointGroup:
             return self.forwards[i](*args, **kwargs)
         return args[0]  # already computed by the group's first module
 
-    def _body(self, x: torch.Tensor) -> torch.Tensor:
+    def _body(self, x: torch.Tensor, *side, **side_kw) -> torch.Tensor:
+        """The group's modules in turn, each on the previous one's output and the side inputs
+        the first was called with (a found chain's: the same for every module)."""
         self._inside = True
         try:
-            x = self._first(x)
+            x = self._first(x, *side, **side_kw)
             for m in self.modules[1:]:
-                x = m(x)
+                x = m(x, *side, **side_kw)
             return x
         finally:
             self._inside = False
@@ -150,11 +153,11 @@ class CheckpointGroup:
         # kept as the inner hooks keep it, in the forward (then dropped) and in the recompute
         return _both(fwd, self._make_inside()), _both(recompute, self._make_inside())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *side, **side_kw) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
-            return self._body(x)
-        return checkpoint(self._body, x, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=self._contexts)
+            return self._body(x, *side, **side_kw)
+        return checkpoint(self._body, x, *side, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=self._contexts, **side_kw)
 
 
 def group_of(module: nn.Module) -> CheckpointGroup | None:

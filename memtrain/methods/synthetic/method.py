@@ -164,7 +164,15 @@ class Synthetic:
                               f"labels of the classes, and {type(model).__name__} is a language "
                               f"model with no classes; use a classifier (vit_tiny, vit_b16, "
                               f"resnet18, mlp6, ...)")
-        units = chain_of(model, "method synthetic").units()
+        chain = chain_of(model, "method synthetic")
+        why = chain.cuttable()
+        if why is not None:
+            cls = type(getattr(model, "lm", model))
+            raise ConfigError(f"method=synthetic cuts {cls.__name__} between the blocks of the "
+                              f"chain found on a sample, and cannot: {why}; a @chain_rule with "
+                              f"its entry and head as modules makes it cuttable "
+                              f"(memtrain/models/chain.py)")
+        units = chain.units()
         parts = Partitioned(model, units, self.kappa)
         params = [numel(u) for u in units]
         have = sum(1 for p in params if p > 0)

@@ -1,0 +1,331 @@
+"""Chains found, not registered (memtrain/models/discover.py), and checkpoint on them: the blocks
+a traced forward finds against a module's known structure, side inputs carried, the one-line
+refusal where no chain exists, the same loss and gradients as none and less activation memory on
+a timm model, a transformers llama and a user's module; `method.strategy=native`, the model's own
+checkpointing, against none, and its refusal."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from test_models_by_name import MODELS, STEPS
+from torch import nn
+
+import memtrain.methods.checkpoint.ops as opplan
+from memtrain import api
+from memtrain.errors import ConfigError
+from memtrain.losses import cross_entropy
+from memtrain.methods.checkpoint import CheckpointMethod
+from memtrain.methods.checkpoint.segments import discover
+from memtrain.methods.synthetic import Synthetic
+from memtrain.models import chain_of
+from memtrain.models.chain import remember_input
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Block(nn.Module):
+    """A residual block that reads a mask and position embeddings beside its input."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, mask, pos=None):
+        return x + torch.relu(self.fc(x * mask + pos))
+
+
+class Decoder(nn.Module):
+    """A decoder's shape: embed, blocks in a ModuleList called with the same side inputs
+    (computed in the forward, as transformers computes its causal mask), norm, head."""
+
+    task = "classify"
+
+    def __init__(self, d: int = 8, n: int = 3, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.embed(x.flatten(1)[:, :4])
+        mask, pos = torch.ones_like(h), torch.linspace(0, 1, h.shape[1])
+        for b in self.blocks:
+            h = b(h, mask, pos=pos)
+        return self.head(self.norm(h))
+
+
+class Branches(nn.Module):
+    """No chain: two branches joined by a concatenation outside any module."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.c(torch.cat([self.a(x), self.b(x)], 1))
+
+
+class Collects(nn.Module):
+    """Blocks in sequence whose every output is also summed outside them: grouped, the
+    intermediate outputs would be missing."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        feats = []
+        for b in self.blocks:
+            x = b(x)
+            feats.append(x)
+        return torch.stack(feats).sum(0)
+
+
+def test_the_blocks_are_found_with_their_side_inputs_and_kept():
+    model = Decoder()
+    chain = chain_of(model, sample=torch.randn(5, 4))
+    assert [s.name for s in chain.segments] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [s.modules() for s in chain.segments] == [[b] for b in model.blocks]
+    assert chain.found and chain.side and not chain.whole
+    assert chain.cuttable() and "side inputs" in chain.cuttable()
+    assert chain_of(model) is chain  # the same chain on every call, no batch needed again
+    # a registered rule wins: nn.Sequential's children, untraced
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert not chain_of(seq, sample=torch.randn(2, 4)).found
+
+
+class Staged(nn.Module):
+    """A stem with an in-place activation, stages of layers (one an identity), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True))
+        self.stages = nn.Sequential(nn.Sequential(nn.Identity(), nn.Linear(8, 8)),
+                                    nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.stages(self.stem(x)))
+
+
+def test_containers_are_replaced_by_their_blocks_and_identities_dropped():
+    chain = chain_of(Staged(), sample=torch.randn(2, 4))
+    # the in-place ReLU joins the Linear before it (a group cannot start on an overwritten
+    # input); nn.Identity hands its input back and is no segment
+    assert [(s.name, s.attrs) for s in chain.segments] == [
+        ("stem.0+1", ("0", "1")), ("stages.0.1", ("1",)), ("stages.1.0", ("0",)),
+        ("stages.1.1", ("1",)), ("head", ("head",))]
+    assert chain.whole and chain.cuttable() is None
+
+
+@pytest.mark.parametrize("model,why", [
+    (Branches(), "the output of a is the first input of no later module"),
+    (Collects(), r"the output of blocks.0 is also read by stack outside blocks.1")])
+def test_no_chain_is_one_line_naming_the_model_and_what_broke_it(model, why):
+    with pytest.raises(ConfigError, match=f"found no chain of blocks in {type(model).__name__} "
+                                          f".*: {why}") as e:
+        CheckpointMethod().prepare(model, torch.randn(2, 4), torch.zeros(2, dtype=torch.long))
+    assert "\n" not in str(e.value)
+
+
+def _step(model, x, y):
+    model.train()
+    torch.manual_seed(1)
+    out = model(x)
+    loss = cross_entropy(out.flatten(0, -2) if out.dim() == 3 else out, y.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def _same_step(base, method: CheckpointMethod, x, y) -> CheckpointMethod:
+    """`method` on a copy of `base` gives none's loss, gradients and buffers, bit for bit."""
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_loss = _step(ref, x, y)
+    model = method.wrap(model)
+    method.prepare(model, x, y)
+    assert torch.equal(_step(model, x, y), ref_loss)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(ref.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    return method
+
+
+def _batch(name: str):
+    data, model, _ = api.build(MODELS[name])
+    x, y = next(data.train.batches(2, torch.device("cpu")))
+    return model, x, y
+
+
+@pytest.mark.slow  # a timm and a transformers model built and profiled: ~4 s each
+@pytest.mark.parametrize("name,blocks", [
+    ("convnext", ["stages.0.blocks.0", "stages.1.blocks.0", "stages.2.blocks.0",
+                  "stages.3.blocks.0"]),
+    ("llama", ["lm.model.layers.0", "lm.model.layers.1"])])
+def test_checkpoint_on_a_found_chain_is_exact(name, blocks):
+    model, x, y = _batch(name)
+    method = _same_step(model, CheckpointMethod(strategy="uniform", every=2), x, y)
+    names = [s.name for s in method.segments]
+    assert [n for n in names if n in blocks] == blocks  # every block, in order
+    assert method.plan.groups  # something is recomputed
+
+
+def test_the_side_inputs_are_carried_into_every_group():
+    model = Decoder(n=4)
+    x, y = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    for strategy, kw in (("uniform", {"every": 2}), ("budget", {"granularity": "block"}),
+                         ("budget", {"granularity": "op"}), ("selective", {})):
+        _same_step(model, CheckpointMethod(strategy=strategy, profile_repeats=1,
+                                           budget_fraction=0.5, **kw), x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["convnext", "llama"])
+def test_checkpoint_on_a_found_chain_saves_activation_memory(tmp_path, name):
+    """The default plan (budget, op granularity) and the model's own checkpointing, each
+    measured in a run, hold less activation memory than none."""
+    runs = {"none": ["method=none"], "checkpoint": ["method=checkpoint"],
+            "native": ["method=checkpoint", "method.strategy=native"]}
+    rows = {k: api.run([*v, *MODELS[name], *STEPS], out_dir=tmp_path / k)
+            for k, v in runs.items()}
+    assert {k: r["status"] for k, r in rows.items()} == dict.fromkeys(runs, "ok"), \
+        {k: r.get("error") for k, r in rows.items()}
+    assert rows["checkpoint"]["plan_segments"] >= 2
+    for k in ("checkpoint", "native"):
+        assert rows[k]["mem_peak_act_bytes"] < rows["none"]["mem_peak_act_bytes"], k
+
+
+@pytest.mark.slow  # a whole run: probes, profile, two steps
+def test_checkpoint_runs_a_users_module_through_the_api(tmp_path):
+    common = ["dataset=synthetic", "dataset.image_size=8", "dataset.train_size=8",
+              "dataset.test_size=4", *STEPS, "method.strategy=uniform", "method.every=2"]
+    row = api.run(["method=checkpoint", *common], model=Decoder(n=4), out_dir=tmp_path / "r")
+    assert row["status"] == "ok", row.get("error")
+    assert row["plan_segments"] == 4 and row["plan_groups"] == "0-1;2-3"
+
+
+class OwnCheckpointing(Decoder):
+    """timm's protocol: `set_grad_checkpointing(True)` checkpoints every block in the forward."""
+
+    grad_checkpointing = False
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward(self, x):
+        h = self.embed(x.flatten(1)[:, :4])
+        mask, pos = torch.ones_like(h), torch.linspace(0, 1, h.shape[1])
+        for b in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, mask, pos, use_reentrant=False) \
+                if self.grad_checkpointing else b(h, mask, pos)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("name", [
+    "own", *[pytest.param(n, marks=pytest.mark.slow) for n in ("convnext", "llama")]])
+def test_native_is_the_models_own_checkpointing_and_exact(name):
+    if name == "own":
+        model, x, y = OwnCheckpointing(), torch.randn(3, 4), torch.tensor([1, 2, 3])
+    else:
+        model, x, y = _batch(name)
+    method = CheckpointMethod(strategy="native")
+    _same_step(model, method, x, y)
+    # switched on where the library keeps it (timm: per stage; transformers: per layer)
+    flags = [getattr(m, "grad_checkpointing", False) or getattr(m, "gradient_checkpointing", False)
+             for m in CheckpointMethod(strategy="native").wrap(copy.deepcopy(model)).modules()]
+    assert any(flags) and not method.segments  # no chain of memtrain's
+
+
+def test_native_is_refused_in_one_line_where_the_model_has_none():
+    with pytest.raises(ConfigError, match="method.strategy=native uses the model's own "
+                                          "checkpointing .* Decoder .* has neither") as e:
+        CheckpointMethod(strategy="native").wrap(Decoder())
+    assert "\n" not in str(e.value)
+
+
+def test_a_changed_op_sequence_says_which_op_and_where():
+    class Flips(nn.Module):
+        """Runs a ReLU every other call."""
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x.relu() * 2 if self.calls % 2 else x * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Flips(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"between profiling forwards 1 and 2: in segment 1 "
+                                          r"\(1\), op 0 was aten.relu.default and is "
+                                          r"aten.mul.Tensor") as e:
+        opplan.profile_model(model, discover(model), torch.randn(2, 4), repeats=2)
+    assert "\n" not in str(e.value)
+
+
+class Whole(nn.Module):
+    """Nothing but modules in sequence: its found chain is its whole forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)))
+
+
+def test_synthetic_cuts_a_found_chain_that_is_the_whole_forward_and_refuses_the_rest():
+    model = remember_input(Whole(), (4,))  # as the builders note their model's input
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        ref = model(x)
+    parts = Synthetic(partitions=2, cuts=[2]).wrap(model)  # found on a sample of its input
+    assert [s.name for s in chain_of(model).segments] == ["stem", "body.0", "body.1", "body.2",
+                                                          "head"]
+    assert len(parts.units) == 5 and list(parts.state_dict()) == list(model.state_dict())
+    with torch.no_grad():
+        assert parts(x).shape == ref.shape
+    with pytest.raises(ConfigError, match="method=synthetic cuts Decoder between the blocks "
+                                          "of the chain found on a sample, and cannot: its "
+                                          "blocks take side inputs") as e:
+        Synthetic(partitions=2).wrap(remember_input(Decoder(), (4,)))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # a whole run: two partitions and recovery
+def test_synthetic_runs_on_a_found_chain(tmp_path):
+    row = api.run(["method=synthetic", *MODELS["convnext"], *STEPS], out_dir=tmp_path / "r")
+    assert row["status"] == "ok", row.get("error")
+    assert row["part0.units"].startswith("0-") and row["part1.units"].endswith("-15")
+
+
+def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
+    """benchmarks/coverage.py (make coverage, not run here): at least 40 timm architectures and
+    6 transformers types; its table says ok with the peak against none's, or the line."""
+    from benchmarks.coverage import ARCHS, METHODS, table
+
+    libs = [fam.split()[0] for _, fam, _ in ARCHS]
+    assert libs.count("timm") >= 40 and libs.count("transformers") >= 6
+    assert {"none", "checkpoint", "native", "synthetic"} <= set(METHODS)
+    rows = [{"arch": "a", "family": "timm X", "method": "none", "status": "ok",
+             "mem_peak_act_bytes": 200},
+            {"arch": "a", "family": "timm X", "method": "checkpoint", "status": "ok",
+             "mem_peak_act_bytes": 50},
+            {"arch": "a", "family": "timm X", "method": "synthetic", "status": "refused",
+             "reason": "method=synthetic cuts A ..."}]
+    text = table(rows, ["none", "checkpoint", "synthetic"])
+    assert "| timm X | a | ok | ok 0.25 | refused |" in text
+    assert "- a / synthetic: refused: method=synthetic cuts A ..." in text
