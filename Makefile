@@ -138,8 +138,8 @@ bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block,
 bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
 	$(BIN)/python -m benchmarks.checkpoint $(ARGS)
 
-.PHONY: coverage
-coverage: $(STAMP) ## every method on ~60 architectures by name (timm, torchvision, transformers), 2 steps each on the CPU (45-90 min; ARGS=--only a,b) -> runs/coverage/
+.PHONY: model-coverage
+model-coverage: $(STAMP) ## every method on ~60 architectures by name (timm, torchvision, transformers), 2 steps each on the CPU (45-90 min; ARGS=--only a,b) -> runs/coverage/
 	$(BIN)/python -m benchmarks.coverage --csv runs/coverage/rows.csv --out runs/coverage/table.md $(ARGS)
 
 .PHONY: transformer-study-cpu

@@ -313,7 +313,7 @@ def test_synthetic_runs_on_a_found_chain(tmp_path):
 
 
 def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
-    """benchmarks/coverage.py (make coverage, not run here): at least 40 timm architectures and
+    """benchmarks/coverage.py (make model-coverage, not run here): at least 40 timm architectures and
     6 transformers types; its table says ok with the peak against none's, or the line."""
     from benchmarks.coverage import ARCHS, METHODS, table
 
