@@ -30,6 +30,16 @@ else:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (its module asks with `usefixtures`): on a shared,
+    loaded CPU two spinning threads run small convolutions many times slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def _ranks_alone(request, tmp_path_factory):
     """A test marked `ranks` starts the processes of a job of several ranks (torchrun: two ranks

@@ -24,13 +24,8 @@ from memtrain.methods.synthetic import Synthetic
 from memtrain.models import chain_of
 from memtrain.models.chain import remember_input
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.one_thread
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Block(nn.Module):
@@ -313,8 +308,9 @@ def test_synthetic_runs_on_a_found_chain(tmp_path):
 
 
 def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
-    """benchmarks/coverage.py (make model-coverage, not run here): at least 40 timm architectures and
-    6 transformers types; its table says ok with the peak against none's, or the line."""
+    """benchmarks/coverage.py (make model-coverage, not run here): at least 40 timm
+    architectures and 6 transformers types; its table says ok with the peak against none's,
+    or the line."""
     from benchmarks.coverage import ARCHS, METHODS, table
 
     libs = [fam.split()[0] for _, fam, _ in ARCHS]

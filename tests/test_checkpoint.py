@@ -22,7 +22,8 @@ from memtrain.methods.checkpoint import CheckpointMethod
 
 # make test-compat runs this file on the oldest torch: torch.utils.checkpoint, selective
 # checkpointing, compile, BatchNorm's statistics kernel
-pytestmark = pytest.mark.compat
+# one intra-op thread (conftest.one_thread): small convolutions on a loaded CPU
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("one_thread")]
 
 # (model, image size, batch): small inputs that still exercise every segment kind.
 MODELS = {
@@ -33,15 +34,6 @@ MODELS = {
 EAGER = (("uniform", {}), ("sqrt", {}), ("budget", {"granularity": "op"}),
          ("budget", {"granularity": "block"}), ("selective", {}))
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared, loaded CPU two spinning threads run these small
-    convolutions many times slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _build(model: str, size: int):

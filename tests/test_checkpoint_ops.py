@@ -21,18 +21,11 @@ from memtrain.methods.checkpoint.segments import discover
 # make test-compat runs this file on the oldest torch (selective checkpointing): torch 2.11 routes
 # no SAC-cached output through saved-tensor hooks, so op plans fall back to block there
 # (CheckpointMethod warns; the row's plan_granularity says so)
-pytestmark = [pytest.mark.compat, pytest.mark.skipif(
+pytestmark = [pytest.mark.compat, pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(
     not opplan.sac_cache_is_counted(),
     reason=f"torch {torch.__version__}: selective checkpointing has no respect_saved_tensors_hooks;"
            f" granularity=op falls back to block")]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, opplan.OpProfile]:
