@@ -38,9 +38,10 @@ def shield_batchnorm(bns: list[nn.modules.batchnorm._BatchNorm]):
     """Point the BatchNorm running statistics at throwaway copies while a segment is recomputed.
 
     A training-mode BatchNorm updates its running statistics in every forward, so a recomputed
-    forward would update them a second time (pytorch issue 96136). The copies take that second
-    update; the real buffers are never written (no in-place change, so no version bump either),
-    and the batch statistics the recomputation uses are the same as the first forward's.
+    forward would update them a second time (torch.utils.checkpoint does not guard them). The
+    copies take that second update; the real buffers are never written (no in-place change, so
+    no version bump either), and the batch statistics the recomputation uses are the same as
+    the first forward's.
     """
     names = ("running_mean", "running_var", "num_batches_tracked")
     saved = [(bn, [getattr(bn, k) for k in names]) for bn in bns if bn.track_running_stats]
