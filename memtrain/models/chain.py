@@ -141,8 +141,9 @@ def registered(model: nn.Module) -> Chain | None:
     return _FOUND.get(model)
 
 
-def _named(model: nn.Module) -> type:
-    # a transformers model inside memtrain's wrapper (hf.py's CausalLM) is named as itself
+def model_class(model: nn.Module) -> type:
+    """The class a message names the model by: a transformers model inside memtrain's wrapper
+    (hf.py's CausalLM) as itself."""
     return type(model.lm if type(model).__module__ == "memtrain.models.hf" else model)
 
 
@@ -155,7 +156,7 @@ def chain_of(model: nn.Module, who: str = "this method", sample: Any = None) -> 
     chain = registered(model)
     if chain is not None:
         return chain
-    cls = _named(model)
+    cls = model_class(model)
     if sample is None:
         sample = _sample(model)
     if sample is None:

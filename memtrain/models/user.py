@@ -45,7 +45,6 @@ from memtrain.errors import ConfigError
 from memtrain.models.chain import remember_input
 
 ENV = offline.ENV_MODEL
-TARGET = offline.USER_MODULE
 _REGISTERED: dict[str, Callable[..., nn.Module]] = {}  # arch -> factory (this process)
 
 

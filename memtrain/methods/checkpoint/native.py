@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from memtrain.errors import ConfigError
+from memtrain.models.chain import model_class
 
 TIMM = "set_grad_checkpointing"
 HF = "gradient_checkpointing_enable"
@@ -34,7 +35,7 @@ def owner(model: nn.Module) -> tuple[nn.Module, str] | None:
 
 def enable(model: nn.Module) -> None:
     """Switch the model's own checkpointing on, in place; ConfigError where it has none."""
-    cls = type(getattr(model, "lm", model))
+    cls = model_class(model)
     what = f"{cls.__name__} ({cls.__module__}.{cls.__qualname__})"
     found = owner(model)
     if found is None:

@@ -58,6 +58,7 @@ from memtrain.methods.synthetic.partition import (
     synthetic_input,
 )
 from memtrain.models import chain_of
+from memtrain.models.chain import model_class
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
@@ -167,7 +168,7 @@ class Synthetic:
         chain = chain_of(model, "method synthetic")
         why = chain.cuttable()
         if why is not None:
-            cls = type(getattr(model, "lm", model))
+            cls = model_class(model)
             raise ConfigError(f"method=synthetic cuts {cls.__name__} between the blocks of the "
                               f"chain found on a sample, and cannot: {why}; a @chain_rule with "
                               f"its entry and head as modules makes it cuttable "
