@@ -11,6 +11,7 @@ the CPU allocator's count places them among its own events, `memtrain.allocator`
 from __future__ import annotations
 
 import functools
+import gc
 import time
 import weakref
 
@@ -369,6 +370,13 @@ class PeakTracker:
             register_module_forward_pre_hook,
         )
 
+        # Python's cycle collector paused through the step: tensors held by reference cycles
+        # (torch 2.11's non-reentrant checkpoint makes some) then die when the step ends, not
+        # whenever a collection happens to run, so the same step measures the same peak in any
+        # process (it was lower in a process's first step, where a collection fell mid-step)
+        gc.collect()
+        self._gc_was = gc.isenabled()
+        gc.disable()
         self._t0, self.wall0 = time.perf_counter(), time.time()
         self._mt.__enter__()
         self._tracking_rng_states()
@@ -384,6 +392,8 @@ class PeakTracker:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._gc_was:
+            gc.enable()
         for h in self._hooks:
             h.remove()
         self._hooks, self._forwards = [], []

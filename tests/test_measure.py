@@ -122,3 +122,37 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     assert index.stat().st_mtime_ns == before  # the index was not rewritten (no lock taken)
     (tmp_path / "f.txt").write_text("b")
     assert _git_commit(tmp_path) == head + "-dirty"
+
+
+
+class Cyclic(nn.Module):
+    """Keeps a 4 KiB copy of its input in a reference cycle that only the cycle collector
+    frees (as some of torch's own machinery does): the tracked peak must not depend on when a
+    collection runs."""
+
+    def forward(self, x):
+        box = type("Box", (), {})()
+        box.copy, box.me = x.repeat(8, 1), box  # 32 x 32 float32: 4 KiB, one per call
+        return torch.relu(x)
+
+
+def test_tracked_peak_holds_cycle_garbage_to_the_steps_end_whatever_the_collector():
+    import gc
+
+    model, x = nn.Sequential(*[Cyclic() for _ in range(4)]), torch.randn(4, 32)
+
+    def peak(threshold: int) -> int:
+        old = gc.get_threshold()
+        gc.collect()
+        gc.set_threshold(threshold)  # 10: a young-generation collection every few objects
+        try:
+            with measure.PeakTracker(model, x) as t:
+                model(x).sum()
+        finally:
+            gc.set_threshold(*old)
+        return t.peak_bytes - x.numel() * F32
+
+    peaks = {peak(threshold) for threshold in (10, 50, 100_000)}
+    assert len(peaks) == 1, peaks  # unpaused, the three differ
+    assert peaks.pop() >= 4 * 32 * 32 * F32  # all four cycles' copies alive at once
+    assert gc.isenabled()
