@@ -87,12 +87,45 @@ def probe_steps(make: Callable[[], tuple[nn.Module, Any]], batch_size: int,
                             num_classes=num_classes, context=context)
 
 
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer state a first step leaves, without that step's forward and backward (on
+    fake tensors they cost as much as the tracked step): every trainable parameter gets a
+    gradient of zeros, the optimizer steps, the gradients go."""
+    for p in module.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _tracked(step: ProbeStep, optimizer: torch.optim.Optimizer, precision: str,
+             reached: set[int]) -> tuple[measure.PeakTracker, measure.SavedBytes]:
+    """The tracked step, and the ids of the parameters it gave a gradient (`reached`)."""
+    trainable = [p for p in step.module.parameters() if p.requires_grad]
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: reached.add(id(p)))
+             for p in trainable]
+    saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y),
+                               model=step.module)
+    try:
+        with measure.PeakTracker(step.module, optimizer, step.x, step.y,
+                                 *step.resident) as tracker:
+            training_step(step.module, optimizer, step.x, step.y, precision, saved,
+                          step.loss_fn)
+    finally:
+        for h in hooks:
+            h.remove()
+    return tracker, saved
+
+
 def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                precision: str, world: distributed.World | None = None) -> dict[str, int]:
-    """One warm-up step (optimizer state allocated), then the tracked one. `world`: one rank
-    of a sharded run (its fake process group): FSDP shards the module as the run does; DDP's
-    gradient buckets, made when a run wraps its model and held through every step, are added
-    to the peak as other memory (one bucket byte per gradient byte)."""
+    """The optimizer state a first step leaves (`_optimizer_state`), then the tracked step.
+    A parameter the step gives no gradient has no state after a real first step: then the
+    state comes from a real first step instead, and the step is tracked again. `world`: one
+    rank of a sharded run (its fake process group, whose wrappers set up on their first step:
+    a real first step): FSDP shards the module as the run does; DDP's gradient buckets, made
+    when a run wraps its model and held through every step, are added to the peak as other
+    memory (one bucket byte per gradient byte)."""
     comm = 0
     if world is not None and world.strategy == "fsdp":
         step.module = distributed.wrap(step.module, world, step.x.device)
@@ -100,11 +133,15 @@ def _step_peak(step: ProbeStep, make_optimizer: Callable[[nn.Module], torch.opti
         comm = sum(p.numel() * p.element_size() for p in step.module.parameters()
                    if p.requires_grad)
     optimizer = make_optimizer(step.module)
-    training_step(step.module, optimizer, step.x, step.y, precision, loss_fn=step.loss_fn)
-    saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y),
-                               model=step.module)
-    with measure.PeakTracker(step.module, optimizer, step.x, step.y, *step.resident) as tracker:
-        training_step(step.module, optimizer, step.x, step.y, precision, saved, step.loss_fn)
+    reached: set[int] = set()
+    if world is None:
+        _optimizer_state(step.module, optimizer)
+        tracker, saved = _tracked(step, optimizer, precision, reached)
+    if world is not None or any(p.requires_grad and id(p) not in reached
+                                for p in step.module.parameters()):
+        optimizer = make_optimizer(step.module)
+        training_step(step.module, optimizer, step.x, step.y, precision, loss_fn=step.loss_fn)
+        tracker, saved = _tracked(step, optimizer, precision, reached)
     out = {"mem_estimate_bytes": tracker.peak_bytes,
            "mem_estimate_act_bytes": tracker.act_peak_bytes,
            "mem_estimate_act_temp_bytes": tracker.act_temp_peak_bytes,

@@ -157,3 +157,44 @@ def test_the_estimate_says_what_it_does_before_and_how_long_after(tmp_path, capl
     assert lines[0].endswith("building the model, applying the method, running one training "
                              "step ...")
     assert " s)" in lines[1] and "peak" in lines[1]
+
+
+class _Unused(torch.nn.Module):
+    """An MLP with a trainable layer its forward never calls: a real first step leaves that
+    layer's parameters without gradients, so without optimizer state."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                        torch.nn.Linear(64, 10))
+        self.spare = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.body(x.flatten(1))
+
+
+@pytest.mark.parametrize("build", [lambda: mlp6(10, (1, 4, 8)), _Unused], ids=["mlp6", "unused"])
+def test_the_estimates_optimizer_state_is_a_real_first_steps(monkeypatch, build):
+    """The estimate gives the optimizer its state without a first forward and backward
+    (`_optimizer_state`); with momentum and Adam, the tracked step is the one a real first step
+    leaves, also when a parameter gets no gradient (then the real first step is run instead)."""
+    for make_opt in (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                     lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)):
+        def peak(make_opt=make_opt):
+            torch.manual_seed(0)
+            return estimate.estimate_peak(lambda: (build(), None), make_opt, (1, 4, 8), 10, 8)
+
+        quick = peak()
+        monkeypatch.setattr(estimate, "_optimizer_state", lambda module, opt: estimate
+                            .training_step(module, opt, *estimate.random_batch(8, (1, 4, 8), 10,
+                                                                                torch.device("cpu"))))
+        real = peak()
+        monkeypatch.undo()
+        assert quick == real
+        model = build()
+        used = [p for n, p in model.named_parameters() if not n.startswith("spare.")]
+        # by hand: SGD's momentum, or Adam's two moments and its fp32 step count, for the
+        # parameters that get gradients only
+        adam = isinstance(make_opt(model), torch.optim.AdamW)
+        state = sum((2 if adam else 1) * p.numel() * 4 + (4 if adam else 0) for p in used)
+        assert quick["mem_estimate_at_peak_optim_bytes"] == state
