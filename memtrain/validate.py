@@ -147,7 +147,8 @@ def check_values(parsed: list, compose: Callable[[list[str]], DictConfig]) -> No
         sel = {g: c[0] for g, c in groups.items() if c}
         if choice is not None:
             sel[group] = choice
-        key = tuple(sorted(f"{g}={c}" for g, c in sel.items()))
+        # in the command's order, as `selection` gives it (one compose for both checks)
+        key = tuple(f"{g}={c}" for g, c in sel.items())
         if key not in cache:
             cache[key] = compose(list(key))
         return cache[key]
@@ -244,8 +245,12 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
                 selections.append([s for s in chosen if not s.startswith(f"{o.key_or_group}=")]
                                   + [f"{o.key_or_group}={c}"])
     named_by: dict[str, dict] = {}  # "group=choice" -> that option's build keys
+    lines = [o.input_line for o in parsed]
     for sel in selections:
-        cfg = compose(sel + plain, hydra=True)
+        # the command's own order where these are its overrides: the job composes that order,
+        # and the compose is then made once (config.hydra_compose's cache)
+        ov = lines if sel is chosen and sorted(sel + plain) == sorted(lines) else sel + plain
+        cfg = compose(ov, hydra=True)
         container = OmegaConf.to_container(cfg, resolve=False)
         trust.check_config(container)
         for o in logs:
