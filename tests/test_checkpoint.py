@@ -257,7 +257,7 @@ def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, ca
 
 
 def test_row_carries_predicted_and_measured_overhead_and_their_error(tmp_path):
-    """Issue 31, finding 8: `plan_overhead` leaves out checkpointing's fixed costs, so the row
+    """`plan_overhead` leaves out checkpointing's fixed costs, so the row
     also carries the plan's measured extra time and the prediction's error."""
     s = api.run([*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint",
                  "method.budget_fraction=0.8"], out_dir=tmp_path / "x")

@@ -255,7 +255,7 @@ def _bn_weight_grad(bits, per_channel, seed, net, x, c):
 
 
 def test_small_range_channels_before_batchnorm_keep_their_gradient_at_2_bits():
-    """Issue 19: an NCHW map of 2x2 puts 64 channels in one group of 256; a channel of small
+    """An NCHW map of 2x2 puts 64 channels in one group of 256; a channel of small
     range then gets its neighbours' step and BatchNorm's backward multiplies that error by its
     1 / std. Conv -> BN with channel ranges over 3 decades: plain groups give a weight gradient
     hundreds of times the exact one's norm (what diverged resnet18 at 16 px); per-channel

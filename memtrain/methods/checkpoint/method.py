@@ -462,6 +462,8 @@ class CheckpointMethod:
         profile; the first op job adds the op profile to it."""
         k, got = None, None
         stacked = self._stacked(model)
+        # a probe's fake tensors: every pass gives the same bytes and FLOPs, and no time
+        repeats = 1 if is_fake(x) else self.profile_repeats
         if cache_dir is not None and not stacked:  # a stack's hooks are not in the cache key
             # bn: BatchNorm split into statistics + normalisation (`batchnorm.py`); profiles of
             # the one-op forward (before it) list other ops and must not be reused
@@ -475,7 +477,7 @@ class CheckpointMethod:
         if got is None:
             loss = lambda out: cross_entropy(out.float(), y)  # noqa: E731
             self.profile, ops = planner.profile(model, self.segments, x, loss, autocast,
-                                                self.profile_repeats, scale), None
+                                                repeats, scale), None
             if hooks.wrapped(model) and self.inside is None:
                 # stacked around hooks that are off when backward recomputes (offload's)
                 with hooks.suspended():
@@ -485,10 +487,9 @@ class CheckpointMethod:
             self.profile, ops = got
         self.profile.gathered = self._gathered()
         if self.by_op and ops is None:
-            ops = opplan.profile_model(model, self.segments, x, autocast, self.profile_repeats,
-                                       scale)
-            ops.compact = compaction.profile(model, self.segments, x, autocast,
-                                                self.profile_repeats, scale, self.profile, ops)
+            ops = opplan.profile_model(model, self.segments, x, autocast, repeats, scale)
+            ops.compact = compaction.profile(model, self.segments, x, autocast, repeats, scale,
+                                             self.profile, ops)
             opplan.calibrate(ops, self.profile.time)
         if k is not None and (got is None or (got[1] is None and ops is not None)):
             cache.save(cache_dir, k, self.profile, ops)
