@@ -258,6 +258,9 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
         cmin, cinv, _ = _channel_stats(flat, buf, n, bits, group_size, chan)
     per, levels = 8 // bits, (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=x.device)
+    # without channels, every group's min and step at once (one value per group: small), so
+    # that a chunk runs only its rounding and packing
+    inv_all = _group_stats(flat, mn, scale, group_size, levels) if chan is None else None
     step = _groups_per_chunk(n, group_size)
     for g0 in chunk_starts(n_groups(n, group_size), step, is_fake(x)):
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
@@ -270,9 +273,13 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
         if pad:  # repeat the last element: min and max unchanged; its codes zeroed below
             part = torch.cat([part, part[-1:].expand(pad)])
         xg = part.view(groups, group_size)
-        lo, hi = xg.aminmax(dim=1)
-        rng = hi - lo
-        inv = torch.where(rng > 0, levels / torch.where(rng > 0, rng, 1.0), 0.0)
+        if inv_all is None:
+            lo, hi = xg.aminmax(dim=1)
+            rng = hi - lo
+            inv = _inverse(rng, levels)
+            mn[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng / levels
+        else:
+            lo, inv = mn[g0:g0 + groups], inv_all[g0:g0 + groups]
         v = xg.sub_(lo[:, None]).mul_(inv[:, None])
         if stochastic:
             real = v.numel() - pad  # the padding's codes are zeroed below: no noise needed
@@ -286,8 +293,31 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
             q.view(-1)[-pad:] = 0
         packed = (q.view(groups, group_size // per, per) << shifts).sum(-1, dtype=torch.uint8)
         codes.view(-1, group_size * bits // 8)[g0:g0 + groups] = packed
-        mn[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng / levels
     return buf
+
+
+def _inverse(rng: torch.Tensor, levels: int) -> torch.Tensor:
+    """levels / rng per group, 0 for a constant group."""
+    return torch.where(rng > 0, levels / torch.where(rng > 0, rng, 1.0), 0.0)
+
+
+def _group_stats(flat: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, group_size: int,
+                 levels: int) -> torch.Tensor:
+    """Every group's min (into `mn`) and step (into `scale`) of `flat` in its own dtype (a min
+    or max is exact in fp32); returns levels / range per group (fp32). The last group's
+    padding would repeat its last element: its min and max are those of its elements."""
+    n = flat.numel()
+    full = n // group_size
+    hi = torch.empty_like(mn)
+    if full:
+        lo_f, hi_f = flat[:full * group_size].view(full, group_size).aminmax(dim=1)
+        mn[:full], hi[:full] = lo_f, hi_f
+    if n % group_size:
+        lo_r, hi_r = flat[full * group_size:].aminmax()
+        mn[full], hi[full] = lo_r, hi_r
+    rng = hi.sub_(mn)
+    scale.copy_(rng / levels)
+    return _inverse(rng, levels)
 
 
 def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
