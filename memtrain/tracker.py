@@ -373,8 +373,9 @@ class PeakTracker:
         # Python's cycle collector paused through the step: tensors held by reference cycles
         # (torch 2.11's non-reentrant checkpoint makes some) then die when the step ends, not
         # whenever a collection happens to run, so the same step measures the same peak in any
-        # process (it was lower in a process's first step, where a collection fell mid-step)
-        gc.collect()
+        # process (it was lower in a process's first step, where a collection fell mid-step).
+        # No collection first: garbage from before the step is not counted, and a full
+        # collection in a large process costs more than a small step.
         self._gc_was = gc.isenabled()
         gc.disable()
         self._t0, self.wall0 = time.perf_counter(), time.time()
