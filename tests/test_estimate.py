@@ -184,7 +184,14 @@ def test_the_estimates_optimizer_state_is_a_real_first_steps(monkeypatch, build)
             torch.manual_seed(0)
             return estimate.estimate_peak(lambda: (build(), None), make_opt, (1, 4, 8), 10, 8)
 
+        steps, step = [], estimate.training_step
+        monkeypatch.setattr(estimate, "training_step", lambda *a, steps=steps, step=step, **k:
+                            steps.append(1) or step(*a, **k))
         quick = peak()
+        monkeypatch.undo()
+        # the tracked step alone; where a parameter got no gradient, a real first step and
+        # the tracked step again
+        assert len(steps) == (1 if build is not _Unused else 3)
         monkeypatch.setattr(estimate, "_optimizer_state", lambda module, opt: estimate
                             .training_step(module, opt, *estimate.random_batch(8, (1, 4, 8), 10,
                                                                                 torch.device("cpu"))))
