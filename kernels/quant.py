@@ -79,7 +79,7 @@ def _channel_stats(x: torch.Tensor, buf: torch.Tensor, n: int, bits: int, group_
     view = x.reshape(-1, channels, inner)
     cmin.copy_(view.amin(dim=(0, 2)))  # a min of x's dtype is exact in fp32
     crng.copy_(view.amax(dim=(0, 2)).float() - cmin)
-    cinv = torch.where(crng > 0, 1.0 / torch.where(crng > 0, crng, 1.0), 0.0)
+    cinv = _inverse(crng, 1)
     return cmin, cinv, crng
 
 
@@ -297,7 +297,7 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
 
 
 def _inverse(rng: torch.Tensor, levels: int) -> torch.Tensor:
-    """levels / rng per group, 0 for a constant group."""
+    """levels / rng per group (or channel), 0 where the range is 0."""
     return torch.where(rng > 0, levels / torch.where(rng > 0, rng, 1.0), 0.0)
 
 
