@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -407,12 +408,13 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     """Measure every segment on `x` (the run's device and precision) without changing the model:
     buffers (BatchNorm statistics), gradients and the RNG state are restored afterwards.
 
-    `scale` multiplies bytes and times (profiling on a slice of the batch)."""
+    `scale` multiplies bytes and times (profiling on a slice of the batch). On fake tensors
+    (a probe) no clock means anything: the baseline step is not timed (`step_time` NaN)."""
     autocast = autocast or contextlib.nullcontext
     device = x.device
     steps, per_seg = [], []
     with unchanged(model, device):
-        for _ in range(repeats):  # baseline step time: forward + backward
+        for _ in range(0 if is_fake(x) else repeats):  # baseline step time
             measure.sync(device)
             t0 = time.perf_counter()
             with autocast():
@@ -433,7 +435,7 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         del out
         result.transient, result.rec_peak, result.rec_last = transients(model, segments, x,
                                                                         autocast, scale)
-    result.step_time = statistics.median(steps[1:] or steps) * scale
+    result.step_time = statistics.median(steps[1:] or steps) * scale if steps else float("nan")
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
     for k in ("inner", "out", "cast", "flops"):
