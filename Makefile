@@ -69,7 +69,7 @@ $(COMPAT)/.installed: pyproject.toml
 # checkpointing, compile, quantize, saved-tensor hooks and the memory tracker), on the oldest
 # torch; the rest (Hydra, the launchers, reports, sweeps) is the same code in both environments.
 test-compat: $(COMPAT)/.installed ## the compat-marked tests on torch 2.11 + torchvision 0.26 + Triton 3.6 (.venv-compat)
-	$(call PYTEST,$(COMPAT)/bin) -m compat --durations=10 $(ARGS)
+	$(call PYTEST,$(COMPAT)/bin) -m "compat and not breadth" --durations=10 $(ARGS)
 
 test-fast: $(STAMP) ## the inner loop (~2 min): the tests not marked slow
 	$(call PYTEST,$(BIN)) -m "not slow" $(ARGS)

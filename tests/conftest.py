@@ -94,6 +94,12 @@ def language_model(model: str) -> bool:
     return "dataset: tokens" in (CONF / "model" / f"{model}.yaml").read_text()
 
 
+def layered(model: str) -> bool:
+    """A model whose conf sets its number of layers (`model.layers`: the transformers)."""
+    return any(line.startswith("layers:")
+               for line in (CONF / "model" / f"{model}.yaml").read_text().splitlines())
+
+
 def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: int = 8,
               seq_len: int = 8) -> list[str]:
     """Dataset overrides of a tiny run of `model`: synthetic images, or a language model's

@@ -81,8 +81,10 @@ def _assert_same_step(ref, ref_loss, model, tensors, x, y, what):
 
 
 # make test-fast: an MLP and a CNN with BatchNorm (the core claim); every model in make test
+# (make test-compat: the two, and the transformers of the dropout test below)
 @pytest.mark.parametrize("model", [m if m in ("mlp6", "resnet18")
-                                   else pytest.param(m, marks=pytest.mark.slow)
+                                   else pytest.param(m, marks=[pytest.mark.slow,
+                                                               pytest.mark.breadth])
                                    for m in sorted(MODELS)])
 def test_every_strategy_matches_none(model):
     size, batch = MODELS[model]
@@ -222,8 +224,9 @@ def test_budget_respected_and_peak_predicted(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,size,strategy,extra,fraction", [
-    ("resnet50", 64, "sqrt", [], 1.0), ("efficientnet_b0", 32, "uniform", [], 1.0),
-    ("resmlp12", 32, "budget", [], 0.5),
+    *(pytest.param(*p, marks=pytest.mark.breadth) for p in [
+        ("resnet50", 64, "sqrt", [], 1.0), ("efficientnet_b0", 32, "uniform", [], 1.0),
+        ("resmlp12", 32, "budget", [], 0.5)]),
     # autocast caches its bf16 weight copies until the forward ends, recomputed segment or not
     ("resnet18", 16, "budget", ["trainer.precision=bf16"], 0.8)])
 def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extra, fraction):

@@ -80,8 +80,9 @@ def test_estimate_predicts_the_measured_step_and_savings_are_honest(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", walker.estimated_cases(
-    [m for m in walker.MODELS if m not in walker.MEASURED]), ids=lambda c: c.id)
+@pytest.mark.breadth  # the wide models: their ops are the reference models' on the old torch
+@pytest.mark.parametrize("case", _known(walker.estimated_cases(
+    [m for m in walker.MODELS if m not in walker.MEASURED])), ids=lambda c: c.id)
 def test_every_method_prepares_on_every_model_and_its_estimate_is_honest(case):
     row = _row(case, "estimated")
     _no_loss_in_activation_peak(case, row, "estimated")
@@ -107,6 +108,7 @@ def test_the_walks_run_every_method_at_its_defaults_on_every_model():
 
 
 @pytest.mark.slow
+@pytest.mark.breadth
 @pytest.mark.parametrize("case", walker.at_defaults_cases(), ids=lambda c: c.id)
 def test_every_method_at_its_defaults_runs_on_every_model_or_refuses_in_one_line(case):
     why = walker.AT_DEFAULTS_REFUSED.get((case.method, case.model))

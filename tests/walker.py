@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import conf_options, language_model, own_models
+from conftest import conf_options, language_model, layered, own_models
 
 from memtrain import api
 
@@ -37,9 +37,12 @@ MEASURED = ("mlp6", "resnet18", "gpt_nano", "vit_tiny")
 # quantize-inside-checkpoint accounting is the slowest case on the CPU: resnet50 377 s alone).
 STACK_MODELS = MEASURED
 # The models whose runs walk each method's variants too (the variants' claims do not depend on
-# the model family); the transformers among the reference models run two of their layers.
+# the model family).
 VARIANT_MODELS = ("mlp6", "resnet18")
-TWO_LAYERS = tuple(m for m in MEASURED if m not in VARIANT_MODELS)
+# The models with a number of layers (the transformers) run two of them: every layer is the same
+# module, so two hold every claim one or twelve would (a chain of more than one block), at the
+# cost of two.
+TWO_LAYERS = tuple(m for m in MODELS if layered(m))
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,11 @@ AT_DEFAULTS_REFUSED: dict[tuple[str, str], str] = {
 
 # Known defects the walk finds, each a strict xfail in test_registry.py (it fails once fixed, so
 # the entry goes): case -> what was measured.
-KNOWN: dict[Case, str] = {}
+KNOWN: dict[Case, str] = {
+    # ViT-B/16 on two layers, 32 px (5 tokens), batch 8: prune's peak rule takes none's
+    # activation peak to be at the forward's end; here the step peaks elsewhere, above none's
+    Case("prune", "vit_b16"): "saved bytes x0.919 of none's but the activation peak x1.194",
+}
 
 
 def _applies(method: str, model: str) -> bool:
