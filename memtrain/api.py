@@ -65,7 +65,7 @@ def with_module(overrides: list[str] | None, model: Model | None) -> list[str]:
     kwargs = OmegaConf.to_container(cfg.model.kwargs, resolve=True) or {}
     shapes = (0, ())
     if not isinstance(model, nn.Module):  # a factory may take the data's classes and shape
-        data = runner._target(cfg.dataset, "dataset")(**runner._kwargs(cfg.dataset))
+        data = runner.build_data(cfg)
         shapes = (data.num_classes, data.input_shape)
     elif kwargs:
         raise ConfigError(f"model.kwargs.{next(iter(kwargs))}: a module is built already; "

@@ -21,15 +21,21 @@ from memtrain.record import GROUPS
 from memtrain.schema import Trainer
 
 
-def _kwargs(node: DictConfig) -> dict[str, Any]:
+def kwargs_of(node: DictConfig) -> dict[str, Any]:
+    """A config node's options, resolved, as keyword arguments of what it builds."""
     d = OmegaConf.to_container(node, resolve=True)
     d.pop("_target_", None)
     return d
 
 
-def _target(node: DictConfig, where: str):
+def target_of(node: DictConfig, where: str):
     """What a node's `_target_` names, if a config may build it there (memtrain/trust.py)."""
     return trust.locate(node._target_, f"{where}._target_")
+
+
+def build_data(cfg: DictConfig):
+    """The run's dataset (`memtrain.data.Data`), built from the config's `dataset` node."""
+    return target_of(cfg.dataset, "dataset")(**kwargs_of(cfg.dataset))
 
 
 def trainer_of(cfg: DictConfig, here: bool = True) -> Trainer:
@@ -52,7 +58,7 @@ def check(cfg: DictConfig, here: bool = True) -> Trainer:
     if here:
         probes.check(t)
     if "_target_" in cfg.dataset:
-        check_options(_target(cfg.dataset, "dataset"), _kwargs(cfg.dataset), here)
+        check_options(target_of(cfg.dataset, "dataset"), kwargs_of(cfg.dataset), here)
     method = build_method(cfg.method)
     base.check_trainer(method, t)  # trainer options the method cannot honour
     if t.strategy != "single":  # as distributed's check
@@ -68,7 +74,7 @@ def build_method(node: DictConfig, where: str = "method") -> base.Method:
               else (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v)
               for k, v in node.items() if k != "_target_"}
     try:
-        method = _target(node, "method")(**kwargs)
+        method = target_of(node, "method")(**kwargs)
     except ConfigError as e:
         if where == "method":
             raise

@@ -43,7 +43,7 @@ from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
 from memtrain.methods.base import Method  # the contract: what the runner asks of a method
 from memtrain.optim import build_optimizer, build_scheduler
-from memtrain.preflight import _kwargs, _target, build_method, check, trainer_of  # noqa: F401
+from memtrain.preflight import build_data, build_method, check, kwargs_of, target_of, trainer_of
 from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
@@ -65,7 +65,7 @@ def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.
     """(data, model, method) from a composed config; the method already applied to the model.
     `trainer`: the config's trainer options when the caller has them already (validated)."""
     torch.manual_seed((trainer or trainer_of(cfg)).seed)
-    data = _target(cfg.dataset, "dataset")(**_kwargs(cfg.dataset))
+    data = build_data(cfg)
     model, method = make_model(cfg, data)
     return data, model, method
 
@@ -78,9 +78,9 @@ def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
     precision = OmegaConf.select(cfg, "trainer.precision", default="fp32")  # a bare cfg: fp32
     with default_dtype(param_dtype(str(precision))):
         try:
-            model = _target(cfg.model, "model")(num_classes=data.num_classes,
-                                                input_shape=data.input_shape,
-                                                **_kwargs(cfg.model))
+            model = target_of(cfg.model, "model")(num_classes=data.num_classes,
+                                                  input_shape=data.input_shape,
+                                                  **kwargs_of(cfg.model))
         except (RuntimeError, MemoryError) as e:  # a model too large to build names its inputs
             if "alloc" not in str(e) and not isinstance(e, MemoryError):
                 raise
@@ -431,7 +431,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     if world.sharded or t.world_size is not None:
         summary.update(world_size=t.world_size or world.size,
                        local_batch_size=t.batch_size // (t.world_size or world.size))
-    optim = _kwargs(cfg.optim)
+    optim = kwargs_of(cfg.optim)
     with stop.at_once("running the probes"):
         summary.update(probes.run(t, data, device, lambda: make_model(cfg, data),
                                   lambda m: build_optimizer(m, **optim)))

@@ -361,7 +361,7 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     Bad input raises a one-line ConfigError before anything is written."""
     from memtrain import runner
     from memtrain.optim import build_optimizer
-    from memtrain.preflight import _kwargs
+    from memtrain.preflight import build_data, kwargs_of
 
     started = time.perf_counter()
     say = progress or (lambda line: log.info(line))
@@ -401,8 +401,8 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
                  "context_source": source, "budget_bytes": budget,
                  "batch_size": t.batch_size, "model": shown,
                  "precision": t.precision, "optim": str(choices.get("optim"))}
-    data = runner._target(cfg.dataset, "dataset")(**_kwargs(cfg.dataset))
-    optim = _kwargs(cfg.optim)
+    data = build_data(cfg)
+    optim = kwargs_of(cfg.optim)
     make_optimizer = lambda m: build_optimizer(m, **optim)  # noqa: E731
     committed = committed_rows()
     rows, runs = [], []

@@ -28,13 +28,13 @@ def _instantiate(group: str, option: str, cfg):
         yaml = OmegaConf.to_container(cfg.trainer, resolve=True)
         assert dataclasses.asdict(t) == yaml
     elif group == "optim":
-        kw = runner._kwargs(cfg.optim)
+        kw = runner.kwargs_of(cfg.optim)
         opt = build_optimizer(torch.nn.Linear(4, 2), **kw)
         assert type(opt).__name__.lower() == cfg.optim.name
         assert build_scheduler(opt, 10, **kw).get_last_lr()[0] > 0
     elif group == "dataset":
         try:
-            data = runner._target(cfg.dataset, "dataset")(**runner._kwargs(cfg.dataset))
+            data = runner.build_data(cfg)
         except ConfigError as e:  # a dataset that is not on this machine: the documented line
             assert f"dataset {option} not found" in str(e) or "is not a folder" in str(e), e
             return

@@ -61,7 +61,7 @@ def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int =
         contextlib.nullcontext(distributed.World())
     with session as world:
         model = distributed.wrap(model, world, cpu)
-        opt = build_optimizer(model, **runner._kwargs(cfg.optim))
+        opt = build_optimizer(model, **runner.kwargs_of(cfg.optim))
         summary: dict = {}
         meas = measure.Measurement(cpu, steps, 1, True, summary,
                                    settle=distributed.settle_steps(model))

@@ -98,7 +98,7 @@ def build_without_training(cfg: DictConfig) -> None:
 
     probes.check(t)
     data, model, method = runner.build(cfg, t)
-    kwargs = runner._kwargs(cfg.optim)
+    kwargs = runner.kwargs_of(cfg.optim)
     opt = optim.build_optimizer(model, **kwargs)
     optim.build_scheduler(opt, 4, **kwargs)
     x, _ = next(iter(data.train.batches(2, torch.device("cpu"))))

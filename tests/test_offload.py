@@ -138,7 +138,7 @@ def test_every_model_trains_the_same_with_offload(model, user_factory):
     offloader (host copies on the CPU) give none's gradients, bit for bit."""
     trainer = [o for o in TINY if not o.startswith("dataset")]
     cfg, _ = api.compose([f"model={model}", *tiny_data(model), *trainer])
-    data = runner._target(cfg.dataset, "dataset")(**runner._kwargs(cfg.dataset))
+    data = runner.build_data(cfg)
     x, y = next(iter(data.train.batches(2, torch.device("cpu"))))
     grads = []
     for hooks in (None, Offloader(HostMover("cpu"), min_bytes=0)):

@@ -37,7 +37,7 @@ def _fit(overrides: list[str]):
     cfg, _ = api.compose(overrides)
     t = runner.trainer_of(cfg)
     data, model, method = runner.build(cfg, t)
-    optim = runner._kwargs(cfg.optim)
+    optim = runner.kwargs_of(cfg.optim)
     opt = build_optimizer(model, **optim)
     sched = build_scheduler(opt, t.schedule(len(data.train))[1], **optim)
     return data, model, method, opt, sched, dict(trainer=t, device=torch.device("cpu"))

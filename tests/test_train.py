@@ -29,7 +29,7 @@ def _train(extra: list[str]):
             seen["out_dtype"].add(output.dtype)
 
     conv.register_forward_hook(watch)
-    optim = runner._kwargs(cfg.optim)
+    optim = runner.kwargs_of(cfg.optim)
     opt = build_optimizer(model, **optim)
     sched = build_scheduler(opt, t.schedule(len(data.train))[1], **optim)
     result = train(model, data, opt, sched, trainer=t, device=torch.device("cpu"))
