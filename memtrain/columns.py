@@ -207,8 +207,8 @@ COLUMNS: tuple[Column, ...] = (
          ("resume_warning", "text", "an unreadable checkpoint that was ignored, and why")),
     *_of("status", "checkpoint.prepare",
          ("dry_run", "bool", "`method.dry_run=true`: planned only, not trained")),
-    # ---- provenance (measure.provenance)
-    *_of("provenance", "measure",
+    # ---- provenance (provenance.of_run)
+    *_of("provenance", "provenance",
          ("device", "text", "the torch device the run used (cpu, cuda:0)"),
          ("device_name", "text", "the GPU's name, or the CPU's"),
          ("device_capability", "text", "the GPU's compute capability"),

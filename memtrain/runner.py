@@ -35,6 +35,7 @@ from memtrain import (
     loggers,
     measure,
     probes,
+    provenance,
     record,
     resume,
 )
@@ -409,7 +410,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         torch.set_num_threads(t.threads)
     device = world.device(t.device) if world.size > 1 else \
         stack.enter_context(capacity.claim_device(t.device))
-    summary.update(measure.provenance(device))
+    summary.update(provenance.of_run(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     with stop.at_once("building the data, the model and the method"):
         data, model, method = build(cfg, t)

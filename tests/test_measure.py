@@ -131,7 +131,7 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     import shutil
     import subprocess
 
-    from memtrain.measure import _git_commit
+    from memtrain.provenance import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git not installed")
@@ -146,10 +146,10 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     os.utime(tmp_path / "f.txt", ns=(before + 10**9, before + 10**9))  # stat-dirty, same text
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tmp_path,
                           capture_output=True, text=True).stdout.strip()
-    assert _git_commit(tmp_path) == head  # same content: not dirty
+    assert git_commit(tmp_path) == head  # same content: not dirty
     assert index.stat().st_mtime_ns == before  # the index was not rewritten (no lock taken)
     (tmp_path / "f.txt").write_text("b")
-    assert _git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path) == head + "-dirty"
 
 
 
