@@ -375,17 +375,19 @@ COLUMNS: tuple[Column, ...] = (
          ("test_loss", "loss", "loss on the test split (language models: per token, the "
                                "validation loss)", "validation loss"),
          ("train_loss", "loss", "the last training loss")),
-    *_of("accuracy", "runner",
+    *_of("accuracy", "learned",
          ("chance_acc", "fraction", "the accuracy of guessing: 1 / the dataset's classes",
           "chance"),
          ("test_samples", "count", "test samples the accuracy was measured on"),
          ("learned", "bool", "test accuracy above chance by 2 binomial sigma and the last "
                              "training loss below ln(classes) (language models: validation "
                              "loss below `unigram_loss`); false: the run did not learn"),
-         ("not_learned_why", "text", "why `learned` is false"),
+         ("not_learned_why", "text", "why `learned` is false")),
+    *_of("accuracy", "runner",
          ("unigram_loss", "loss", "language models: the validation loss of the training "
                                   "tokens' unigram distribution (a model that ignores context)",
-          "unigram loss"),
+          "unigram loss")),
+    *_of("accuracy", "learned",
          ("test_ppl", "perplexity", "language models: exp(test_loss)", "perplexity")),
     # ---- probes
     *_of("probe", "estimate",
