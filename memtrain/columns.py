@@ -194,9 +194,9 @@ COLUMNS: tuple[Column, ...] = (
                                      "beside it)"),
          ("saved_by_module", "path", "the accounting step's saved-activation bytes per module, "
                                      "relative to the run folder (`trainer.memory_timeline=true`;"
-                                     " memtrain/layers.py)"),
+                                     " memtrain/by_module.py)"),
          ("plan_table", "path", "the plan the method applied, one row per segment (checkpoint; "
-                                "`trainer.memory_timeline=true`; memtrain/layers.py)")),
+                                "`trainer.memory_timeline=true`; memtrain/by_module.py)")),
     *_of("status", "runner",
          ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
                                   "came first (the row's status and error are its)")),

@@ -130,7 +130,7 @@ class SavedByModule(SavedBytes):
     first (`where()`: the innermost module active then, as `PeakTracker.module_now` names it;
     '' outside every module: the loss). Counted once per storage, as SavedBytes counts: the
     modules' bytes sum to `bytes` (and `host_bytes`). `trainer.memory_timeline`'s per-module
-    table (memtrain/layers.py)."""
+    table (memtrain/by_module.py)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
                  model: nn.Module | None = None, where=lambda: ""):
@@ -161,7 +161,7 @@ class TimelineRecorder:
     accounting step records here its timeline, one table per part of the run (synthetic: one per
     phase; others: one), and the bytes each module saved for backward (`SavedByModule`);
     `table()` is the timelines end to end (memtrain/timeline.py's format), `saved` the modules'
-    rows (memtrain/layers.py's). On the CPU a step's events are the tracker's
+    rows (memtrain/by_module.py's). On the CPU a step's events are the tracker's
     (`PeakTracker.events`); on CUDA the allocator history's (`allocator.StepHistory`), filed
     under the tracker's categories (`timeline.from_allocator`). Off: a no-op."""
 

@@ -454,7 +454,7 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     """`trainer.memory_timeline`: the accounting step's timeline (timeline.parquet, .png,
     .pdf), the bytes each module saved (saved_by_module.csv) and the plan the method applied,
     where it has one (plan.csv: checkpoint's segments); returns the row's columns."""
-    from memtrain import layers
+    from memtrain import by_module
     from memtrain import timeline as timeline_file
 
     title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
@@ -462,9 +462,9 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     # recorded on the accounting step: the step the memory columns measure, which trains like
     # every other step and which no timed step includes (step_time_s, throughput)
     out.update({"mem_timeline_step": "accounting", **recorder.columns})
-    out.update(layers.write_saved(recorder.saved, run_dir))
+    out.update(by_module.write_saved(recorder.saved, run_dir))
     # a method with a per-segment plan (checkpoint): plan.csv; none without rows
-    out.update(layers.write_plan(base.plan_rows(method, model), run_dir))
+    out.update(by_module.write_plan(base.plan_rows(method, model), run_dir))
     return out
 
 
