@@ -118,7 +118,7 @@ headline: $(STAMP) ## README's first figure: every CPU method at its defaults, F
 	MEMTRAIN_PARALLEL_JOBS=2 $(BIN)/memtrain -m experiment=headline hydra/launcher=parallel \
 	  trainer.device=cpu trainer.threads=1 hydra.sweep.dir=$(HEADLINE_DIR) $(ARGS)
 	$(BIN)/python -m tools.docs --capture $(HEADLINE_DIR) headline_fmnist_cpu
-	$(BIN)/python -m tools.screens
+	$(BIN)/python -m tools.doc_figures
 
 .PHONY: bench-overhead
 bench-overhead: $(STAMP) ## runner overhead: memtrain's step time against a plain PyTorch loop
@@ -148,7 +148,7 @@ transformer-study-cpu: $(STAMP) ## experiment=transformer_study at gpt_nano scal
 	  dataset.seq_len=128,256,512,1024 trainer.batch_size=2 trainer.max_steps=3 \
 	  trainer.warmup_steps=1 trainer.device=cpu hydra.sweep.dir=runs/transformer_study_cpu $(ARGS)
 	$(BIN)/python -m tools.docs --capture runs/transformer_study_cpu transformer_study_cpu
-	$(BIN)/python -m tools.screens
+	$(BIN)/python -m tools.doc_figures
 
 .PHONY: bench-transformer
 bench-transformer: $(STAMP) ## the decoder layer against Korthikanti's formula, and gpt2_small's op vs block checkpoint plans (CPU profile) -> docs/results/rows/transformer_*_cpu*.csv; then make results-docs
@@ -198,7 +198,7 @@ results-docs: $(if $(PY),,$(STAMP)) ## every generated block of README.md and do
 	$(RESULTS_PY) -m tools.docs $(ARGS)
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
-	$(RESULTS_PY) -m tools.screens
+	$(RESULTS_PY) -m tools.doc_figures
 
 # The step-anatomy pictures from a real sweep (trainer.memory_timeline=true): the issue's
 # command at batch 64, so activations show beside parameters and optimizer state; the rows and
@@ -211,7 +211,7 @@ timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline
 	$(BIN)/memtrain -m method=none,checkpoint,quantize,pool model=resnet18 trainer=smoke \
 	  trainer.batch_size=64 trainer.device=cpu trainer.memory_timeline=true \
 	  hydra.sweep.dir=$(TIMELINE_DIR) +hydra.callbacks.report.enabled=false $(ARGS)
-	$(BIN)/python -m tools.screens --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
+	$(BIN)/python -m tools.doc_figures --capture-timeline $(TIMELINE_DIR) timeline_resnet18_cpu
 
 results: $(if $(PY),,$(STAMP)) ## the study, priority parts first -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memtrain import measure
+from memtrain import measure, provenance
 from memtrain.record import atomic_write
 
 
@@ -80,7 +80,7 @@ def device_name(device: torch.device) -> str:
 
 def device_line(device: torch.device) -> str:
     """The device, the versions, the commit and the date: one line every table carries."""
-    p = measure.provenance(device)
+    p = provenance.of_run(device)
     versions = f"torch {p['torch_version']}" + \
         (f", triton {p['triton_version']}" if p["triton_version"] else "")
     return (f"{device_name(device)}; {versions}; git {p['git_commit']}; "
@@ -125,7 +125,7 @@ def command(module: str, argv: Sequence[str] | None) -> str:
 
 def provenance_row(device: torch.device, cmd: str) -> dict[str, str]:
     """PROVENANCE's values for rows measured now on `device` by `cmd`."""
-    p = measure.provenance(device)
+    p = provenance.of_run(device)
     return {"device": device_name(device), "torch": str(p["torch_version"]),
             "git_commit": str(p["git_commit"]), "date": datetime.date.today().isoformat(),
             "command": cmd}

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks as bench
-from memtrain import api, layers, measure, timeline
+from memtrain import api, by_module, measure, timeline
 
 COLUMNS = ["date", "device", "model", "method", "image px", "batch", "events", "rounds",
            "plain step s", "accounting step s", "recording step s", "tracker ratio",
@@ -90,7 +90,7 @@ def step_times(overrides: list[str], batch: int, device: torch.device,
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         timeline.write(last.table(), Path(tmp))
-        layers.write_saved(last.saved, tmp)
+        by_module.write_saved(last.saved, tmp)
         times["writing"] = [time.perf_counter() - t0]
     return times, events
 

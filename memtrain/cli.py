@@ -156,9 +156,9 @@ def main() -> None:
 
     args = get_args_parser().parse_args(sys.argv[1:])
     if args.help:  # memtrain's own: what it is, its groups, examples (Hydra's: --hydra-help)
-        from memtrain import groups
+        from memtrain import config_groups
 
-        print(groups.help_text())
+        print(config_groups.help_text())
         return
     if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
         sys.argv[1:1] = ["--cfg", "job"]

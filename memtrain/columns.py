@@ -194,9 +194,9 @@ COLUMNS: tuple[Column, ...] = (
                                      "beside it)"),
          ("saved_by_module", "path", "the accounting step's saved-activation bytes per module, "
                                      "relative to the run folder (`trainer.memory_timeline=true`;"
-                                     " memtrain/layers.py)"),
+                                     " memtrain/by_module.py)"),
          ("plan_table", "path", "the plan the method applied, one row per segment (checkpoint; "
-                                "`trainer.memory_timeline=true`; memtrain/layers.py)")),
+                                "`trainer.memory_timeline=true`; memtrain/by_module.py)")),
     *_of("status", "runner",
          ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
                                   "came first (the row's status and error are its)")),
@@ -207,8 +207,8 @@ COLUMNS: tuple[Column, ...] = (
          ("resume_warning", "text", "an unreadable checkpoint that was ignored, and why")),
     *_of("status", "checkpoint.prepare",
          ("dry_run", "bool", "`method.dry_run=true`: planned only, not trained")),
-    # ---- provenance (measure.provenance)
-    *_of("provenance", "measure",
+    # ---- provenance (provenance.of_run)
+    *_of("provenance", "provenance",
          ("device", "text", "the torch device the run used (cpu, cuda:0)"),
          ("device_name", "text", "the GPU's name, or the CPU's"),
          ("device_capability", "text", "the GPU's compute capability"),
@@ -375,17 +375,19 @@ COLUMNS: tuple[Column, ...] = (
          ("test_loss", "loss", "loss on the test split (language models: per token, the "
                                "validation loss)", "validation loss"),
          ("train_loss", "loss", "the last training loss")),
-    *_of("accuracy", "runner",
+    *_of("accuracy", "learned",
          ("chance_acc", "fraction", "the accuracy of guessing: 1 / the dataset's classes",
           "chance"),
          ("test_samples", "count", "test samples the accuracy was measured on"),
          ("learned", "bool", "test accuracy above chance by 2 binomial sigma and the last "
                              "training loss below ln(classes) (language models: validation "
                              "loss below `unigram_loss`); false: the run did not learn"),
-         ("not_learned_why", "text", "why `learned` is false"),
+         ("not_learned_why", "text", "why `learned` is false")),
+    *_of("accuracy", "runner",
          ("unigram_loss", "loss", "language models: the validation loss of the training "
                                   "tokens' unigram distribution (a model that ignores context)",
-          "unigram loss"),
+          "unigram loss")),
+    *_of("accuracy", "learned",
          ("test_ppl", "perplexity", "language models: exp(test_loss)", "perplexity")),
     # ---- probes
     *_of("probe", "estimate",

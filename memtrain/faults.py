@@ -26,14 +26,13 @@ from memtrain.allocator import History
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("oom", "nan", "error", "sigterm", "hang", "kill")
 HANG_LIMIT_S = 900
 SNAPSHOT = "memory_snapshot.pickle"
 
 
 class Fault:
-    """Makes training step `step` fail with `kind` (one of FAULTS, as `schema.Trainer` checks);
-    call `inject(step, loss)` after the loss."""
+    """Makes training step `step` fail with `kind` (one of `schema.FAULTS`, as `schema.Trainer`
+    checks); call `inject(step, loss)` after the loss."""
 
     def __init__(self, kind: str, step: int = 0):
         self.kind, self.step = kind, int(step)

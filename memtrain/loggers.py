@@ -32,9 +32,9 @@ import torch
 from memtrain import columns
 from memtrain.errors import ConfigError, check_choice
 from memtrain.record import METRIC_FIELDS, METRICS
+from memtrain.schema import LOGGERS  # trainer.logger's valid values
 
 log = logging.getLogger("memtrain")
-LOGGERS = ("csv", "tensorboard", "wandb")  # trainer.logger
 MemoryNow = Callable[[], dict[str, int]]  # measure.Measurement.memory_now
 # the row's final metrics that TensorBoard's hparams and W&B's summary carry (those it has)
 FINAL_METRICS = ("test_acc", "test_acc5", "test_loss", "train_loss", "learned",

@@ -18,14 +18,9 @@ which peak a row reports.
 from __future__ import annotations
 
 import contextlib
-import os
-import platform
 import resource
-import socket
-import subprocess
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -135,7 +130,7 @@ class SavedByModule(SavedBytes):
     first (`where()`: the innermost module active then, as `PeakTracker.module_now` names it;
     '' outside every module: the loss). Counted once per storage, as SavedBytes counts: the
     modules' bytes sum to `bytes` (and `host_bytes`). `trainer.memory_timeline`'s per-module
-    table (memtrain/layers.py)."""
+    table (memtrain/by_module.py)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
                  model: nn.Module | None = None, where=lambda: ""):
@@ -166,7 +161,7 @@ class TimelineRecorder:
     accounting step records here its timeline, one table per part of the run (synthetic: one per
     phase; others: one), and the bytes each module saved for backward (`SavedByModule`);
     `table()` is the timelines end to end (memtrain/timeline.py's format), `saved` the modules'
-    rows (memtrain/layers.py's). On the CPU a step's events are the tracker's
+    rows (memtrain/by_module.py's). On the CPU a step's events are the tracker's
     (`PeakTracker.events`); on CUDA the allocator history's (`allocator.StepHistory`), filed
     under the tracker's categories (`timeline.from_allocator`). Off: a no-op."""
 
@@ -540,54 +535,6 @@ def _cpu_peak(events: allocator.CpuHistory, tracker: PeakTracker) -> dict[str, i
     return {PEAK: peaks.peak_bytes, PEAK_SOURCE: "allocator", **_breakdown(peaks.at_peak),
             ACT_TEMP_PEAK: peaks.act_temp_peak_bytes,
             "mem_scratch_peak_bytes": peaks.scratch_peak_bytes}
-
-
-def _git_commit(here: Path | None = None) -> str:
-    """The checkout's commit, `-dirty` when tracked files differ. Read without git's optional
-    locks: `git status` otherwise refreshes the index under .git/index.lock, and a status cut
-    off by the timeout (a loaded machine) leaves that lock behind, blocking the user's next
-    commit."""
-    here = here or Path(__file__).resolve().parent.parent
-    git = ["git", "--no-optional-locks"]
-    try:
-        out = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], cwd=here,
-                             capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def provenance(device: torch.device) -> dict[str, str | int]:
-    """Who measured what, where: the columns every row carries."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = ""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        gpu_mem = torch.cuda.get_device_properties(device).total_memory
-    else:
-        name, cap, gpu_mem = platform.processor() or platform.machine(), "", 0
-    return {
-        "device": str(device),
-        "device_name": name,
-        "device_capability": cap,
-        "device_total_memory_bytes": gpu_mem,
-        "cpu_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda or "",
-        "cudnn_version": str(torch.backends.cudnn.version() or "") if device.type == "cuda" else "",
-        "triton_version": triton_version,
-        "python_version": platform.python_version(),
-        "git_commit": _git_commit(),
-        "hostname": socket.gethostname(),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
-    }
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import memtrain.methods.base as base
-from memtrain import probes, schema, trust
+from memtrain import loggers, probes, schema, trust
 from memtrain.data import check_options
 from memtrain.errors import ConfigError
 from memtrain.record import GROUPS
@@ -46,17 +46,19 @@ def trainer_of(cfg: DictConfig, here: bool = True) -> Trainer:
 
 def check(cfg: DictConfig, here: bool = True) -> Trainer:
     """The checks of one job's values that need nothing built: every option's type (resolved),
-    the trainer's ranges and probes, the dataset's options and the memory its data will take
-    (memtrain/data.py's option checks), the method's options and the trainer options it cannot
-    honour (its optional `check_trainer`). The first problem is a one-line ConfigError.
+    the trainer's ranges and probes, the logger's package, the dataset's options and the memory
+    its data will take (memtrain/data.py's option checks), the method's options and the trainer
+    options it cannot honour (its optional `check_trainer`). The first problem is a one-line
+    ConfigError.
 
     The command's and the API's checks call it on each job before anything is written
     (config.check_overrides), the runner again when a job starts (launchers' jobs, presets).
     `here`: the job runs on this machine (False: a cluster's node, whose devices, memory and
     files are not this machine's)."""
     t = trainer_of(cfg, here)
-    if here:
+    if here:  # what this machine has: the probes' device, the logger's package
         probes.check(t)
+        loggers.check(t.logger)
     if "_target_" in cfg.dataset:
         check_options(target_of(cfg.dataset, "dataset"), kwargs_of(cfg.dataset), here)
     method = build_method(cfg.method)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import signal
 import sys
 import time
@@ -32,9 +31,11 @@ from memtrain import (
     capacity,
     distributed,
     faults,
+    learned,
     loggers,
     measure,
     probes,
+    provenance,
     record,
     resume,
 )
@@ -305,30 +306,6 @@ def _blame(summary: dict[str, Any], root: dict[str, Any] | None) -> None:
             summary["failed_step"] = root["step"]
 
 
-def learning(test_acc, train_loss, num_classes: int, n_test: int) -> dict[str, Any]:
-    """Did the run learn? Its test accuracy above chance (1 / classes) by more than two binomial
-    standard deviations of the samples evaluated, and its last training loss below ln(classes),
-    the loss of predicting every class alike (the unigram loss of balanced classes). A diverged
-    or stuck run is `ok` as a run but says here that it did not learn, and why."""
-    chance = 1.0 / num_classes
-    margin = 2 * math.sqrt(chance * (1 - chance) / max(1, n_test))
-    out: dict[str, Any] = {"chance_acc": chance, "test_samples": n_test}
-    why = []
-    if test_acc is None or not math.isfinite(test_acc):
-        return out  # never evaluated: nothing to say
-    if test_acc <= chance + margin:
-        why.append(f"test_acc {test_acc:.4f} is not above chance {chance:.4f} by 2 sigma "
-                   f"({margin:.4f} over {n_test} samples)")
-    uniform = math.log(num_classes)
-    if train_loss is None or not math.isfinite(train_loss) or train_loss >= uniform:
-        why.append(f"train loss {train_loss:.4g} is not below ln({num_classes}) = {uniform:.3f}, "
-                   "the loss of predicting every class alike")
-    out["learned"] = not why
-    if why:
-        out["not_learned_why"] = "; ".join(why)
-    return out
-
-
 def task_columns(data: Data) -> dict[str, Any]:
     """What a row's quality metric is: a classifier's test accuracy (higher is better) or a
     language model's validation loss per token (lower is better), and where the data came from."""
@@ -341,22 +318,6 @@ def task_columns(data: Data) -> dict[str, Any]:
     cols.update({k: v for k, v in (("data_hash", data.data_hash),
                                    ("data_source", data.data_source)) if v is not None})
     return cols
-
-
-def lm_learning(test_loss, unigram_loss: float | None) -> dict[str, Any]:
-    """Did a language model learn? Its validation loss below the loss of the data's unigram
-    distribution (the best a model that ignores context does on the same tokens)."""
-    out: dict[str, Any] = {}
-    if test_loss is None or not math.isfinite(test_loss) or unigram_loss is None:
-        if test_loss is not None and not math.isfinite(test_loss):
-            out.update(learned=False, not_learned_why=f"validation loss is {test_loss}")
-        return out
-    out["test_ppl"] = math.exp(test_loss) if test_loss < 700 else math.inf  # exp overflows
-    out["learned"] = test_loss < unigram_loss
-    if not out["learned"]:
-        out["not_learned_why"] = (f"validation loss {test_loss:.4f} is not below the unigram "
-                                  f"loss {unigram_loss:.4f} (a model that ignores context)")
-    return out
 
 
 def _finished_row(run_dir: Path) -> dict[str, Any] | None:
@@ -409,7 +370,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         torch.set_num_threads(t.threads)
     device = world.device(t.device) if world.size > 1 else \
         stack.enter_context(capacity.claim_device(t.device))
-    summary.update(measure.provenance(device))
+    summary.update(provenance.of_run(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     with stop.at_once("building the data, the model and the method"):
         data, model, method = build(cfg, t)
@@ -473,10 +434,10 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
         n_test = len(data.test) if t.eval_max_batches is None else min(
             len(data.test), t.eval_max_batches * (t.eval_batch_size or t.batch_size))
         if data.task == "lm":
-            summary.update(lm_learning(summary.get("test_loss"), data.unigram_loss))
+            summary.update(learned.language_model(summary.get("test_loss"), data.unigram_loss))
         else:
-            summary.update(learning(summary.get("test_acc"), summary.get("train_loss"),
-                                    data.num_classes, n_test))
+            summary.update(learned.classifier(summary.get("test_acc"), summary.get("train_loss"),
+                                              data.num_classes, n_test))
     if snapshot.enabled:
         summary["memory_snapshot"] = str(snapshot.path)
     summary.update(ckpt.columns())
@@ -493,7 +454,7 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     """`trainer.memory_timeline`: the accounting step's timeline (timeline.parquet, .png,
     .pdf), the bytes each module saved (saved_by_module.csv) and the plan the method applied,
     where it has one (plan.csv: checkpoint's segments); returns the row's columns."""
-    from memtrain import layers
+    from memtrain import by_module
     from memtrain import timeline as timeline_file
 
     title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
@@ -501,9 +462,9 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     # recorded on the accounting step: the step the memory columns measure, which trains like
     # every other step and which no timed step includes (step_time_s, throughput)
     out.update({"mem_timeline_step": "accounting", **recorder.columns})
-    out.update(layers.write_saved(recorder.saved, run_dir))
+    out.update(by_module.write_saved(recorder.saved, run_dir))
     # a method with a per-segment plan (checkpoint): plan.csv; none without rows
-    out.update(layers.write_plan(base.plan_rows(method, model), run_dir))
+    out.update(by_module.write_plan(base.plan_rows(method, model), run_dir))
     return out
 
 

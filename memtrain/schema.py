@@ -29,8 +29,12 @@ from memtrain.errors import ConfigError, check_choice, check_range
 INT64 = (-(2**63), 2**63 - 1)  # torch's integers (seeds included) hold no more
 
 
+# the valid values of the trainer's choice options, owned here (the config layer) and imported
+# by the modules that act on them
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")  # train.autocast_factory, train.param_dtype
 STRATEGIES = ("single", "ddp", "fsdp")  # distributed.py
+LOGGERS = ("csv", "tensorboard", "wandb")  # loggers.py
+FAULTS = ("oom", "nan", "error", "sigterm", "hang", "kill")  # faults.py
 
 
 @dataclasses.dataclass
@@ -98,10 +102,8 @@ class Trainer:
 
     def check(self, here: bool = True) -> None:
         """Ranges and choices, each a one-line ConfigError (types: `check_config`); with `here`
-        (the job runs on this machine, not on a cluster's node) also what this machine has: a
-        CUDA device where one is asked for, the packages of `trainer.logger`."""
-        from memtrain.faults import FAULTS
-
+        (the job runs on this machine, not on a cluster's node) also a CUDA device where one is
+        asked for (the packages of `trainer.logger`: `preflight.check`)."""
         check_range("trainer.batch_size", self.batch_size, 1)
         if self.eval_batch_size is not None:
             check_range("trainer.eval_batch_size", self.eval_batch_size, 1)
@@ -117,12 +119,7 @@ class Trainer:
         check_range("trainer.log_every", self.log_every, 1)
         check_range("trainer.eval_every", self.eval_every, 0)
         check_range("trainer.eval_every_steps", self.eval_every_steps, 0)
-        from memtrain import loggers
-
-        if here:
-            loggers.check(self.logger)
-        else:
-            check_choice("trainer.logger", self.logger, loggers.LOGGERS)
+        check_choice("trainer.logger", self.logger, LOGGERS)
         dev = str(self.device)
         if dev not in ("auto", "cpu") and not dev.startswith("cuda"):
             raise ConfigError(f"trainer.device must be auto, cpu, cuda or cuda:N, got {dev!r}")

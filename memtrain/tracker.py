@@ -54,25 +54,10 @@ class PeakTracker:
 
     def __init__(self, *external, device: torch.device | None = None, timeline: bool = False,
                  births: bool = False, marks: bool = False):
-        from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
-
         # the run's device only (host copies of an offloaded GPU run are not GPU memory)
         self._device = device
         self._counted: dict = {}  # device -> whether its bytes count
-
-        self._kinds = _kinds(external[0] if external else None)
-        if self._kinds is not None:  # FSDP2: its tracker tells shards from gathered copies
-            model, optimizer, *rest = external
-            self._mt = _fsdp_tracker()(model, optimizer)
-            self._mt.track_inputs(tuple(t for t in rest if isinstance(t, torch.Tensor)))
-        else:
-            self._kinds = {"params": [_MemRefType.PARAM], "buffers": [_MemRefType.BUFFER],
-                           "grads": [_MemRefType.GRAD], "optim": [_MemRefType.OPT],
-                           "act": [_MemRefType.ACT], "temp": [_MemRefType.TEMP],
-                           "other": [_MemRefType.OTH]}
-            self._mt = MemTracker()
-            self._mt.track_external(*external)
+        self._mt, self._kinds = _memtracker(external)
         kinds = self._kinds
         self.act_peak_bytes = 0
         self.act_temp_peak_bytes = 0  # activations + backward temporaries at one moment
@@ -88,13 +73,11 @@ class PeakTracker:
         self._made: dict[int, tuple[list[tuple[int, int]], int, bool]] = {}
         self._moves: list[tuple[int, int, int, int, int]] = []
         self._final: dict[int, int] = {}  # record -> the category it was filed again under
-        mt = self._mt
         # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
         # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
         # whether a forward runs again in backward (MemTracker's `_in_ac`: a recomputation)
         self.events: list[tuple] | None = [] if timeline else None
         self.phase = "forward"
-        refs = [kinds[k] for k in _RAW]  # each of MemTracker's categories, its kinds behind it
         self._category = {r: name for name in _RAW for r in kinds[name]}
         self._t0, self.wall0 = time.perf_counter(), time.time()
         # every storage the step makes, (address, bytes, its record), in order, so the
@@ -118,31 +101,30 @@ class PeakTracker:
         self._forwards: list[str | None] = []
         self._hooks: list = []
 
-        # MemTracker's update hook runs at every allocation. It keeps the step's peak and the
-        # breakdown at that moment (what `peak_bytes` and `at_peak` read), and a peak per module,
-        # which nothing here reads and which costs a pass over every module at every allocation
-        # (most of an accounting step's time on a few hundred modules under quantize's many
-        # small ops: 31 s of 53 s for an efficientnet_b0 estimate). This hook keeps the step's
-        # peak as MemTracker does, and the peak of the activation part alone with its moment.
-        # What the tracker files as an activation, a temporary or an optimizer tensor when it is
-        # made may turn out to be something else, and is then filed again under that from the
-        # moment it was made (`_refile`, applied to the series after the step):
-        # - a parameter's gradient, made in backward: MemTracker files it as a temporary until
-        #   autograd hands it to the parameter (its grad hook retags it a few ops later; on a
-        #   256-wide MLP the weight gradient was most of the temporaries at their peak);
-        # - a tensor the optimizer step makes (MemTracker: optimizer) and that dies within the
-        #   step: the update's temporary, not optimizer state;
-        # - FSDP2's buffers: its hooks (the all-gather before a unit's forward and backward, the
-        #   reduce-scatter after its backward) make them with `empty`, and FSDP's tracker names
-        #   them (all-gather, reduce-scatter, unsharded parameter or gradient) when the
-        #   collective runs; one a hook made and freed unnamed is communication (other).
-        index = {name: i for i, name in enumerate(TRACKED)}
-        cat_of = {r: index[name] for name, rs in kinds.items() for r in rs}
-        ACT, TEMP, OPT, UPDATE, OTHER = (index[k] for k in ("act", "temp", "optim", "update",
-                                                             "other"))
-        hooks = hasattr(mt, "in_hook")
-        made, moves, series, final = self._made, self._moves, self._series, self._final
+        # torch's tracker, made to keep what this class reads: the private members replaced
+        # here are the code most exposed to torch's changes, one function each
+        self._replace_update_snap()
+        self._replace_update_peak_stats()
+        if self._births is not None:
+            self._replace_track_noting_births()
 
+    def _replace_update_peak_stats(self) -> None:
+        """Replaces MemTracker's `_update_peak_stats`, which its dispatch mode calls after every
+        op, with one that appends the op's live bytes per category to the step's series.
+
+        Why: torch's keeps the step's peak and the breakdown at that moment, and a peak per
+        module, which nothing here reads and which costs a pass over every module at every
+        allocation (most of an accounting step's time on a model of a few hundred modules under
+        quantize's many small ops). This one keeps the step's peak as MemTracker does
+        (`_peak_mem`, `_peak_mem_snap`), and the series the peaks and their breakdowns are read
+        from after the step (`__exit__`), counting only the run's device.
+
+        Checked on torch 2.11 and 2.14: `_update_peak_stats(peak_state)`, called with the
+        op's outputs filed; `_curr_mem_snap`, device -> {category or `_TOTAL_KEY`: bytes}."""
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
+
+        mt, series = self._mt, self._series
+        refs = [self._kinds[k] for k in _RAW]  # MemTracker's categories behind each of _RAW
         # MemTracker's own categories one to one (FSDP's tracker: several behind some)
         flat = [r[0] for r in refs] if all(len(r) == 1 for r in refs) else None
         zero = [0] * len(_RAW)
@@ -162,6 +144,39 @@ class PeakTracker:
             series.append(vector or zero)
             if self.events is not None:
                 self._record(mt)
+
+        mt._update_peak_stats = update
+
+    def _replace_update_snap(self) -> None:
+        """Replaces MemTracker's `_update_snap`, which files each change to a tracked storage
+        (added, deleted, filed under another category, resized), with itself, also noting what
+        may be filed again after the step (`_refile`).
+
+        Why: what the tracker files as an activation, a temporary or an optimizer tensor when it
+        is made may turn out to be something else, and is then filed again under that from the
+        moment it was made:
+        - a parameter's gradient, made in backward: MemTracker files it as a temporary until
+          autograd hands it to the parameter (its grad hook retags it a few ops later);
+        - a tensor the optimizer step makes (MemTracker: optimizer) and that dies within the
+          step: the update's temporary, not optimizer state;
+        - FSDP2's buffers: its hooks (the all-gather before a unit's forward and backward, the
+          reduce-scatter after its backward) make them with `empty`, and FSDP's tracker names
+          them (all-gather, reduce-scatter, unsharded parameter or gradient) when the
+          collective runs; one a hook made and freed unnamed is communication (other).
+        With `marks`, each death is also marked in torch's profiler.
+
+        Checked on torch 2.11 and 2.14: `_update_snap(u_type, winfo, old_mem_consumed=None,
+        old_reftype=None)` with `_UpdateType` ADD, DEL, REF and SIZE; `winfo.reftype`,
+        `winfo.device`, `winfo.mem_consumed` (the new size, on SIZE)."""
+        from torch.distributed._tools.mem_tracker import _UpdateType
+
+        mt = self._mt
+        index = {name: i for i, name in enumerate(TRACKED)}
+        cat_of = {r: index[name] for name, rs in self._kinds.items() for r in rs}
+        ACT, TEMP, OPT, UPDATE, OTHER = (index[k] for k in ("act", "temp", "optim", "update",
+                                                             "other"))
+        hooks = hasattr(mt, "in_hook")
+        made, moves, series, final = self._made, self._moves, self._series, self._final
 
         def settle(key: int, to: int) -> None:
             parts, cat, _ = made.pop(key)
@@ -203,11 +218,23 @@ class PeakTracker:
 
         orig_update_snap = mt._update_snap
         mt._update_snap = update_snap
-        mt._update_peak_stats = update
-        if self._births is not None:
-            mt._track = self._noting_births(mt._track, 1)
-            mt._update_and_maybe_create_winfos = self._noting_births(
-                mt._update_and_maybe_create_winfos, 0)
+
+    def _replace_track_noting_births(self) -> None:
+        """Replaces MemTracker's `_track` (files an op's output) and
+        `_update_and_maybe_create_winfos` (files a tensor it is handed: the model's, the
+        optimizer's, the batch, an RNG state) with themselves, also noting each storage filed
+        for the first time (`births`, `_noting_births`).
+
+        Why: the CPU allocator's count and the CUDA timeline file the allocator's blocks under
+        the tracker's categories by address, and MemTracker keeps no order of its storages.
+
+        Checked on torch 2.11 and 2.14: `_track(reftype, t)`,
+        `_update_and_maybe_create_winfos(t, reftype, update_existing=False)`; `_WINFO`, storage
+        -> (record, weak reference)."""
+        mt = self._mt
+        mt._track = self._noting_births(mt._track, 1)
+        mt._update_and_maybe_create_winfos = self._noting_births(
+            mt._update_and_maybe_create_winfos, 0)
 
     @staticmethod
     def _mark(name: str) -> None:
@@ -242,9 +269,13 @@ class PeakTracker:
         return wrapped
 
     def _noting_resizes(self) -> None:
-        """`UntypedStorage.resize_` (MemTracker's, which files the new size) also noting a tracked
-        storage's new allocation as a birth, its old one as a death (FSDP frees and refills its
-        unsharded parameters this way)."""
+        """Replaces `UntypedStorage.resize_` (MemTracker's, which files the new size) with itself,
+        also noting a tracked storage's new allocation as a birth, its old one as a death.
+
+        Why: FSDP frees and refills its unsharded parameters this way, a new block of the
+        allocator's under the same storage. Checked on torch 2.11 and 2.14: MemTracker installs
+        its `resize_` on entering (this runs after), `_WINFO` as in
+        `_replace_track_noting_births`."""
         resize = torch.UntypedStorage.resize_
         winfos = self._mt._WINFO
 
@@ -263,8 +294,12 @@ class PeakTracker:
         self._patch(torch.UntypedStorage, "resize_", resize_)
 
     def _tracking_rng_states(self) -> None:
-        """While entered, every RNG state copy (`torch.get_rng_state`, `torch.cuda`'s: host
-        tensors no operator makes) is tracked as other, and counted in `rng_peak_bytes`."""
+        """Replaces `torch.get_rng_state` and `torch.cuda.get_rng_state` while entered: every
+        RNG state copy is tracked as other, and counted in `rng_peak_bytes`.
+
+        Why: they are host tensors no operator makes, so MemTracker's dispatch mode never sees
+        them (checkpointing keeps one per recomputed group). Checked on torch 2.11 and 2.14:
+        they are filed with MemTracker's `_update_and_maybe_create_winfos(t, reftype)`."""
         other = self._kinds["other"][0]
 
         def tracked(get):
@@ -440,6 +475,26 @@ class PeakTracker:
         return (series + np.cumsum(diff[:-1], axis=0)).tolist()
 
 
+def _memtracker(external: tuple) -> tuple:
+    """torch's tracker of a step over `external` (the model, its optimizer, the batch) and the
+    tracker's categories behind each part of a breakdown: FSDP's tracker, which tells shards
+    from gathered copies, when the model is sharded by FSDP2; MemTracker otherwise."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    kinds = _kinds(external[0] if external else None)
+    if kinds is not None:
+        model, optimizer, *rest = external
+        mt = _fsdp_tracker()(model, optimizer)
+        mt.track_inputs(tuple(t for t in rest if isinstance(t, torch.Tensor)))
+        return mt, kinds
+    mt = MemTracker()
+    mt.track_external(*external)
+    return mt, {"params": [_MemRefType.PARAM], "buffers": [_MemRefType.BUFFER],
+                "grads": [_MemRefType.GRAD], "optim": [_MemRefType.OPT],
+                "act": [_MemRefType.ACT], "temp": [_MemRefType.TEMP],
+                "other": [_MemRefType.OTH]}
+
+
 def _kinds(model) -> dict[str, list] | None:
     """The tracker's categories behind each part of a breakdown when `model` is sharded by
     FSDP2 (its own shards and the copies a step gathers are parameters, gradients likewise; the
@@ -461,7 +516,15 @@ def _kinds(model) -> dict[str, list] | None:
 def _fsdp_tracker() -> type:
     """torch's FSDPMemTracker, which also says when FSDP2's own hooks run (`in_hook`): the
     unshard before a unit's forward and backward, the reshard after its forward, the
-    reduce-scatter after its backward."""
+    reduce-scatter after its backward.
+
+    Replaces (in a subclass) FSDPMemTracker's wrappers of those hooks, `_fsdp_state_pre_forward`,
+    `_fsdp_state_post_forward`, `_fsdp_param_group_pre_backward` and
+    `_fsdp_param_group_post_backward`, each `(self, fsdp_mod, orig)` returning the hook it
+    installs, with the same hook counting itself in `in_hook` while it runs. Why: the buffers
+    those hooks make are named by the tracker only when their collective runs, and one made
+    and freed unnamed is communication (`_replace_update_snap`). Checked on torch 2.11 and
+    2.14."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     def hooked(make):

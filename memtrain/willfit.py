@@ -432,12 +432,12 @@ def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> d
     an fsdp row (its run would be a sharded one)."""
     import torch
 
-    from memtrain import measure
+    from memtrain import provenance
 
     if s.ranks > 1:
         return None
     est = row.get("estimate", {})
-    out = {**config.identity(cfg, choices), **measure.provenance(torch.device("cpu")),
+    out = {**config.identity(cfg, choices), **provenance.of_run(torch.device("cpu")),
            "status": "ok" if row["status"] == "ok" else "error"}
     if row["status"] != "ok":
         return {**out, "error": row.get("error", "")}

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu-results.sh [NAME] [-- more arguments of tools.study]
 #
-# Parts in priority order (tools/study/plan.py: PRIORITY, then the rest while time remains);
+# Parts in priority order (tools/study/study_plan.py: PRIORITY, then the rest while time remains);
 # parts complete under docs/results/*/parts/ for a GPU are skipped (-- --remeasure PARTS).
 # NAME: the study's folder (default <date>_<gpu>). Reads Hydra's wheels from $WHL (default
 # .whl/, git-ignored: put Hydra's wheels there and take the folder along). Writes

@@ -215,7 +215,7 @@ def test_the_checker_sees_a_method_import():
 
 def test_the_report_reaches_only_torch_free_core_modules():
     """report/ takes from the core only the record, the column list, the conf/ path, the
-    timeline's table and figure and the per-module files (memtrain.layers), and
+    timeline's table and figure and the per-module files (memtrain.by_module), and
     nothing it reaches, transitively, imports torch (it runs where torch is not installed)."""
     edges, mods = graph(), _modules()
     reached, todo = set(), [m for m in edges if package_of(m) == "memtrain.report"]
@@ -225,7 +225,7 @@ def test_the_report_reaches_only_torch_free_core_modules():
             todo.append(d)
     core = {m for m in reached if package_of(m) == "memtrain"}
     assert core <= {"memtrain", "memtrain.record", "memtrain.columns", "memtrain.paths",
-                    "memtrain.timeline", "memtrain.layers"}, core
+                    "memtrain.timeline", "memtrain.by_module"}, core
     for m in core | {m for m in mods if package_of(m) == "memtrain.report"}:
         f = mods[m]
         assert not {d for d in _imports(f, m, f.name == "__init__.py")

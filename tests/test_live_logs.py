@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from memtrain import api, loggers
+from memtrain import api, loggers, preflight
 from memtrain.errors import ConfigError
 from memtrain.schema import Trainer
 
@@ -213,9 +213,11 @@ def test_wandb_runs_offline_with_the_series_and_the_row(in_tmp, monkeypatch):
 
 
 def test_tensorboard_missing_is_one_line(monkeypatch):
+    """A logger whose package is missing: one line from the job's checks (preflight.check),
+    before anything is built; a logger memtrain does not know: the trainer's own check."""
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ConfigError) as e:
-        Trainer.from_config({"logger": "tensorboard"})
+        preflight.check(api.compose([*TINY, "trainer.logger=tensorboard"])[0])
     assert "trainer.logger=tensorboard needs the tensorboard package" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="trainer.logger must be one of csv, tensorboard, wandb"):
@@ -226,7 +228,7 @@ def test_tensorboard_missing_is_one_line(monkeypatch):
 def test_wandb_missing_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails
     with pytest.raises(ConfigError) as e:
-        Trainer.from_config({"logger": "wandb"})
+        preflight.check(api.compose([*TINY, "trainer.logger=wandb"])[0])
     assert "trainer.logger=wandb needs the wandb package" in str(e.value)
     assert "\n" not in str(e.value)
 

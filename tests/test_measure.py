@@ -86,6 +86,34 @@ def test_tracker_activation_peak_close_to_saved_bytes_for_plain_model():
     assert tracker.at_peak["optim"] == measure.optimizer_bytes(opt)
 
 
+def test_the_members_the_tracker_replaces_are_torchs():
+    """PeakTracker replaces private members of torch's MemTracker and FSDPMemTracker
+    (memtrain/tracker.py, one function each): a torch that renames one or changes what it is
+    called with fails here, by name, not as a wrong number in a row."""
+    import inspect
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def params(fn):
+        return list(inspect.signature(fn).parameters)
+
+    assert params(MemTracker._update_snap) == ["self", "u_type", "winfo", "old_mem_consumed",
+                                               "old_reftype"]
+    assert params(MemTracker._update_peak_stats) == ["self", "peak_state"]
+    assert params(MemTracker._track) == ["self", "reftype", "t"]
+    assert params(MemTracker._update_and_maybe_create_winfos) == ["self", "t", "reftype",
+                                                                  "update_existing"]
+    for name in ("_fsdp_state_pre_forward", "_fsdp_state_post_forward",
+                 "_fsdp_param_group_pre_backward", "_fsdp_param_group_post_backward"):
+        assert params(getattr(FSDPMemTracker, name))[:2] == ["self", "fsdp_mod"], name
+        assert len(params(getattr(FSDPMemTracker, name))) == 3, name
+    tracker = measure.PeakTracker(nn.Linear(2, 2), births=True)
+    for name in ("_update_snap", "_update_peak_stats", "_track",
+                 "_update_and_maybe_create_winfos"):
+        assert name in vars(tracker._mt), name  # replaced on the instance, torch's class intact
+
+
 def test_step_timer_summary():
     t = measure.StepTimer(torch.device("cpu"))
     t.times = [0.1, 0.2, 0.3, 0.4, 1.0]
@@ -103,7 +131,7 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     import shutil
     import subprocess
 
-    from memtrain.measure import _git_commit
+    from memtrain.provenance import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git not installed")
@@ -118,10 +146,10 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     os.utime(tmp_path / "f.txt", ns=(before + 10**9, before + 10**9))  # stat-dirty, same text
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tmp_path,
                           capture_output=True, text=True).stdout.strip()
-    assert _git_commit(tmp_path) == head  # same content: not dirty
+    assert git_commit(tmp_path) == head  # same content: not dirty
     assert index.stat().st_mtime_ns == before  # the index was not rewritten (no lock taken)
     (tmp_path / "f.txt").write_text("b")
-    assert _git_commit(tmp_path) == head + "-dirty"
+    assert git_commit(tmp_path) == head + "-dirty"
 
 
 

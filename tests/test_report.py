@@ -402,7 +402,7 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
 
 def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged(tmp_path):
     """Error bars stop at 0% and 100%; the chance level (1 / classes) is a line; a setting with
-    a run that did not learn (runner.learning) is hollow in the figure and said in the table."""
+    a run that did not learn (memtrain.learned) is hollow in the figure and said in the table."""
     r = tmp_path / "r"
     for seed, acc in enumerate((0.02, 0.40)):  # mean 0.21, std 0.27: the bar would reach -6%
         write_run(r / f"p{seed}", method="pool", seed=seed, test_acc=acc, peak=60 * MiB,
@@ -420,19 +420,19 @@ def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged
 
 
 def test_a_run_that_did_not_learn_says_why():
-    from memtrain.runner import learning
+    from memtrain.learned import classifier
 
-    ok = learning(0.9, 0.3, 10, 2000)
+    ok = classifier(0.9, 0.3, 10, 2000)
     assert ok["learned"] is True and ok["chance_acc"] == 0.1 and "not_learned_why" not in ok
     # 2 sigma over 2000 samples at p = 0.1: 0.0134
-    near = learning(0.11, 2.0, 10, 2000)
+    near = classifier(0.11, 2.0, 10, 2000)
     assert near["learned"] is False and "not above chance 0.1000 by 2 sigma (0.0134 over 2000" \
         in near["not_learned_why"]
-    assert learning(0.12, 2.0, 10, 2000)["learned"] is True
-    diverged = learning(0.5, 18.3, 10, 2000)  # trainer=smoke's loss of 18-28
+    assert classifier(0.12, 2.0, 10, 2000)["learned"] is True
+    diverged = classifier(0.5, 18.3, 10, 2000)  # trainer=smoke's loss of 18-28
     assert diverged["learned"] is False and "train loss 18.3 is not below ln(10) = 2.303" in \
         diverged["not_learned_why"]
-    assert "learned" not in learning(float("nan"), 0.1, 10, 100)  # never evaluated
+    assert "learned" not in classifier(float("nan"), 0.1, 10, 100)  # never evaluated
 
 
 def test_the_cost_figure_comes_first_and_answers_the_question(tmp_path):

@@ -16,9 +16,9 @@ from conftest import ROOT
 from PIL import Image
 
 from memtrain import api, record
-from tools.study import plan as results_plan
 from tools.study import results
-from tools.study import tables as results_tables
+from tools.study import study_plan as results_plan
+from tools.study import study_tables as results_tables
 from tools.study import view as results_view
 
 

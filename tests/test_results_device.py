@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.study import plan as results_plan
 from tools.study import results
+from tools.study import study_plan as results_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu-results.sh"

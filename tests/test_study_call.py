@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from memtrain.columns import SCHEMA, SCHEMA_VERSION
-from tools.study import plan, results
+from tools.study import results
+from tools.study import study_plan as plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

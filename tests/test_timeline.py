@@ -6,7 +6,7 @@ a step's shape, and (on CUDA, or on a made-up allocator history here) against th
 import pandas as pd
 import pytest
 
-from memtrain import allocator, api, layers, timeline
+from memtrain import allocator, api, by_module, timeline
 from memtrain.columns import PEAK, SAVED
 
 pytestmark = pytest.mark.compat  # reads torch's MemTracker internals (measure.PeakTracker)
@@ -52,7 +52,7 @@ def test_timeline_peak_is_the_rows_tracked_peak_and_files_are_written(tmp_path):
     # width fp32) and is the first to save it; the next Linear saves that storage again
     # (counted once) and the batch and the weights are no step's own; outside every module the
     # loss keeps log_softmax's output (B x classes) and nll_loss its 4-byte total weight
-    saved = layers.read(tmp_path / "r", row["saved_by_module"])
+    saved = by_module.read(tmp_path / "r", row["saved_by_module"])
     got = dict(zip(saved["module"], saved["bytes"]))
     want = {f"MLP.{i + 1}.1": BATCH * w * 4 for i, w in enumerate(MLP6_WIDTHS)}
     want[""] = BATCH * CLASSES * 4 + 4
@@ -95,7 +95,7 @@ def test_checkpoint_timeline_shows_recomputation_and_the_table_its_plan(tmp_path
         blocks = {int(m.split(".")[1]) - 1 for m in w.loc[a:b, "module"]}
         assert blocks == set(range(first, last + 1))
     # plan.csv: the row's groups, segment by segment
-    plan = layers.read(tmp_path / "ckpt" / "r", row["plan_table"])
+    plan = by_module.read(tmp_path / "ckpt" / "r", row["plan_table"])
     assert list(plan["segment"]) == list(range(row["plan_segments"]))
     assert list(plan["modules"]) == [str(i + 1) for i in range(row["plan_segments"])]
     for i, r in plan.iterrows():
@@ -113,11 +113,11 @@ def test_checkpoint_timeline_shows_recomputation_and_the_table_its_plan(tmp_path
                               if ln.startswith("|"))}
     at = cols.index("checkpoint: plan")
     modules = [m for m in rows if m not in ("other modules", "**total**")]
-    assert modules and all(m.startswith(("1.", "2.", "3.", "4.", "5.")) or m == layers.OUTSIDE
+    assert modules and all(m.startswith(("1.", "2.", "3.", "4.", "5.")) or m == by_module.OUTSIDE
                            for m in modules)
     for m in modules:
         said = rows[m][at]
-        if m == layers.OUTSIDE:
+        if m == by_module.OUTSIDE:
             assert said == ""
             continue
         seg = int(m.split(".")[0]) - 1
@@ -146,7 +146,7 @@ def test_synthetic_timeline_shows_its_phases(tmp_path):
     assert int(per_part.max()) == row["mem_timeline_peak_bytes"] == row[PEAK]
     for p in parts:
         assert int(per_part[p]) == row[f"{p}.mem_tracker_peak_bytes"]
-    saved = layers.read(tmp_path / "r", row["saved_by_module"])
+    saved = by_module.read(tmp_path / "r", row["saved_by_module"])
     for p in parts:  # each phase's modules add up to its own saved bytes
         assert saved.loc[saved["part"] == p, "bytes"].sum() == row[f"{p}.{SAVED}"]
     # a partition's layers keep their names in the whole model (mlp6's blocks 1..5), so they
@@ -158,7 +158,7 @@ def test_synthetic_timeline_shows_its_phases(tmp_path):
 def test_timeline_off_writes_nothing(tmp_path):
     row = api.run(TINY[:-1], out_dir=tmp_path / "r")
     assert row["status"] == "ok" and "memory_timeline" not in row
-    for name in (timeline.FILE, layers.SAVED_FILE, layers.PLAN_FILE):
+    for name in (timeline.FILE, by_module.SAVED_FILE, by_module.PLAN_FILE):
         assert not (tmp_path / "r" / name).exists()
     assert row["mem_accounting_step_s"] > 0  # the comparison a recorded run's cost is read by
 
@@ -210,12 +210,12 @@ def test_the_sweeps_per_layer_figure_and_table_hold_each_runs_modules(sweep):
 
     drawn = pd.read_csv(root / "report" / "figures" / "layers.csv", keep_default_na=False,
                         dtype={"module": str})
-    files = {m: layers.read(root / m, rows[m]["saved_by_module"]) for m in SWEEP}
+    files = {m: by_module.read(root / m, rows[m]["saved_by_module"]) for m in SWEEP}
     none = files["none"].assign(name=files["none"]["module"].map(timeline.short_module))
     # the largest first, equals in the order the step first saved them
     top = none.groupby("name", sort=False)["bytes"].sum().sort_values(ascending=False,
                                                                       kind="stable")
-    top = list(top.index[:layers.TOP])
+    top = list(top.index[:by_module.TOP])
     assert list(dict.fromkeys(drawn["module"])) == top
     for m, f in files.items():
         names = f["module"].map(timeline.short_module)

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 
 import benchmarks
-from tools.study import plan
+from tools.study import study_plan as plan
 
 # `python -m X` as the Makefile and the scripts spell it: $(BIN)/python, $(RESULTS_PY), "$PY",
 # $(PYTHON), coverage run
@@ -29,7 +29,7 @@ def commands() -> dict[str, set[str]]:
     out = {str(p.relative_to(ROOT)): set(RUN.findall(p.read_text(encoding="utf-8")))
            for p in [ROOT / "Makefile", *sorted((ROOT / "scripts").glob("*.sh"))]}
     ctx = plan.Context("cpu", ROOT / "runs" / "unused", plan.PROFILES["smoke"])
-    out["tools/study/plan.py"] = {s.argv[1] for part in plan.PARTS
+    out["tools/study/study_plan.py"] = {s.argv[1] for part in plan.PARTS
                                   for s in plan.BUILDERS[part](ctx) if s.argv[0] == "-m"}
     return out
 
@@ -38,17 +38,17 @@ def command_lines() -> list[str]:
     """Every benchmark (each module of benchmarks/) and every tool (the study, the docs
     generator, the docs' pictures): the modules run as commands."""
     found = [f"benchmarks.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)]
-    return sorted([*found, "tools.docs", "tools.screens", "tools.study"])
+    return sorted([*found, "tools.docs", "tools.doc_figures", "tools.study"])
 
 
 def test_every_module_a_command_runs_is_found_from_the_checkout():
     """A command that names a module that moved (or never was) fails here, not on a GPU box."""
     named = commands()
-    assert {"tools.docs", "tools.screens", "tools.study", "benchmarks.kernels",
+    assert {"tools.docs", "tools.doc_figures", "tools.study", "benchmarks.kernels",
             "benchmarks.prune"} <= named["Makefile"]
     assert "tools.study" in named["scripts/gpu-results.sh"]
     assert {"memtrain", "benchmarks.overhead", "benchmarks.kernels", "pytest"} <= \
-        named["tools/study/plan.py"]
+        named["tools/study/study_plan.py"]
     missing = sorted(f"{file}: python -m {m}" for file, mods in named.items() for m in mods
                      if importlib.util.find_spec(m) is None)
     assert missing == [], missing

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, measure, runner, tokens
+from memtrain import api, learned, measure, runner, tokens
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.models.transformer import GPT
@@ -166,9 +166,9 @@ def test_language_model_evaluation_is_per_token():
 
 
 def test_a_language_model_learned_when_below_the_unigram_loss():
-    assert runner.lm_learning(1.2, 5.3) == {"test_ppl": pytest.approx(math.exp(1.2)),
+    assert learned.language_model(1.2, 5.3) == {"test_ppl": pytest.approx(math.exp(1.2)),
                                              "learned": True}
-    out = runner.lm_learning(5.4, 5.3)
+    out = learned.language_model(5.4, 5.3)
     assert out["learned"] is False and "unigram loss 5.3000" in out["not_learned_why"]
 
 

@@ -18,8 +18,8 @@ Sources, all committed under docs/results/rows/:
 - `<name>/summary.csv`: memtrain-report's summary of a sweep (`--capture RUNS NAME`, run folders
   relative; `SWEEPS` names the command of each, `--sweep NAME` runs it again): rows as memtrain
   wrote them (report.tables.load_summary_csv), ratios through report.tables.ratio /
-  study.tables.add_ratios or the report's own analysis (report.build.analyse: the figures'
-  numbers), labels through study.tables.setting, numbers through study.tables.fmt;
+  study.study_tables.add_ratios or the report's own analysis (report.build.analyse: the figures'
+  numbers), labels through study.study_tables.setting, numbers through study.study_tables.fmt;
 - `<table>.csv` that a benchmark wrote (`--csv`, benchmarks/): each row with the device, torch,
   commit, date and command that made it; rendered by the benchmark's own `table()`;
 - `<table>.csv` copied from a benchmark's printed table where the raw output was not kept and a
@@ -49,7 +49,7 @@ from memtrain.columns import ACT_PEAK, ESTIMATE, ESTIMATE_ACT, PEAK
 from memtrain.columns import HEADLINE as MEMORY_RATIO
 from memtrain.report import markdown
 from memtrain.report import tables as report
-from tools.study import tables
+from tools.study import study_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("docs/results/rows")
@@ -143,7 +143,7 @@ def _bench_table(csv: str, table: Callable[[list[dict]], str] | None = None, see
         if table is not None:
             return [head, "", *table(rows).rstrip("\n").splitlines()]
         df = pd.read_csv(root / DATA / csv, dtype=str, keep_default_na=False)
-        return [head, "", *tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns})]
+        return [head, "", *study_tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns})]
 
     return render
 
@@ -173,7 +173,7 @@ def study_rows(root: Path, rel: Path = STUDY_CPU) -> pd.DataFrame:
         df = report.load_summary_csv(root / rel)
         parts = df["run_dir"].map(lambda d: Path(d).parts[-3:])
         df = df.copy().assign(part=parts.str[0], step=parts.str[1])
-        return tables.prepare(df)
+        return study_tables.prepare(df)
     return _per_content("study_rows", root / rel, make)
 
 
@@ -200,21 +200,21 @@ def study_ratios(root: Path, doc_dir: Path) -> list[str]:
     df = study_rows(root)
     ok = df[(df["status"] == "ok") & df["part"].isin(["pool", "prune", "checkpoint"])
             & (df["method"] != "none")]
-    ok = ok.assign(_set=ok.apply(tables.setting, axis=1))
+    ok = ok.assign(_set=ok.apply(study_tables.setting, axis=1))
     ok = ok.sort_values(["part", "model", "_set"], kind="stable")
     head = _study_provenance(root, doc_dir, STUDY_CPU, ok,
                              "make results DEVICE=cpu (python -m tools.study --device cpu)")
-    return [head, "", *tables.table(ok, {
+    return [head, "", *study_tables.table(ok, {
         "part": lambda r: r["part"], "model": lambda r: r["model"],
         "px": lambda r: int(r["dataset.image_size"]),
         "batch": lambda r: int(r["trainer.batch_size"]), "setting": lambda r: r["_set"],
-        "act. peak x none": lambda r: tables.fmt(r["x_act"]),
-        "saved x none": lambda r: tables.fmt(r["x_saved"])})]
+        "act. peak x none": lambda r: study_tables.fmt(r["x_act"]),
+        "saved x none": lambda r: study_tables.fmt(r["x_saved"])})]
 
 
 def _estimate_rows(root: Path, rel: Path) -> pd.DataFrame:
     df = report.load_summary_csv(root / rel)
-    df = tables.prepare(df.copy().assign(part="probes", step="estimate"))
+    df = study_tables.prepare(df.copy().assign(part="probes", step="estimate"))
     # the report's labeller: the method and the parameters that vary between its settings
     return df.assign(_label=report.add_labels(df)["label"])
 
@@ -286,7 +286,7 @@ def sweep_rows(root: Path, name: str) -> pd.DataFrame:
     """A committed sweep's rows with the study's ratios against each run's none."""
     def make() -> pd.DataFrame:
         df = report.load_summary_csv(root / DATA / name / "summary.csv")
-        df = tables.prepare(df.copy().assign(part=name, step=name))
+        df = study_tables.prepare(df.copy().assign(part=name, step=name))
         return df.assign(_label=report.add_labels(df)["label"])
     return _per_content(f"sweep_rows {name}", root / DATA / name / "summary.csv", make)
 
@@ -314,29 +314,30 @@ ESTIMATE_R50 = DATA / "estimate_resnet50_b64_cpu" / "summary.csv"
 
 def estimate_vs_measured(root: Path, doc_dir: Path) -> list[str]:
     """The fake-tensor estimate beside the tracker's measured peak of the same job."""
-    d = tables._order(_estimate_rows(root, ESTIMATE_R18), "model")
+    d = study_tables._order(_estimate_rows(root, ESTIMATE_R18), "model")
     head = _sweep_head(root, doc_dir, "estimate_resnet18_cpu", d)
-    return [head, "", *tables.table(d, {
-        "setting": lambda r: r["_label"], "status": tables.status,
-        "estimate / measured peak": lambda r: tables.fmt(report.ratio(r[ESTIMATE], r[PEAK])),
+    return [head, "", *study_tables.table(d, {
+        "setting": lambda r: r["_label"], "status": study_tables.status,
+        "estimate / measured peak": lambda r: study_tables.fmt(report.ratio(r[ESTIMATE], r[PEAK])),
         "act. estimate / measured act. peak":
-            lambda r: tables.fmt(report.ratio(r[ESTIMATE_ACT], r[ACT_PEAK]))})]
+            lambda r: study_tables.fmt(report.ratio(r[ESTIMATE_ACT], r[ACT_PEAK]))})]
 
 
 def quantize_estimate(root: Path, doc_dir: Path) -> list[str]:
     """resnet50 224 px b64: quantize's estimated saved activations and activation peak against
     none's, on fake tensors (no training step: max_steps=0)."""
-    d = tables._order(_estimate_rows(root, ESTIMATE_R50), "model")
+    d = study_tables._order(_estimate_rows(root, ESTIMATE_R50), "model")
     base = d[d["method"] == "none"].iloc[0]
-    unit, div = tables.unit_of(d["mem_estimate_saved_bytes"])
+    unit, div = study_tables.unit_of(d["mem_estimate_saved_bytes"])
     head = _sweep_head(root, doc_dir, "estimate_resnet50_b64_cpu", d)
-    return [head, "", *tables.table(d, {
-        "setting": lambda r: r["_label"], "status": tables.status,
-        f"estimated saved {unit}": lambda r: tables.fmt(r["mem_estimate_saved_bytes"] / div, 2),
-        "saved x none": lambda r: tables.fmt(report.ratio(r["mem_estimate_saved_bytes"],
-                                                          base["mem_estimate_saved_bytes"])),
-        "act. peak x none": lambda r: tables.fmt(report.ratio(r[ESTIMATE_ACT],
-                                                              base[ESTIMATE_ACT]))})]
+    return [head, "", *study_tables.table(d, {
+        "setting": lambda r: r["_label"], "status": study_tables.status,
+        f"estimated saved {unit}":
+            lambda r: study_tables.fmt(r["mem_estimate_saved_bytes"] / div, 2),
+        "saved x none": lambda r: study_tables.fmt(report.ratio(r["mem_estimate_saved_bytes"],
+                                                                base["mem_estimate_saved_bytes"])),
+        "act. peak x none": lambda r: study_tables.fmt(report.ratio(r[ESTIMATE_ACT],
+                                                                    base[ESTIMATE_ACT]))})]
 
 
 def _seed_table(root: Path, csv: str, value: str, by: str) -> tuple[pd.DataFrame, pd.Series]:
@@ -359,7 +360,7 @@ def quantize_accuracy(root: Path, doc_dir: Path) -> list[str]:
     for s in order:
         delta = wide[s] - wide["none"]
         d = "" if s == "none" else markdown.pm(delta.mean(), delta.std(), 1, sign=True)
-        per = " / ".join(tables.fmt(v, 2) for v in wide[s])
+        per = " / ".join(study_tables.fmt(v, 2) for v in wide[s])
         lines.append(f"| {s} | {wide[s].count()} | {mem.loc[s, 'act_peak_x_none']} | "
                      f"{mem.loc[s, 'saved_x_none']} | "
                      f"{markdown.pm(wide[s].mean(), wide[s].std(), 1)} | {d} | {per} |")
@@ -395,10 +396,12 @@ def synthetic_accuracy(root: Path, doc_dir: Path) -> list[str]:
              "| seed | none test acc | synthetic K=2 test acc | synthetic - none (points) |",
              "| --- | --- | --- | --- |"]
     for seed, r in wide.iterrows():
-        lines.append(f"| {seed} | {tables.fmt(r['none'], 4)} | {tables.fmt(r['synthetic'], 4)} "
+        lines.append(f"| {seed} | {study_tables.fmt(r['none'], 4)} | "
+                     f"{study_tables.fmt(r['synthetic'], 4)} "
                      f"| {markdown.number(r['synthetic'] - r['none'], 2, 100, sign=True)} |")
     m = wide.mean()
-    lines.append(f"| mean | {tables.fmt(m['none'], 4)} | {tables.fmt(m['synthetic'], 4)} | "
+    lines.append(f"| mean | {study_tables.fmt(m['none'], 4)} | "
+                 f"{study_tables.fmt(m['synthetic'], 4)} | "
                  f"{markdown.number(m['synthetic'] - m['none'], 2, 100, sign=True)} |")
     return lines
 
@@ -414,11 +417,11 @@ def formula_terms(root: Path, doc_dir: Path) -> list[str]:
     formula with the CPU's 2-byte dropout masks and with CUDA's 1-byte ones."""
     df = pd.read_csv(root / DATA / FORMULA_TERMS, dtype=str, keep_default_na=False)
     kib = lambda v: f"{int(v) / 1024:,.0f}"  # noqa: E731
-    return [_bench_head(root, doc_dir, FORMULA_TERMS), "", *tables.table(df, {
+    return [_bench_head(root, doc_dir, FORMULA_TERMS), "", *study_tables.table(df, {
         "term": lambda r: r["term"], "block": lambda r: r["block"],
         "measured KiB": lambda r: kib(r["measured_bytes"]),
         "formula KiB (CPU masks, m=2)": lambda r: kib(r["formula_cpu_bytes"]),
-        "measured / formula": lambda r: tables.fmt(report.ratio(
+        "measured / formula": lambda r: study_tables.fmt(report.ratio(
             float(r["measured_bytes"]), float(r["formula_cpu_bytes"])), 4),
         "formula KiB (CUDA masks, m=1)": lambda r: kib(r["formula_cuda_bytes"])})]
 
@@ -439,7 +442,7 @@ def transformer_checkpoint(root: Path, doc_dir: Path) -> list[str]:
              "| --- | --- | --- | --- |",
              f"| {first['profile_s']} | {first['baseline_peak_mib']} | {first['step_s']} | "
              f"{first['step_gflop']} |", "",
-             *tables.table(df, {
+             *study_tables.table(df, {
                  "cost": lambda r: r["cost"], "budget": lambda r: r["budget"],
                  "op peak": lambda r: r["op_peak"],
                  "op overhead time": lambda r: pct(r.get("op_overhead")),
@@ -479,10 +482,10 @@ def transformer_checkpoint_ops(root: Path, doc_dir: Path) -> list[str]:
     num = df.assign(out=df["out_mib"].astype(float), share=df["time_share"].astype(float))
     core = (num["name"] == "bmm") | (num["out"] >= num["out"].max() / 2)  # the s x s outputs
     linear = num["name"] == "addmm"
-    pct = lambda rows, col="share": tables.fmt(  # noqa: E731
+    pct = lambda rows, col="share": study_tables.fmt(  # noqa: E731
         100 * num.loc[rows, col].astype(float).sum() / num[col].astype(float).sum(), 1)
     return [_bench_head(root, doc_dir, CKPT_OPS), "",
-            *tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns}), "",
+            *study_tables.table(df, {c: (lambda r, c=c: r[c]) for c in df.columns}), "",
             "| ops | share of the layer's forward time % | share of its FLOPs % |",
             "| --- | --- | --- |",
             f"| the attention core (QK^T, attention x V, the ops with an s x s output) | "
@@ -502,16 +505,16 @@ def transformer_text(root: Path, doc_dir: Path) -> list[str]:
     corpus' byte unigram loss (the context-free model's), from the run's committed row."""
     d = report.load_summary_csv(root / TEXT)
     head = _study_provenance(root, doc_dir, TEXT, d, TEXT_COMMAND)
-    return [head, "", *tables.table(d, {
+    return [head, "", *study_tables.table(d, {
         "model": lambda r: r["model"], "layers x width": lambda r:
             f"{int(r['model.layers'])} x {int(r['model.width'])}",
         "corpus": lambda r: r["data_source"], "hash": lambda r: r["data_hash"],
         "tokens per sequence": lambda r: int(r["dataset.seq_len"]),
         "steps x batch": lambda r: f"{int(r['trainer.max_steps'])} x "
                                    f"{int(r['trainer.batch_size'])}",
-        "validation loss (nats/byte)": lambda r: tables.fmt(r["test_loss"], 4),
-        "perplexity": lambda r: tables.fmt(r["test_ppl"], 2),
-        "unigram loss": lambda r: tables.fmt(r["unigram_loss"], 4),
+        "validation loss (nats/byte)": lambda r: study_tables.fmt(r["test_loss"], 4),
+        "perplexity": lambda r: study_tables.fmt(r["test_ppl"], 2),
+        "unigram loss": lambda r: study_tables.fmt(r["unigram_loss"], 4),
         "below the unigram loss": lambda r: "yes" if r["learned"] in (True, "True") else "no"})]
 
 
@@ -641,7 +644,7 @@ def headline(root: Path, doc_dir: Path) -> list[str]:
             f"![Every method at its defaults against none on Fashion-MNIST "
             f"({', '.join(models)}): the step's peak memory against the change in test "
             f"accuracy and in step time]({img})", "", *_training_table(runs), "",
-            *tables.table(st, {
+            *study_tables.table(st, {
                 "model": lambda r: r["model"], "method": lambda r: r["label"],
                 **{r.heading(): cell(r.name) for r in (MEMORY_RATIO, *DETAIL)},
                 "test acc %": cell("test_acc", 1, 100),
@@ -681,7 +684,7 @@ def checkpoint_least(root: Path, doc_dir: Path) -> list[str]:
         planned = ("the raised budget" if not names_isna(raised) else "the asked 0.01"
                    if not names_isna(r.get("plan_budget_bytes")) else "no plan in the row")
         lines.append(f"| {r['model']} | {int(r['trainer.batch_size'])} | "
-                     f"{int(r['dataset.image_size'])} | {tables.fmt(least)} | {planned} |")
+                     f"{int(r['dataset.image_size'])} | {study_tables.fmt(least)} | {planned} |")
     return lines
 
 
@@ -697,7 +700,7 @@ def sharding(root: Path, doc_dir: Path) -> list[str]:
     single = d["trainer.strategy"].eq("single")
     d = d.assign(ranks=pd.to_numeric(d["trainer.world_size"], errors="coerce")
                  .where(~single, 1))
-    unit, div = tables.unit_of(d[ESTIMATE])
+    unit, div = study_tables.unit_of(d[ESTIMATE])
     lines = [_sweep_head(root, doc_dir, name, sweep_rows(root, name)), "",
              f"![One rank's estimated peak against the number of ranks: resnet50 and "
              f"gpt2_small, none, checkpoint and quantize under ddp and fsdp]({img})", "",
@@ -721,7 +724,7 @@ def sharding(root: Path, doc_dir: Path) -> list[str]:
                     elif h.iloc[0]["status"] != "ok":
                         cells.append(f"{h.iloc[0]['status']}")
                     else:
-                        cells.append(tables.fmt(h.iloc[0][ESTIMATE] / div, 2))
+                        cells.append(study_tables.fmt(h.iloc[0][ESTIMATE] / div, 2))
                 lines.append(f"| {model} | {method} | {strategy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -730,7 +733,8 @@ def sharding(root: Path, doc_dir: Path) -> list[str]:
 
 
 def _ratio_cells(r: pd.Series) -> str:
-    return f"{tables.fmt(r['x_saved'])} / {tables.fmt(r['x_act_only'])} / {tables.fmt(r['x_act'])}"
+    fmt = study_tables.fmt
+    return f"{fmt(r['x_saved'])} / {fmt(r['x_act_only'])} / {fmt(r['x_act'])}"
 
 
 def pool_sizes(root: Path, doc_dir: Path) -> list[str]:
@@ -762,20 +766,21 @@ def pool_sizes(root: Path, doc_dir: Path) -> list[str]:
 
 def stacks(root: Path, doc_dir: Path) -> list[str]:
     """checkpoint, quantize and the stack: saved bytes, the activation peak and the plan's."""
-    d = tables._order(sweep_rows(root, "stacks_resnet50_cpu"), "model")
-    unit, div = tables.unit_of(d["mem_act_saved_bytes"])
+    d = study_tables._order(sweep_rows(root, "stacks_resnet50_cpu"), "model")
+    unit, div = study_tables.unit_of(d["mem_act_saved_bytes"])
 
     def both(col: str, x: str):
-        return lambda r: f"{tables.fmt(r[col] / div, 2)} ({tables.fmt(r[x])})"
+        return lambda r: f"{study_tables.fmt(r[col] / div, 2)} ({study_tables.fmt(r[x])})"
 
-    return [_sweep_head(root, doc_dir, "stacks_resnet50_cpu", d), "", *tables.table(d, {
-        "method": lambda r: r["_label"], "status": tables.status,
+    return [_sweep_head(root, doc_dir, "stacks_resnet50_cpu", d), "", *study_tables.table(d, {
+        "method": lambda r: r["_label"], "status": study_tables.status,
         f"saved {unit} (x none)": both("mem_act_saved_bytes", "x_saved"),
         f"act. peak {unit} (x none)": both("mem_peak_act_bytes", "x_act_only"),
         f"act.+temp. peak {unit} (x none)": both("mem_peak_act_temp_bytes", "x_act"),
-        f"plan's modelled peak {unit}": lambda r: tables.fmt(r.get("plan_peak_bytes") / div, 2),
+        f"plan's modelled peak {unit}":
+            lambda r: study_tables.fmt(r.get("plan_peak_bytes") / div, 2),
         f"plan's measured peak {unit}":
-            lambda r: tables.fmt(r.get("plan_measured_peak_bytes") / div, 2)})]
+            lambda r: study_tables.fmt(r.get("plan_measured_peak_bytes") / div, 2)})]
 
 
 def _prune_e2e_table(rows: list[dict]) -> str:
@@ -860,7 +865,7 @@ def results_headlines(root: Path, doc_dir: Path) -> list[str]:
     source by number (the list under the table: device, date, seeds, steps, command)."""
     src, pub = Sources(root, doc_dir), papers(root)
     study = study_rows(root)
-    study = study.assign(_set=study.apply(tables.setting, axis=1))
+    study = study.assign(_set=study.apply(study_tables.setting, axis=1))
     runs, hl = headline_settings(root)
     e2e, _ = _bench_source(root, "prune_e2e_cpu.csv")
     over, _ = _bench_source(root, "overhead_cpu.csv")
@@ -885,7 +890,7 @@ def results_headlines(root: Path, doc_dir: Path) -> list[str]:
         return src.cite("fmnist", lambda: synthetic_accuracy(root, doc_dir)[0])
 
     def x(r: pd.Series, col: str = "x_act") -> str:
-        return tables.fmt(r.get(col)) + "x"
+        return study_tables.fmt(r.get(col)) + "x"
 
     def hl_cell(method: str) -> str:
         cells = []

@@ -10,7 +10,7 @@
 - `anatomy`: per checkpoint setting, its step's timeline with each recomputed group marked
   where backward runs it again, over its segments' saved bytes against the baseline's, each
   segment kept or recomputed as the plan says (plan.csv).
-- `module_tables`: the per-module tables of report.md (memtrain.layers.compare).
+- `module_tables`: the per-module tables of report.md (memtrain.by_module.compare).
 
 Input is the per-run table (`Report.runs`): the first seed of each setting that wrote the
 files is read (paths relative to its `run_dir`). Each figure's data frame is what was drawn.
@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.patches import Patch
 
-from memtrain import layers, timeline
+from memtrain import by_module, timeline
 from memtrain.report import style
 from memtrain.report.draw import Plot
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES
@@ -160,25 +160,25 @@ def _plan(r: pd.Series) -> pd.DataFrame | None:
     path = r.get("plan_table")
     if path is None or pd.isna(path) or not str(path):
         return None
-    return layers.read(r["run_dir"], path)
+    return by_module.read(r["run_dir"], path)
 
 
 def module_tables(runs: pd.DataFrame, baseline: str = "none"
                   ) -> dict[tuple, tuple[pd.DataFrame, dict[str, list[str]]]]:
-    """Per (model, dataset): the per-module table (`layers.compare`, one column per setting's
+    """Per (model, dataset): the per-module table (`by_module.compare`, one column per setting's
     label, the baseline's first) and, for each setting with a plan (checkpoint), its decision
     per row ('kept', 'recomputed (group 2-4)')."""
     out = {}
     for key, b, others in _saved_runs(runs, baseline):
-        t = layers.compare(layers.read(b["run_dir"], b["saved_by_module"]),
-                           [(str(r["label"]), layers.read(r["run_dir"], r["saved_by_module"]))
-                            for r in others])
+        t = by_module.compare(by_module.read(b["run_dir"], b["saved_by_module"]),
+                              [(str(r["label"]), by_module.read(r["run_dir"], r["saved_by_module"]))
+                               for r in others])
         t = t.rename(columns={"baseline": str(b["label"])})
         plans = {}
         for r in others:
             plan = _plan(r)
             if plan is not None:
-                plans[str(r["label"])] = [layers.decision(m, plan) for m in t.index[:-2]] + \
+                plans[str(r["label"])] = [by_module.decision(m, plan) for m in t.index[:-2]] + \
                     ["", ""]
         out[key] = (t, plans)
     return out
@@ -247,10 +247,10 @@ def layers_figure(runs: pd.DataFrame, baseline: str = "none",
 
 def _segment_bytes(saved: pd.DataFrame, plan: pd.DataFrame) -> list[int]:
     """Saved bytes per plan segment (modules gathered onto the segments' module names)."""
-    per = layers.per_module(saved)
+    per = by_module.per_module(saved)
     out = [0] * len(plan)
     for m, v in per.items():
-        s = layers.segment_of(m, plan)
+        s = by_module.segment_of(m, plan)
         if s is not None:
             out[s] += int(v)
     return out
@@ -300,7 +300,7 @@ def anatomy(runs: pd.DataFrame, baseline: str = "none",
             # the segment most of the span's events run in (a group's first module can run
             # under checkpoint's wrapper, which has no name in the model)
             inside = w.loc[(w["event"] >= a) & (w["event"] <= b), "module"].astype(str)
-            segs = Counter(x for x in (layers.segment_of(timeline.short_module(m), plan)
+            segs = Counter(x for x in (by_module.segment_of(timeline.short_module(m), plan)
                                        for m in inside) if x is not None)
             seg = segs.most_common(1)[0][0] if segs else None
             group = plan.loc[plan["segment"] == seg, "group"].iloc[0] if seg is not None else ""
@@ -309,9 +309,9 @@ def anatomy(runs: pd.DataFrame, baseline: str = "none",
             drawn.append({"panel": r["label"], "what": "recomputed", "segment": seg,
                           "group": group, "first_event": a, "last_event": b})
         # the segments: the baseline's saved bytes against the run's, as the plan decides
-        mine = _segment_bytes(layers.read(r["run_dir"], r["saved_by_module"]), plan)
+        mine = _segment_bytes(by_module.read(r["run_dir"], r["saved_by_module"]), plan)
         b = bases.get(key)
-        theirs = _segment_bytes(layers.read(b["run_dir"], b["saved_by_module"]), plan) \
+        theirs = _segment_bytes(by_module.read(b["run_dir"], b["saved_by_module"]), plan) \
             if b is not None else [0] * len(plan)
         div, u = style.byte_unit(pd.Series([*mine, *theirs]))
         xs = list(range(len(plan)))

@@ -6,8 +6,9 @@ would type: memtrain sweeps, benchmarks, the CUDA tests), and writes its view, d
 
 - `results.py`: the driver (`python -m tools.study`, the same as `python -m
   tools.study.results`): parts, timeouts, signals, statuses, the archive;
-- `plan.py`: the parts, their sizes (PROFILES, `--set PART.KEY=VALUE`) and their command lines;
-- `tables.py`: results.md's tables, built on memtrain/report/ (its row loader, ratios, units,
+- `study_plan.py`: the parts, their sizes (PROFILES, `--set PART.KEY=VALUE`) and their command
+  lines;
+- `study_tables.py`: results.md's tables, built on memtrain/report/ (its row loader, ratios, units,
   number format and setting labels);
 - `view.py`: the view, made again from every raw result at the end of each invocation.
 """

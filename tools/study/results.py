@@ -15,8 +15,8 @@ so a killed study still leaves what it measured. Each part's record (its status,
 against budget, device, commit and the rows' schema version) is also written to
 <view>/parts/<part>.json; a part complete there for this kind of device (any GPU, or the CPU)
 and this schema is not measured again unless --remeasure names it. Parts run in priority
-order (plan.PRIORITY); the rest start a step only where its budget still fits. Sizes:
-tools/study/plan.py.
+order (study_plan.PRIORITY); the rest start a step only where its budget still fits. Sizes:
+tools/study/study_plan.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from memtrain.columns import SCHEMA, SCHEMA_VERSION
 from memtrain.record import atomic_write
-from tools.study import plan, view
+from tools.study import study_plan, view
 
 STATUS = "status.json"
 VIEW_RESERVE_S = 60  # of a deadline, kept for the view and the archive
@@ -82,7 +82,7 @@ def find_none(runs: Path, where: dict) -> bool:
     return False
 
 
-def run_step(step: plan.Step, log: Path, timeout: float, env: dict) -> dict:
+def run_step(step: study_plan.Step, log: Path, timeout: float, env: dict) -> dict:
     """Run one command (its own process group, so that it can be stopped with all its workers;
     output to `log`); on timeout SIGTERM the group (memtrain turns it into `interrupted` rows),
     then SIGKILL what is left."""
@@ -156,11 +156,11 @@ def committed(root: Path, part: str, slug: str) -> Path | None:
     return None
 
 
-def run_part(part: str, ctx: plan.Context, env: dict, time_left, stamp: dict | None = None,
+def run_part(part: str, ctx: study_plan.Context, env: dict, time_left, stamp: dict | None = None,
              whole_steps: bool = False) -> dict:
     """Every step of a part, each recorded; a failing step never stops the next. A priority
-    part's steps stop at plan.PART_CAP x its budget; `whole_steps`: start a step only where its
-    budget fits in the time left (the parts after the priority ones)."""
+    part's steps stop at study_plan.PART_CAP x its budget; `whole_steps`: start a step only where
+    its budget fits in the time left (the parts after the priority ones)."""
     folder = ctx.runs / part
     if folder.exists():  # a part measured again starts clean: no stale rows
         import shutil
@@ -171,10 +171,11 @@ def run_part(part: str, ctx: plan.Context, env: dict, time_left, stamp: dict | N
     record = {"part": part, "status": "running", "started": started, "size": sizes,
               **(stamp or {}), "steps": []}
     t0 = time.monotonic()
-    cap = plan.PART_CAP * plan.BUDGETS[part] if part in plan.BUDGETS else float("inf")
+    cap = study_plan.PART_CAP * study_plan.BUDGETS[part] if part in study_plan.BUDGETS \
+        else float("inf")
     atomic_write(folder / STATUS, json.dumps(record, indent=1) + "\n")
     try:
-        steps = plan.BUILDERS[part](ctx)
+        steps = study_plan.BUILDERS[part](ctx)
     except Exception as e:  # a bad size: the part's row says so, the study goes on
         steps, record["error"] = [], f"{type(e).__name__}: {e}"
     for step in steps:
@@ -221,10 +222,10 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--profile", choices=tuple(plan.PROFILES),
+    ap.add_argument("--profile", choices=tuple(study_plan.PROFILES),
                     help="sizes (default: gpu on cuda, cpu on cpu)")
-    ap.add_argument("--parts", default=",".join(plan.PARTS),
-                    help=f"comma list of {', '.join(plan.PARTS)}, report (default: all; the "
+    ap.add_argument("--parts", default=",".join(study_plan.PARTS),
+                    help=f"comma list of {', '.join(study_plan.PARTS)}, report (default: all; the "
                          f"report is made after any of them)")
     ap.add_argument("--remeasure", default="", metavar="PARTS",
                     help="comma list of parts (or all) to measure again although complete "
@@ -248,19 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     again = [p.strip() for p in a.remeasure.split(",") if p.strip()]
-    again = list(plan.PARTS) if again == ["all"] else again
-    wrong = [p for p in parts + again if p not in (*plan.PARTS, "report")]
+    again = list(study_plan.PARTS) if again == ["all"] else again
+    wrong = [p for p in parts + again if p not in (*study_plan.PARTS, "report")]
     if wrong or not parts:
         print(f"results: unknown part {', '.join(wrong) or '(none)'}; valid: "
-              f"{', '.join(plan.PARTS)}, report", file=sys.stderr)
+              f"{', '.join(study_plan.PARTS)}, report", file=sys.stderr)
         return 2
     profile = a.profile or ("gpu" if a.device == "cuda" else "cpu")
     try:
-        size = plan.apply_sets(plan.PROFILES[profile], a.set)
+        size = study_plan.apply_sets(study_plan.PROFILES[profile], a.set)
     except ValueError as e:
         print(f"results: {e}", file=sys.stderr)
         return 2
-    measuring = [p for p in plan.PARTS if p in parts]
+    measuring = [p for p in study_plan.PARTS if p in parts]
     # the folder is named by the GPU; a measuring run checks that there is one
     slug = a.device if a.dry_run else \
         device_slug(a.device) if measuring or not a.name else None
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     measuring = [p for p in measuring if p not in done]
     if a.dry_run:
-        ctx = plan.Context(a.device, runs, size, lambda where: "baseline" in parts)
+        ctx = study_plan.Context(a.device, runs, size, lambda where: "baseline" in parts)
         return dry_run(ctx, measuring)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.device == "cuda":
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         # each other made steps ~20x slower (resnet50 16 px b2: 1.2 s with one, 23-31 s with
         # two, at load ~13 on 2 cores); the CPU study measures memory, time is only a sign
         env.setdefault("OMP_NUM_THREADS", "1")
-    ctx = plan.Context(a.device, runs, size, lambda where: find_none(runs, where))
+    ctx = study_plan.Context(a.device, runs, size, lambda where: find_none(runs, where))
     t0 = time.monotonic()
     reserve = 0 if a.no_report else VIEW_RESERVE_S
     time_left = (lambda: float("inf")) if a.deadline_s is None else \
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             continue
         record = run_part(part, ctx, env, time_left, stamp,
-                          whole_steps=part not in plan.PRIORITY)
+                          whole_steps=part not in study_plan.PRIORITY)
         atomic_write(out / "parts" / f"{part}.json", json.dumps(record, indent=1) + "\n")
         if a.archive:  # after every part: a call cut off later returns what it measured
             pack(a.archive, [runs, out])
@@ -323,13 +324,13 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def dry_run(ctx: plan.Context, parts: list[str]) -> int:
+def dry_run(ctx: study_plan.Context, parts: list[str]) -> int:
     total = 0.0
     for part in parts:
-        steps = plan.BUILDERS[part](ctx)
+        steps = study_plan.BUILDERS[part](ctx)
         budget = sum(s.budget_s for s in steps)
         total += budget
-        cap = f" (part budget {plan.BUDGETS[part]} s)" if part in plan.BUDGETS else ""
+        cap = f" (part budget {study_plan.BUDGETS[part]} s)" if part in study_plan.BUDGETS else ""
         print(f"## {part}: ~{budget:.0f} s{cap}")
         for s in steps:
             print(f"  [{s.budget_s:.0f} s] python {' '.join(s.argv)}")

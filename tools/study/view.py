@@ -23,11 +23,11 @@ import pandas as pd
 
 from memtrain.record import atomic_write
 from memtrain.report.tables import ratio as report_ratio
-from tools.study import tables
+from tools.study import study_tables
 
 # the columns a run shares with its `none` (the report's --match): the parts measure none
 # at several sizes, step counts and probe settings, and each ratio must use its own
-MATCH = ",".join(k for k in tables.MATCH if k not in ("device", "mem_peak_source"))
+MATCH = ",".join(k for k in study_tables.MATCH if k not in ("device", "mem_peak_source"))
 # the figures docs/results/README.md shows, drawn from one part's runs (and the none runs its
 # ratios use)
 HIGHLIGHTS = {"tradeoff": "tradeoff", "checkpoint": "budget"}
@@ -140,15 +140,15 @@ def headlines(df: pd.DataFrame, runs: Path) -> list[str]:
     """The figures the issue's closing note asks for, where measured: `peak` is CUDA's
     max_memory_allocated on a GPU and the tracker's on the CPU, where parameters and optimizer
     state dominate it at tiny sizes, so the activation peak (`act.`) is given beside it."""
-    out, f = [], tables.fmt
+    out, f = [], study_tables.fmt
     ok = df[df["status"] == "ok"]
     for _, r in ok[(ok["part"] == "pool") & (ok["method"] == "pool")].iterrows():
-        if tables.setting(r) in ("k=2 conv", "compaction only (k=1)"):
-            out.append(f"pool {tables.setting(r)}, resnet50 b{r['trainer.batch_size']} "
+        if study_tables.setting(r) in ("k=2 conv", "compaction only (k=1)"):
+            out.append(f"pool {study_tables.setting(r)}, resnet50 b{r['trainer.batch_size']} "
                        f"{r['trainer.precision']}: peak x{f(r['x_peak'])}, act. "
                        f"x{f(r['x_act'])}, throughput x{f(r['x_thr'])} (paper: peak x0.71)")
     for _, r in ok[(ok["part"] == "prune") & (ok["method"] == "prune")].iterrows():
-        out.append(f"prune {tables.setting(r)}, {r['model']} {r['trainer.precision']}: peak "
+        out.append(f"prune {study_tables.setting(r)}, {r['model']} {r['trainer.precision']}: peak "
                    f"x{f(r['x_peak'])}, act. x{f(r['x_act'])} (paper: x0.68)")
     ck = ok[(ok["part"] == "checkpoint") & (ok["method"] == "checkpoint")]
     ck = ck[ck["method.strategy"].isin(["budget", "compile"])] if len(ck) else ck
@@ -156,13 +156,13 @@ def headlines(df: pd.DataFrame, runs: Path) -> list[str]:
         col = "x_peak" if (g["mem_peak_source"] == "cuda").all() else "x_act"
         r = g.loc[(g[col] - 0.40).abs().idxmin()]
         out.append(f"checkpoint {strategy} nearest 0.40x ({col.replace('x_', '')}): "
-                   f"{tables.setting(r)} gives x{f(r[col])} at step time x{f(r['x_step'])} "
+                   f"{study_tables.setting(r)} gives x{f(r[col])} at step time x{f(r['x_step'])} "
                    f"(MONeT: x0.40 at +9.3% compute)")
     est = ok[(ok["part"] == "probes") & ok["step"].str.startswith("estimate")]
     for _, r in est[est["method"] == "none"].iterrows():
-        ratio = report_ratio(r.get(tables.ESTIMATE), r.get(tables.PEAK))
+        ratio = report_ratio(r.get(study_tables.ESTIMATE), r.get(study_tables.PEAK))
         out.append(f"estimate / measured peak, none, {r['model']}: {f(ratio)}")
-    kernels = tables.read_md_table(runs / "prune" / "kernels.md")
+    kernels = study_tables.read_md_table(runs / "prune" / "kernels.md")
     for col in ("kernel_x_dense", "torch_bsr_x_dense"):
         if col in kernels:
             v = pd.to_numeric(kernels[col], errors="coerce").dropna()
@@ -188,7 +188,7 @@ def figures(out: Path, made: list[Path], stamp_text: str) -> tuple[list[str], li
 def make(runs: Path, out: Path, env: dict) -> Path:
     """Write the view; never raises for one broken piece."""
     out.mkdir(parents=True, exist_ok=True)
-    df = tables.prepare(tables.load_rows(runs))
+    df = study_tables.prepare(study_tables.load_rows(runs))
     prov = provenance(df)
     problems = []
     reports, made = {}, []
@@ -214,14 +214,14 @@ def make(runs: Path, out: Path, env: dict) -> Path:
              f"measured {prov['date']}. Made by `make results` "
              f"(`python -m tools.study`); raw runs in `{runs}`.", "",
              "| part | status |", "| --- | --- |"]
-    parts = [*tables.SECTIONS]
+    parts = [*study_tables.SECTIONS]
     for sec in parts:
-        part = tables.SECTION_PART.get(sec, sec)
+        part = study_tables.SECTION_PART.get(sec, sec)
         lines.append(f"| {sec} | {part_line(part, st.get(part), df)} |")
     lines += [f"| report ({k}) | {v} |" for k, v in reports.items()]
     lines += ["", "## Headlines", "", *headlines(df, runs)]
-    for sec, (title, fn) in tables.SECTIONS.items():
-        part = tables.SECTION_PART.get(sec, sec)
+    for sec, (title, fn) in study_tables.SECTIONS.items():
+        part = study_tables.SECTION_PART.get(sec, sec)
         lines += ["", f"## {title}", "", f"Status: {part_line(part, st.get(part), df)}.", ""]
         lines += _failed_steps(st.get(part))
         try:
@@ -237,7 +237,7 @@ def make(runs: Path, out: Path, env: dict) -> Path:
         lines += ["", "## Problems", "", *[f"- {p}" for p in problems]]
     sizes = {p: st[p]["size"] for p in sorted(st) if "size" in st[p]}
     if sizes:
-        lines += ["", "## Sizes", "", "Each part as it ran (tools/study/plan.py; "
+        lines += ["", "## Sizes", "", "Each part as it ran (tools/study/study_plan.py; "
                   "`--set PART.KEY=VALUE` changes one):", "", "```json",
                   json.dumps(sizes, indent=1), "```"]
     atomic_write(out / "results.md", "\n".join(lines) + "\n")

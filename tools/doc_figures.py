@@ -2,8 +2,8 @@
 committed rows, so a picture in docs/ is what memtrain-report draws from those runs, not a
 hand-made one.
 
-    python -m tools.screens          # docs/figures/<name>.png and .csv, from its rows
-    python -m tools.screens --capture-timeline RUNS NAME   # first commit a sweep's
+    python -m tools.doc_figures          # docs/figures/<name>.png and .csv, from its rows
+    python -m tools.doc_figures --capture-timeline RUNS NAME   # first commit a sweep's
                                               # rows and step files as docs/results/rows/NAME/
 
 Each entry of SCREENS names a folder under docs/results/rows/ holding memtrain-report's summary.csv
@@ -15,7 +15,7 @@ The step-anatomy figures (`trainer.memory_timeline`: timeline, layers, anatomy) 
 files each run wrote beside itself; `capture_timeline` commits them in a folder per run
 (`make timeline-figures`: a real resnet18 sweep on the CPU, then these pictures).
 Beside each PNG, `<name>.csv` holds exactly the values it drew (the report's figure data):
-tests/test_screens.py draws again and compares those, not the pixels (images differ across
+tests/test_doc_figures.py draws again and compares those, not the pixels (images differ across
 matplotlib versions).
 """
 
@@ -139,7 +139,7 @@ def draw(screen: Screen, root: Path = ROOT, out: Path | None = None, made=None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.screens", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.doc_figures", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help=f"where the PNGs go (default: {OUT})")
     ap.add_argument("--capture-timeline", nargs=2, metavar=("RUNS", "NAME"),
