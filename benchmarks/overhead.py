@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 import benchmarks as bench
 from memtrain import api
+from memtrain.config.schema import Trainer
 from memtrain.data import Data, Split
 from memtrain.optim import build_optimizer, build_scheduler
-from memtrain.schema import Trainer
 from memtrain.train import train
 
 

@@ -31,7 +31,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from memtrain import config, runner
+from memtrain import runner
+from memtrain.config import loader
 from memtrain.errors import ConfigError
 
 Model = nn.Module | Callable[..., nn.Module]
@@ -39,7 +40,7 @@ Model = nn.Module | Callable[..., nn.Module]
 
 def compose(overrides: list[str] | None = None) -> tuple[DictConfig, dict[str, str]]:
     """The composed config (hydra node removed) and the group choices."""
-    return config.compose(overrides)
+    return loader.compose(overrides)
 
 
 def build(overrides: list[str] | None = None, model: Model | None = None):
@@ -79,7 +80,7 @@ def run(overrides: list[str] | None = None, out_dir: str | Path | None = None,
     """Train one run and return its summary record; the run folder is `out_dir` (default
     runs/api/<date>/<time>_<method>_<model>_<dataset>). `model`: your nn.Module (deep-copied
     for the run) or a function that returns one, run as `model=module`. Bad input the checks
-    see in the values (types, ranges, the data's memory: config.check_overrides) raises its
+    see in the values (types, ranges, the data's memory: loader.check_overrides) raises its
     ConfigError before anything is written; bad input found while the job builds (a missing
     file) raises after its row is written; every other failure is the row's status."""
     cfg, choices = compose(with_module(overrides, model))
@@ -126,7 +127,7 @@ def sweep(overrides: list[str] | None = None, *, model: Model | None = None,
     composed = [compose([*overrides, *job]) for job in jobs]  # every job checked first
     rows = []
     for num, (cfg, choices) in enumerate(composed):
-        job_dir = out_dir / f"{num}_{config.run_id(cfg)}"
+        job_dir = out_dir / f"{num}_{loader.run_id(cfg)}"
         try:
             rows.append(_run(cfg, choices, job_dir))
         except ConfigError:  # its row says why; the sweep goes on

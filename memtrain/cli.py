@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import config, distributed, faults, runner
+from memtrain import distributed, faults, runner
+from memtrain.config import loader
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
@@ -156,9 +157,9 @@ def main() -> None:
 
     args = get_args_parser().parse_args(sys.argv[1:])
     if args.help:  # memtrain's own: what it is, its groups, examples (Hydra's: --hydra-help)
-        from memtrain import config_groups
+        from memtrain.config import groups
 
-        print(config_groups.help_text())
+        print(groups.help_text())
         return
     if args.package and not args.cfg:  # Hydra reads -p only with --cfg; alone it trained a run
         sys.argv[1:1] = ["--cfg", "job"]
@@ -169,11 +170,11 @@ def main() -> None:
     if not (args.shell_completion or args.experimental_rerun):
         try:
             shows = bool(args.cfg or args.info or args.help or args.hydra_help)  # writes nothing
-            config.check_overrides(args.overrides, config_path=args.config_path,
+            loader.check_overrides(args.overrides, config_path=args.config_path,
                                    config_dir=args.config_dir, config_name=args.config_name,
                                    multirun=True if args.multirun else None, jobs=not shows)
             if not shows:
-                config.check_default_output_dir(args.overrides, bool(args.multirun),
+                loader.check_default_output_dir(args.overrides, bool(args.multirun),
                                                 config_path=args.config_path,
                                                 config_dir=args.config_dir,
                                                 config_name=args.config_name)
@@ -192,7 +193,7 @@ def main() -> None:
     if distributed.is_launched() and not (args.cfg or args.info or args.shell_completion):
         given = list(args.overrides)
         sys.argv[1:] = [a for a in sys.argv[1:] if a not in given] + _as_rank(given)
-    task = hydra.main(version_base="1.3", config_path=str(config.conf_dir()),
+    task = hydra.main(version_base="1.3", config_path=str(loader.conf_dir()),
                       config_name="config")(_hydra_task)
     task()
     from memtrain.hydra_callbacks import StatusCount

@@ -170,13 +170,13 @@ def _of(kind: str, writer: str, *rows: tuple) -> tuple[Column, ...]:
 
 _BREAKDOWN = "{" + ",".join(BREAKDOWN) + "}"
 COLUMNS: tuple[Column, ...] = (
-    # ---- identity and config (config.identity: the runner and the launchers' lost-job rows)
-    *_of("identity", "config.identity",
+    # ---- identity and config (loader.identity: the runner and the launchers' lost-job rows)
+    *_of("identity", "loader.identity",
          (RUN_ID, "text", "hash of the resolved config, options that only drive a run left out "
                           "(record.py)"),
          *((g, "text", f"the option of conf/{g}/ this run chose (\"\" when none)")
            for g in _IDENTITY_GROUPS)),
-    *_of("config", "config.identity",
+    *_of("config", "loader.identity",
          ("method.<option>", "option", "an option of the chosen conf/method/*.yaml; a stack "
                                        "member's as `method.<member>.<option>`", "", "",
           OPTION_LABELS),

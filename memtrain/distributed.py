@@ -50,9 +50,9 @@ import torch
 from torch import nn
 
 import memtrain.methods.base as base
+from memtrain.config.schema import STRATEGIES
 from memtrain.data import Split
 from memtrain.errors import ConfigError, check_choice
-from memtrain.schema import STRATEGIES
 
 log = logging.getLogger("memtrain")
 

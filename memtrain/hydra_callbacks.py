@@ -135,7 +135,7 @@ def sweep_size(config: DictConfig) -> int | None:
     """How many jobs the multirun of `config` launches, counted as the basic and the variants
     sweepers expand them (`hydra.sweeper.params`, then the command's overrides, per variant);
     None for a sweep counted otherwise (another sweeper's own search)."""
-    from memtrain.config import _sweep_jobs
+    from memtrain.config.loader import _sweep_jobs
 
     sweeper = config.hydra.sweeper
     if not str(sweeper.get("_target_", "")).endswith(("BasicSweeper", "VariantSweeper")):
@@ -208,8 +208,8 @@ class ProbeCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from memtrain import probes
+        from memtrain.config.schema import Trainer
         from memtrain.errors import ConfigError
-        from memtrain.schema import Trainer
 
         try:
             t = Trainer.from_config(config.trainer)

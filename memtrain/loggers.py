@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import torch
 
 from memtrain import columns
+from memtrain.config.schema import LOGGERS  # trainer.logger's valid values
 from memtrain.errors import ConfigError, check_choice
 from memtrain.record import METRIC_FIELDS, METRICS
-from memtrain.schema import LOGGERS  # trainer.logger's valid values
 
 log = logging.getLogger("memtrain")
 MemoryNow = Callable[[], dict[str, int]]  # measure.Measurement.memory_now

@@ -1,7 +1,7 @@
 """Where memtrain's own files are: conf/ of a source checkout, else the installed memtrain.conf.
 
-Imports the standard library only: config.py (Hydra's search path) and the report (its display
-names and method order in conf/report/) both read conf/ through it.
+Imports the standard library only: config/loader.py (Hydra's search path) and the report (its
+display names and method order in conf/report/) both read conf/ through it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A job's values checked before anything is built or written, and the small builders those checks
 share with the runner: the typed trainer options, a config node's keyword arguments, the object a
-`_target_` names (memtrain/trust.py), the method a conf/method node describes.
+`_target_` names (memtrain/config/trust.py), the method a conf/method node describes.
 
-The command's and the API's checks (config.check_overrides) call `check` on each job before Hydra
+The command's and the API's checks (loader.check_overrides) call `check` on each job before Hydra
 makes a folder; the runner calls it again where a job starts (launchers' jobs, presets). It never
-imports config.py, which imports it.
+imports config/loader.py, which imports it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import memtrain.methods.base as base
-from memtrain import loggers, probes, schema, trust
+from memtrain import loggers, probes
+from memtrain.config import schema, trust
+from memtrain.config.schema import Trainer
 from memtrain.data import check_options
 from memtrain.errors import ConfigError
 from memtrain.record import GROUPS
-from memtrain.schema import Trainer
 
 
 def kwargs_of(node: DictConfig) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def kwargs_of(node: DictConfig) -> dict[str, Any]:
 
 
 def target_of(node: DictConfig, where: str):
-    """What a node's `_target_` names, if a config may build it there (memtrain/trust.py)."""
+    """What a node's `_target_` names, if a config may build it there (memtrain/config/trust.py)."""
     return trust.locate(node._target_, f"{where}._target_")
 
 
@@ -52,7 +53,7 @@ def check(cfg: DictConfig, here: bool = True) -> Trainer:
     ConfigError.
 
     The command's and the API's checks call it on each job before anything is written
-    (config.check_overrides), the runner again when a job starts (launchers' jobs, presets).
+    (loader.check_overrides), the runner again when a job starts (launchers' jobs, presets).
     `here`: the job runs on this machine (False: a cluster's node, whose devices, memory and
     files are not this machine's)."""
     t = trainer_of(cfg, here)

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from memtrain import capacity, estimate
+from memtrain.config.schema import Trainer
 from memtrain.data import Data
 from memtrain.errors import ConfigError
-from memtrain.schema import Trainer
 
 log = logging.getLogger("memtrain")
 

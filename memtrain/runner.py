@@ -1,4 +1,5 @@
-"""The engine: one job, from a composed config (config.py composes and names it) to its run folder.
+"""The engine: one job, from a composed config (config/loader.py composes and names it) to its run
+folder.
 
     compose -> build (data, model, method) -> probes -> prepare -> train (or method.fit) -> record
 
@@ -39,13 +40,13 @@ from memtrain import (
     record,
     resume,
 )
-from memtrain.config import identity
+from memtrain.config.loader import identity
+from memtrain.config.schema import Trainer
 from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
 from memtrain.methods.base import Method  # the contract: what the runner asks of a method
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.preflight import build_data, build_method, check, kwargs_of, target_of, trainer_of
-from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
 log = logging.getLogger("memtrain")

@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from memtrain import distributed, measure, resume
+from memtrain.config.schema import Trainer
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
 from memtrain.faults import Fault
 from memtrain.loggers import Logger
 from memtrain.losses import cross_entropy
-from memtrain.schema import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memtrain import capacity, config, estimate
+from memtrain import capacity, estimate
+from memtrain.config import loader
 from memtrain.errors import ConfigError
 
 log = logging.getLogger("memtrain")
@@ -371,7 +372,7 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     base, own = parse([*overrides, *extra])
     out_dir = out_dir if out_dir is not None else own["out"]
     # every check before anything is written: the base config, the card, every setting's own
-    cfg, choices = config.compose(base)
+    cfg, choices = loader.compose(base)
     t = runner.check(cfg)
     model_name = str(choices.get("model"))
     shown = f"{model_name} {cfg.model.name}" if isinstance(cfg.model.get("name"), str) and \
@@ -385,7 +386,7 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
                           f"multiple of ranks={own['ranks']}; use a multiple of {own['ranks']}")
     cfgs, picked = [], []
     for s in chosen:
-        c, ch = config.compose([*base, *s.overrides()[:1 + len(s.params)]])
+        c, ch = loader.compose([*base, *s.overrides()[:1 + len(s.params)]])
         runner.check(c)
         cfgs.append(c)
         picked.append(ch)
@@ -437,7 +438,7 @@ def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> d
     if s.ranks > 1:
         return None
     est = row.get("estimate", {})
-    out = {**config.identity(cfg, choices), **provenance.of_run(torch.device("cpu")),
+    out = {**loader.identity(cfg, choices), **provenance.of_run(torch.device("cpu")),
            "status": "ok" if row["status"] == "ok" else "error"}
     if row["status"] != "ok":
         return {**out, "error": row.get("error", "")}

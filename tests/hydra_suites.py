@@ -4,9 +4,9 @@ them (hydra.test_utils.launcher_common_tests): the `local` and `parallel` launch
 it, and BatchedSweeperTestSuite), on Hydra's own test app, not memtrain's.
 
 Not collected with the rest of the tests (its name): tests/test_launchers.py runs this file with
-pytest in a process of its own, without conftest.py, where memtrain.config (memtrain's own app:
-its config tree, its checks) is never imported. The plugins stand on their own, found by Hydra's
-plugin scan, as in any Hydra app where memtrain is installed.
+pytest in a process of its own, without conftest.py, where memtrain.config.loader (memtrain's own
+app: its config tree, its checks) is never imported. The plugins stand on their own, found by
+Hydra's plugin scan, as in any Hydra app where memtrain is installed.
 """
 
 import inspect
@@ -26,7 +26,7 @@ from hydra.test_utils.launcher_common_tests import (
 
 
 def test_memtrain_config_is_not_imported_before():
-    assert "memtrain.config" not in sys.modules
+    assert "memtrain.config.loader" not in sys.modules
 
 
 def test_discovery():
@@ -99,11 +99,11 @@ def test_slurm_preset_composes_without_memtrain_trainer_keys():
 
 
 def test_memtrain_config_is_not_imported_after():
-    """Neither Hydra's scan nor the launchers and sweeps above needed memtrain.config; and on
+    """Neither Hydra's scan nor the launchers and sweeps above needed memtrain.config.loader; and on
     a machine without a GPU driver, resolving the presets needed no torch either (every Hydra
     app imports the plugins' modules at startup)."""
-    from memtrain import resolvers
+    from memtrain.config import resolvers
 
-    assert "memtrain.config" not in sys.modules
+    assert "memtrain.config.loader" not in sys.modules
     if sys.platform == "linux" and not any(map(os.path.exists, resolvers.GPU_DRIVER_PATHS)):
         assert "torch" not in sys.modules

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import job_dir, run_memtrain
 
-from memtrain import api, config, data, imagefolder, resume
+from memtrain import api, data, imagefolder, resume
+from memtrain.config import loader
 from memtrain.errors import ConfigError
 from memtrain.report import cli as report_cli
 
@@ -134,7 +135,7 @@ def test_unreadable_image_is_named_in_one_line(tmp_path, workers):
 def test_run_dir_that_is_a_file_is_one_line(in_tmp, make):
     (in_tmp / "f").write_text("x")
     d = "f" if make == "file" else "f/sub"
-    _one_line_error(lambda: config.check_overrides([*TINY, f"hydra.run.dir={d}"]),
+    _one_line_error(lambda: loader.check_overrides([*TINY, f"hydra.run.dir={d}"]),
                     f"hydra.run.dir={d} cannot be used as the output folder")
 
 

@@ -116,7 +116,7 @@ def test_unknown_option_is_one_line_error(in_tmp, cli_checks, override, expected
 ])
 def test_bad_trainer_value_is_one_line_error(in_tmp, override, expected):
     """The trainer's ranges (schema.Trainer) are checked before api.run writes anything (the
-    job's own check, runner.check, run by config.check_overrides): no run folder; the same
+    job's own check, runner.check, run by loader.check_overrides): no run folder; the same
     through the real command is test_validate.py::test_cli_exits_2_with_one_line."""
     with pytest.raises(ConfigError) as e:
         api.run([override, "trainer=smoke"], out_dir=in_tmp / "run")
@@ -145,12 +145,12 @@ def test_missing_dataset_folder_names_the_path(in_tmp):
 
 
 def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_path, monkeypatch):
-    """config.hydra_compose caches a composition within a process (each api.run composes ~7
+    """loader.hydra_compose caches a composition within a process (each api.run composes ~7
     times): an edited preset, a new preset file, another folder (hydra.runtime.cwd) or an edited
     structured config composes afresh, and each caller gets its own copy to change."""
     from hydra.core.config_store import ConfigStore
 
-    from memtrain import config
+    from memtrain.config import loader
 
     mine = tmp_path / "mine" / "trainer"
     mine.mkdir(parents=True)
@@ -158,8 +158,8 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
     preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 3\n")
 
     def batch(overrides=("trainer=mine",)):
-        with config.session(config_dir=str(tmp_path / "mine")):
-            return config.hydra_compose("config", list(overrides), return_hydra_config=True)
+        with loader.session(config_dir=str(tmp_path / "mine")):
+            return loader.hydra_compose("config", list(overrides), return_hydra_config=True)
 
     first = batch()
     assert first.trainer.batch_size == 3
@@ -172,23 +172,23 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
     assert batch().hydra.runtime.cwd != str(tmp_path)
     monkeypatch.chdir(tmp_path)
     assert batch().hydra.runtime.cwd == str(tmp_path)  # another folder: composed there
-    with config.session():
-        assert "hydra" not in config.hydra_compose("config", ["trainer=smoke"])
-        assert config.hydra_compose("config", ["trainer=smoke"]).trainer.batch_size == 8
-        one, two = (config.hydra_compose("config", ["trainer=smoke"], shared=True)
+    with loader.session():
+        assert "hydra" not in loader.hydra_compose("config", ["trainer=smoke"])
+        assert loader.hydra_compose("config", ["trainer=smoke"]).trainer.batch_size == 8
+        one, two = (loader.hydra_compose("config", ["trainer=smoke"], shared=True)
                     for _ in range(2))
         assert one is two and "hydra" not in one  # the readers' object: one, never changed
-        assert config.hydra_compose("config", ["trainer=smoke"]) is not one
+        assert loader.hydra_compose("config", ["trainer=smoke"]) is not one
 
     cs = ConfigStore.instance()
     node = cs.repo["trainer"]["base_trainer.yaml"]
-    with config.session():
-        before = config._session_state()
+    with loader.session():
+        before = loader._session_state()
     try:  # a structured config stored again (a plugin, a test): the key changes
         cs.store(group="trainer", name="base_trainer", node=node.node, provider=node.provider)
-        with config.session():
-            assert config._session_state() != before
+        with loader.session():
+            assert loader._session_state() != before
     finally:
         cs.repo["trainer"]["base_trainer.yaml"] = node
-    with config.session():
-        assert config._session_state() == before
+    with loader.session():
+        assert loader._session_state() == before

@@ -88,7 +88,7 @@ def test_every_dataset_builder_checks_its_options_before_building():
     import yaml
     from conftest import CONF
 
-    from memtrain import trust
+    from memtrain.config import trust
 
     for path in sorted((CONF / "dataset").glob("*.yaml")):
         options = yaml.safe_load(path.read_text())

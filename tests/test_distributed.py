@@ -245,11 +245,11 @@ def test_slurm_runs_one_task_per_gpu(monkeypatch, overrides, tasks):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from memtrain import config
+    from memtrain.config import loader
 
     monkeypatch.setenv("MEMTRAIN_SLURM_GPUS_PER_NODE", "4")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(loader.conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=["hydra/launcher=slurm", *overrides],
                       return_hydra_config=True)
     GlobalHydra.instance().clear()

@@ -21,7 +21,8 @@ from conftest import BY_NAME, conf_options, language_model
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from walker import METHODS, MODELS
 
-from memtrain import config, optim, runner, validate
+from memtrain import optim, runner
+from memtrain.config import loader, validate
 from memtrain.errors import ConfigError
 
 HOSTILE = ["nan", "inf", "-inf", "1e300", "-1", "0", "''", "[]", "[1,2]", "{a: 1}", "true",
@@ -55,7 +56,7 @@ def _base(model: str) -> tuple[str, ...]:
 
 @functools.cache
 def composed(selection: tuple[str, ...]) -> DictConfig:
-    cfg, _ = config.compose(list(selection))
+    cfg, _ = loader.compose(list(selection))
     return cfg
 
 

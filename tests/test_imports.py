@@ -155,6 +155,28 @@ def test_the_contract_reaches_no_method():
     assert {d for m in core for d in edges[m] if d.startswith("memtrain.methods")} == {CONTRACT}
 
 
+# the core's packages, one per concern (memtrain/<concern>/), each with the modules outside it
+# that it may import: a layer reaches down, never up
+LAYERS = {
+    # the config front (composing and checking conf/): the bottom (errors, paths, the row's
+    # names, the optimizers' signatures) and the job checks it runs before Hydra starts a job
+    "memtrain.config": {"memtrain", "memtrain.errors", "memtrain.paths", "memtrain.record",
+                        "memtrain.optim", "memtrain.preflight"},
+}
+
+
+def test_each_layer_imports_only_what_is_below_it():
+    """A package of the core imports, outside itself, only what LAYERS lists for it, lazy
+    imports included: the config front never reaches the run, the measurement or the data."""
+    edges = graph()
+    for layer, below in LAYERS.items():
+        inside = [m for m in edges if m == layer or m.startswith(layer + ".")]
+        assert inside, layer
+        out = {d for m in inside for d in edges[m]
+               if not (d == layer or d.startswith(layer + "."))}
+        assert out <= below, (layer, sorted(out - below))
+
+
 def test_kernels_are_a_leaf():
     """kernels/ imports torch, triton (numpy for the oracles) and itself, nothing of memtrain."""
     mods = _modules()

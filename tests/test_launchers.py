@@ -25,11 +25,11 @@ def test_launcher_presets_compose(monkeypatch, launcher, target, key, value):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from memtrain import config
+    from memtrain.config import loader
 
     monkeypatch.setenv("MEMTRAIN_SLURM_PARTITION", "gpu-test")
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config.conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(loader.conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"],
                       return_hydra_config=True)
     GlobalHydra.instance().clear()
@@ -55,8 +55,8 @@ def test_two_jobs_through_submitit_local(in_tmp):
 def test_hydra_suites_pass_in_any_hydra_app(tmp_path):
     """tests/hydra_suites.py (Hydra's LauncherTestSuite and IntegrationTestSuite for `local`
     and `parallel`, its sweeper suites for `variants`) in one pytest process of its own, without
-    conftest.py: memtrain.config is never imported there, so the plugins' own modules register
-    what they need and Hydra's scan finds them. Slow: the launchers start their jobs in
+    conftest.py: memtrain.config.loader is never imported there, so the plugins' own modules
+    register what they need and Hydra's scan finds them. Slow: the launchers start their jobs in
     processes, and the integration suite an app per test."""
     suites = Path(__file__).with_name("hydra_suites.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}

@@ -20,7 +20,8 @@ import torch
 from conftest import ROOT, USER_FACTORY, conf_options
 from torch import nn
 
-from memtrain import api, config, offline, record
+from memtrain import api, record
+from memtrain.config import loader, offline
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.models import hf, user
@@ -302,7 +303,7 @@ def test_the_api_runs_a_module_as_the_command_line_runs_its_factory(tmp_path):
 def test_two_modules_never_share_a_run_id(user_factory, monkeypatch, tmp_path):
     def rid(model=None):  # no model: the command line's model=module
         over = api.with_module(["method=none"], model) if model else ["model=module"]
-        return config.run_id(api.compose(over)[0])
+        return loader.run_id(api.compose(over)[0])
 
     class Other(TinyNet):  # the same tree and shapes, another class
         pass
@@ -318,7 +319,7 @@ def test_two_modules_never_share_a_run_id(user_factory, monkeypatch, tmp_path):
     monkeypatch.setenv("MEMTRAIN_MODEL", f"{other}:make_net")
     assert len({cli, rid(), *ids}) == 6
     # and by name: two timm models, two kwargs
-    by_name = {config.run_id(api.compose(o)[0]) for o in (
+    by_name = {loader.run_id(api.compose(o)[0]) for o in (
         ["model=timm"], ["model=timm", "model.name=resnet18"],
         ["model=timm", "+model.kwargs.drop_rate=0.1"])}
     assert len(by_name) == 3

@@ -215,9 +215,9 @@ def test_training_converges_like_none_at_equal_epochs():
     keeps accuracy at a longer schedule)."""
     import copy
 
+    from memtrain.config.schema import Trainer
     from memtrain.data import synthetic
     from memtrain.optim import build_optimizer, build_scheduler
-    from memtrain.schema import Trainer
     from memtrain.train import train
 
     data = synthetic(image_size=16, train_size=2048, test_size=1000)
@@ -241,7 +241,7 @@ def test_pool_study_variants_compose_to_the_intended_methods():
     import yaml
     from conftest import CONF
 
-    from memtrain.sweeper import variant_overrides
+    from memtrain.config.sweeper import variant_overrides
 
     sweep = yaml.safe_load((CONF / "experiment" / "pool_study.yaml").read_text())
     variants = sweep["hydra"]["sweeper"]["variants"]

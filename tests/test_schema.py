@@ -13,7 +13,7 @@ import pytest
 from conftest import CONF, conf_options
 from omegaconf import OmegaConf
 
-from memtrain import config, schema, validate
+from memtrain.config import loader, schema, validate
 from memtrain.errors import ConfigError
 
 NUMERIC = (int, float)
@@ -43,7 +43,7 @@ KEYS = _numeric_keys()
 def _compose(overrides: tuple[str, ...]):
     from hydra import compose
 
-    with config.session():
+    with loader.session():
         return compose("config", overrides=list(overrides))
 
 
@@ -72,7 +72,7 @@ def test_every_numeric_option_rejects_non_finite(group, option, key, is_list, ba
                                       "method=synthetic method.cuts=[1.5]"])
 def test_integer_options_reject_non_integers(override):
     with pytest.raises(ConfigError, match="must be an integer"):
-        config.check_overrides(override.split())
+        loader.check_overrides(override.split())
 
 
 def test_trainer_schema_matches_its_yaml():

@@ -1,4 +1,4 @@
-"""A config builds only memtrain's own classes (memtrain/trust.py), and a row names what ran.
+"""A config builds only memtrain's own classes (memtrain/config/trust.py), and a row names what ran.
 
 Every hostile `_target_` is refused in one line with exit 2 before anything is imported or
 trained: from the command line (set, `+`added, swept) and from a preset under --config-dir, in
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain import runner, trust
+from memtrain import runner
+from memtrain.config import trust
 from memtrain.errors import ConfigError
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
@@ -133,14 +134,14 @@ def test_a_logging_preset_is_checked_and_memtrains_own_pass(in_tmp, cli_checks):
                       ("filter", "filters.f.()")):
         p = cli_checks("--config-dir", str(in_tmp / "mine"), f"hydra/job_logging={name}", *TINY)
         _one_line_refusal(p, f"{LOG}.{key}")
-    from memtrain import config
+    from memtrain.config import loader
 
     for ok in ([], ["hydra/job_logging=stdout"], ["hydra/job_logging=disabled"],
                [f"{LOG}.root.level=DEBUG", "hydra.verbose=true"],
                [f"+{LOG}.handlers.x.class=logging.FileHandler",
                 f"+{LOG}.handlers.x.filename=${{hydra.runtime.output_dir}}/extra.log",
                 f"{LOG}.root.handlers=[console,file,x]"]):
-        config.check_overrides([*TINY, *ok])
+        loader.check_overrides([*TINY, *ok])
 
 
 @pytest.mark.parametrize("preset,body,key", [
@@ -199,16 +200,16 @@ def test_every_built_in_target_is_trusted():
     from hydra import compose
     from omegaconf import OmegaConf
 
-    from memtrain import config
+    from memtrain.config import loader
 
-    with config.session():
+    with loader.session():
         for group in ("method", "model", "dataset"):
             for option in conf_options(group):
                 cfg = compose("config", overrides=[f"{group}={option}"],
                               return_hydra_config=True)
                 trust.check_config(OmegaConf.to_container(cfg, resolve=False))
         # the launcher presets are Hydra's ConfigStore's (memtrain's plugin and Hydra's own)
-        launchers = config.group_options("hydra/launcher", "config", [])
+        launchers = loader.group_options("hydra/launcher", "config", [])
         assert {"local", "parallel", "slurm"} <= set(launchers), launchers
         for launcher in launchers:
             cfg = compose("config", overrides=[f"hydra/launcher={launcher}",
@@ -297,7 +298,7 @@ def test_a_model_by_name_never_fetches_where_it_is_built():
     clients are told to stay offline."""
     import os
 
-    from memtrain import offline
+    from memtrain.config import offline
     from memtrain.models import hf_model, timm_model, torchvision_model
 
     with pytest.raises(ConfigError, match="model.kwargs.pretrained=True: memtrain builds"):

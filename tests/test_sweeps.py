@@ -220,12 +220,12 @@ def test_job_progress_counts_the_jobs_as_the_sweepers_expand_them(capsys):
     swept common option) and for the basic one (a cartesian product)."""
     from omegaconf import open_dict
 
-    from memtrain import config
+    from memtrain.config import loader
     from memtrain.hydra_callbacks import JobProgress, sweep_size
 
-    with config.session():
-        quick = config.hydra_compose("config", ["experiment=quick"], return_hydra_config=True)
-        plain = config.hydra_compose("config", [], return_hydra_config=True)
+    with loader.session():
+        quick = loader.hydra_compose("config", ["experiment=quick"], return_hydra_config=True)
+        plain = loader.hydra_compose("config", [], return_hydra_config=True)
         assert sweep_size(quick) == 7
         with open_dict(quick), open_dict(plain):
             quick.hydra.overrides.task = ["experiment=quick", "trainer.seed=0,1,2"]

@@ -147,10 +147,11 @@ def test_parallel_refuses_what_its_workers_would_leave_undone(in_tmp, cli_checks
     assert line.endswith(f"use method.parallel=false (the same partitions, one after another in "
                          f"this process) or drop {asked.split('=')[0]}")
     assert list(in_tmp.iterdir()) == []
-    from memtrain import config, runner
+    from memtrain import runner
+    from memtrain.config import loader
 
-    config.check_overrides([*SYN, asked])  # sequential: accepted
-    cfg, _ = config.compose([*SYN, asked])
+    loader.check_overrides([*SYN, asked])  # sequential: accepted
+    cfg, _ = loader.compose([*SYN, asked])
     cfg.method.parallel = True
     with pytest.raises(ConfigError, match="with method.parallel=true would record"):
         runner.check(cfg)

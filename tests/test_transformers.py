@@ -360,7 +360,7 @@ def _study_jobs() -> list[list[str]]:
     import yaml
     from conftest import CONF
 
-    from memtrain.sweeper import variant_overrides
+    from memtrain.config.sweeper import variant_overrides
 
     sweep = yaml.safe_load((CONF / "experiment" / "transformer_study.yaml").read_text())
     sweeper = sweep["hydra"]["sweeper"]

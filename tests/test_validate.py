@@ -1,7 +1,7 @@
 """Malformed overrides: each fails before training with one line that names the problem.
 
 Adding a case (a method's parameter, say) is one line in BAD: the overrides and the expected
-message. Cases run in-process through the same checks as the CLI (`config.check_overrides`, then
+message. Cases run in-process through the same checks as the CLI (`loader.check_overrides`, then
 the job's own validation in `api.run`); a few go through the real command for the exit code,
 the single stderr line and the missing traceback.
 """
@@ -11,7 +11,8 @@ import json
 import pytest
 from conftest import job_dir, run_memtrain
 
-from memtrain import api, config
+from memtrain import api
+from memtrain.config import loader
 from memtrain.errors import ConfigError
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
@@ -67,7 +68,7 @@ BAD = [
 def test_malformed_override_is_one_line(in_tmp, overrides, expected):
     args = [*TINY, *overrides]
     with pytest.raises(ConfigError) as e:
-        config.check_overrides(args)
+        loader.check_overrides(args)
         api.run(args, out_dir=in_tmp / "r")
     msg = str(e.value)
     assert expected in msg, msg
@@ -111,10 +112,10 @@ def test_bad_value_in_a_multirun_is_that_jobs_row(in_tmp):
 def test_method_sweep_checks_keys_against_each_option():
     from hydra import compose
 
-    from memtrain import validate
+    from memtrain.config import validate
 
     seen = []
-    with config.session():
+    with loader.session():
         validate.check_values(validate.parse(["trainer=default,smoke", "trainer.batch_size=3"]),
                               lambda o: seen.append(o) or compose("config", overrides=o))
     assert sorted(seen) == [["trainer=default"], ["trainer=smoke"]]

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import run_memtrain
 
-from memtrain.sweeper import variant_overrides
+from memtrain.config.sweeper import variant_overrides
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 
@@ -57,19 +57,19 @@ def test_a_bad_variant_is_one_line_before_any_job(in_tmp):
 
 
 def test_variants_on_the_command_line_are_checked():
-    from memtrain import config
+    from memtrain.config import loader
     from memtrain.errors import ConfigError
 
     good = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=0.5,0.9"]'
-    config.check_overrides(["hydra/sweeper=variants", good, *TINY], multirun=True)
-    config.check_overrides(["hydra/sweeper=variants", good, *TINY, "method=pool"])  # one job
+    loader.check_overrides(["hydra/sweeper=variants", good, *TINY], multirun=True)
+    loader.check_overrides(["hydra/sweeper=variants", good, *TINY, "method=pool"])  # one job
     bad = 'hydra.sweeper.variants=["method=none","method=prune method.sparsity=1.5,abc"]'
     with pytest.raises(ConfigError) as e:
-        config.check_overrides(["hydra/sweeper=variants", bad, *TINY], multirun=True)
+        loader.check_overrides(["hydra/sweeper=variants", bad, *TINY], multirun=True)
     assert str(e.value) == ("hydra.sweeper.variants[1] (method=prune method.sparsity=1.5,abc): "
                             "method.sparsity must be a number, got 'abc'")
     with pytest.raises(ConfigError, match="variants need hydra/sweeper=variants$"):
-        config.check_overrides([good, *TINY], multirun=True)
+        loader.check_overrides([good, *TINY], multirun=True)
 
 
 def test_split_arguments_stays_hydras_static_method():

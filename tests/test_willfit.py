@@ -125,14 +125,14 @@ def test_when_none_does_not_fit_the_answer_names_the_cheapest_that_does(in_tmp):
     # the sweep that measures its accuracy is one memtrain accepts (on a dataset of the user's)
     import shlex
 
-    from memtrain import config
+    from memtrain.config import loader
 
     command = shlex.split(rows["quantize"]["accuracy_command"])
     assert command[:3] == ["memtrain", "-m", "hydra/sweeper=variants"]
     assert 'hydra.sweeper.variants=["method=none","method=quantize"]' in command
     assert "trainer.batch_size=2048" in command and "dataset=YOUR_DATASET" in command
     assert not any(a.startswith("trainer.gpu_memory_gb") for a in command)
-    config.check_overrides([a.replace("YOUR_DATASET", "synthetic") for a in command[2:]],
+    loader.check_overrides([a.replace("YOUR_DATASET", "synthetic") for a in command[2:]],
                            multirun=True)
     assert out.answer.startswith("cheapest that fits: quantize (") and \
         out.answer.endswith("(approximate gradients)")

@@ -2,8 +2,8 @@
 arguments that are exactly the keys of its conf/model/*.yaml; beside each, the chain rule of its
 model type (`chain.py`: the segments methods checkpoint or cut between). Models by name from a
 library's registry (`vision.py`: timm, torchvision; `hf.py`: transformers) and the user's own
-module (`user.py`) are built offline (`offline.py`), on fake tensors where the estimate asks
-(`fake.py`)."""
+module (`user.py`) are built offline (`memtrain.config.offline`), on fake tensors where the
+estimate asks (`fake.py`)."""
 
 from memtrain.models.chain import Chain, Segment, chain_of
 from memtrain.models.cnn import efficientnet_b0, resnet18, resnet34, resnet50

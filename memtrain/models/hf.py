@@ -1,6 +1,6 @@
 """Causal language models by transformers' model type (`model=hf model.name=llama`): the type's
 config class (`AutoConfig.for_model`) at the sizes the config node gives, then
-`AutoModelForCausalLM.from_config`: random weights, nothing fetched (memtrain/offline.py).
+`AutoModelForCausalLM.from_config`: random weights, nothing fetched (memtrain/config/offline.py).
 
 The data sets the vocabulary (`vocab_size`: dataset.vocab_size) and the context
 (`max_position_embeddings`: dataset.seq_len). conf/model/hf.yaml declares the sizes, by
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import memtrain.models.fake as fake
-from memtrain import offline
+from memtrain.config import offline
 from memtrain.errors import ConfigError
 from memtrain.models.chain import remember_input
 

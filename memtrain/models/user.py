@@ -19,7 +19,7 @@ of `model.kwargs`. A module that is a language model says so with `task = "lm"` 
 run_id: `model.name` and `model.arch` are part of the config, so two modules never share a run
 (skip_done and resume never mix them): from the API, the class and a hash of the module tree
 (its repr) and every parameter's and buffer's name, shape and dtype; from the command line
-(filled in when the run is named, config.run_id), the factory's name and a hash of its source
+(filled in when the run is named, loader.run_id), the factory's name and a hash of its source
 file.
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 import memtrain.models.fake as fake
-from memtrain import offline
+from memtrain.config import offline
 from memtrain.errors import ConfigError
 from memtrain.models.chain import remember_input
 

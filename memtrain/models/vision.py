@@ -1,6 +1,6 @@
 """Image classifiers by name: any timm architecture (`model=timm model.name=convnext_atto`) or
 torchvision classification model (`model=torchvision model.name=mobilenet_v3_small`), built
-offline with random weights (memtrain/offline.py).
+offline with random weights (memtrain/config/offline.py).
 
 The data sets what the run fixes: the classes (`num_classes`), the channels (timm's `in_chans`;
 torchvision's first convolution is rebuilt for them) and, where the architecture takes an input
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import memtrain.models.fake as fake
-from memtrain import offline
+from memtrain.config import offline
 from memtrain.errors import ConfigError
 from memtrain.models.chain import remember_input
 

@@ -159,10 +159,11 @@ def _done(cfg: DictConfig, sweep_dir: Path, cache: dict[Path, dict[str, Path]]) 
         t = cfg.get("trainer")
         if not OmegaConf.is_config(t) or not t.get("skip_done"):
             return False
-        from memtrain import config, resume
+        from memtrain import resume
+        from memtrain.config import loader
 
         root = Path(t.search_dir or sweep_dir)
-        rid = config.run_id(cfg)
+        rid = loader.run_id(cfg)
     except OmegaConfBaseException:  # an unresolvable value: the job runs, its row says why
         return False
     if root not in cache:
@@ -198,13 +199,14 @@ def _task_config(cfg: DictConfig) -> DictConfig:
 def _lost_row(task: DictConfig, cfg: DictConfig, run_dir: Path, state: str,
               why: str) -> dict[str, Any]:
     """The row of a job that ended without recording one: what it is, how it ended."""
-    from memtrain import config, record
+    from memtrain import record
+    from memtrain.config import loader
 
     choices = dict(cfg.hydra.runtime.choices)
     try:
-        row = config.identity(task, choices)
+        row = loader.identity(task, choices)
     except OmegaConfBaseException:  # an interpolation that cannot be resolved: as written
-        row = config.identity(task, choices, resolve=False)
+        row = loader.identity(task, choices, resolve=False)
     status = "interrupted" if state in STOPPED else "error"
     row.update(status=status, error=f"ended {state} without a result ({why})",
                test_acc=float("nan"), test_acc5=float("nan"), run_dir=str(run_dir),

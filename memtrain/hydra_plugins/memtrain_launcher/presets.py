@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 
-from memtrain import resolvers
+from memtrain.config import resolvers
 
 resolvers.register()
 

@@ -1,5 +1,5 @@
-"""memtrain's sweeper (`hydra/sweeper=variants`, memtrain/sweeper.py): Hydra takes plugin classes
-from its hydra_plugins namespace only, so the class lives here, and its preset in Hydra's
+"""memtrain's sweeper (`hydra/sweeper=variants`, memtrain/config/sweeper.py): Hydra takes plugin
+classes from its hydra_plugins namespace only, so the class lives here, and its preset in Hydra's
 ConfigStore, so it works in any Hydra app."""
 
 # no `from __future__ import annotations`: Hydra's plugin scan runs this module before it is
@@ -12,8 +12,8 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from memtrain import resolvers
-from memtrain.sweeper import variant_overrides
+from memtrain.config import resolvers
+from memtrain.config.sweeper import variant_overrides
 
 __all__ = ["VariantSweeper", "VariantSweeperConf"]
 
@@ -41,9 +41,10 @@ ConfigStore.instance().store(group="hydra/sweeper", name="variants", node=Varian
 
 
 class VariantSweeper(BasicSweeper):
-    """The basic sweeper, once per variant (memtrain/sweeper.py says how). Its `split_arguments`
-    is the basic sweeper's (a static method, as Hydra's); the variants replace the jobs that
-    `BasicSweeper.sweep` would take from it by their own (`_jobs`), batch by batch."""
+    """The basic sweeper, once per variant (memtrain/config/sweeper.py says how). Its
+    `split_arguments` is the basic sweeper's (a static method, as Hydra's); the variants replace
+    the jobs that `BasicSweeper.sweep` would take from it by their own (`_jobs`), batch by
+    batch."""
 
     def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
                  variants: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtrain.config.schema import Trainer
 from memtrain.data import Data
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.losses import cross_entropy
@@ -59,7 +60,6 @@ from memtrain.methods.synthetic.partition import (
 )
 from memtrain.models import chain_of
 from memtrain.models.chain import model_class
-from memtrain.schema import Trainer
 from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
 
 log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under

@@ -5,7 +5,7 @@ is one ConfigError line.
 Types come from the defaults in conf/: an option whose default is an integer takes integers, a
 boolean takes true/false, a list takes a list; a default of null takes anything (the builders
 check those). Ranges, choices and the data's memory are each job's own checks
-(`runner.check`), which config.check_overrides runs on the jobs before anything is written: a
+(`runner.check`), which loader.check_overrides runs on the jobs before anything is written: a
 single run's bad value is one line and no folder; in a multirun a value bad for every job stops
 the sweep at once, one bad for some jobs only is their `status=error` rows. A wrong key or type
 stops the whole sweep at once (every job would fail).
@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from memtrain import schema
+from memtrain.config import schema
 from memtrain.errors import ConfigError
 from memtrain.record import GROUPS
 
@@ -214,14 +214,14 @@ BUILT = ("method", "model", "dataset")  # the groups the runner builds from thei
 
 
 def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
-    """What the command would build (memtrain/trust.py): every `_target_` of the composed
+    """What the command would build (memtrain/config/trust.py): every `_target_` of the composed
     config, Hydra's callbacks, launcher, sweeper and logging included, lies where memtrain builds
     from, checked before the job imports it; each option of a group sweep composed in turn.
 
     And a row names what ran: the `_target_`s under `method`, `model` and `dataset` are those of
     the option chosen (an override or a preset that swaps one for another class would record
     `method=none` for a run of quantize)."""
-    from memtrain import offline, trust
+    from memtrain.config import offline, trust
 
     # (a sweep's params and variants are checked as overrides of their own: config._check_sweep)
     plain = [o.input_line for o in parsed if not o.is_sweep_override()
@@ -234,7 +234,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     # a sweep over a logging setting (or the job's name, which names the log file): each value
     logs = [o for o in parsed if o.is_sweep_override() and not o.is_delete()
             and o.key_or_group.startswith((*trust.LOGGING, "hydra.job.name"))]
-    # a model sweep's values: each held to the offline rule (memtrain/offline.py)
+    # a model sweep's values: each held to the offline rule (memtrain/config/offline.py)
     swept = [(o.key_or_group, _values(o)) for o in parsed
              if o.is_sweep_override() and o.key_or_group.startswith("model.")]
     chosen = selection(parsed)
@@ -248,7 +248,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
     lines = [o.input_line for o in parsed]
     for sel in selections:
         # the command's own order where these are its overrides: the job composes that order,
-        # and the compose is then made once (config.hydra_compose's cache)
+        # and the compose is then made once (loader.hydra_compose's cache)
         ov = lines if sel is chosen and sorted(sel + plain) == sorted(lines) else sel + plain
         cfg = compose(ov, hydra=True)
         container = OmegaConf.to_container(cfg, resolve=False)
@@ -297,7 +297,7 @@ def check(parsed: list, options: Callable[[str], list[str]],
     them, which a bad value must not leave).
 
     `options(group)` lists a group's options and `compose(overrides)` composes a config, both on
-    the search path of the command (config.check_overrides)."""
+    the search path of the command (loader.check_overrides)."""
     check_groups(parsed, options)
     compose = one_line(compose)
     check_selection(parsed, compose)

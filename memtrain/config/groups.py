@@ -2,8 +2,8 @@
 group table (docs/usage.md) are generated here, so neither goes stale when an option (a YAML
 file) is added.
 
-    python -m memtrain.config_groups --markdown             # the table
-    python -m memtrain.config_groups --write docs/usage.md  # between the page's group markers
+    python -m memtrain.config.groups --markdown             # the table
+    python -m memtrain.config.groups --write docs/usage.md  # between the page's group markers
 
 A group's options are its folder's YAML files (schemas `base_*` left out), its default the one
 conf/config.yaml's defaults list chooses. Imports the standard library only.
@@ -31,7 +31,7 @@ GROUPS = {
     "recipe": "chosen for you: conf/recipe/<model>_<optim>.yaml adjusts a model's optimizer where "
               "the shared default does not train it; command-line values still win",
 }
-BEGIN, END = "<!-- groups:begin (python -m memtrain.config_groups --write docs/usage.md) -->", \
+BEGIN, END = "<!-- groups:begin (python -m memtrain.config.groups --write docs/usage.md) -->", \
     "<!-- groups:end -->"
 EXAMPLES = (
     ("memtrain method=pool model=resnet50", "one run: a row of memory, speed and accuracy"),
@@ -94,7 +94,7 @@ def with_table(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m memtrain.config_groups")
+    ap = argparse.ArgumentParser(prog="python -m memtrain.config.groups")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--write", metavar="PAGE")
     args = ap.parse_args(argv)

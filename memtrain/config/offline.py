@@ -150,7 +150,7 @@ def precheck(target: str, node: dict[str, Any]) -> None:
     keys the run sets itself, transformers' sizes), on a composed node: ConfigError. The checks
     are the builder's own (its `precheck` attribute), found through its `_target_` as the run
     would build it."""
-    from memtrain import trust
+    from memtrain.config import trust
 
     check = getattr(trust.locate(target, "model._target_"), "precheck", None)
     resolved = {k: v for k, v in node.items() if k != "_target_"}
@@ -225,7 +225,7 @@ def env_identity() -> tuple[str, str] | None:
 
 def fill_identity(c: dict[str, Any]) -> None:
     """A composed config (a plain dict) of `model=module` without `model.arch`: name and arch
-    from MEMTRAIN_MODEL, so the run_id tells two factories apart (config.run_id)."""
+    from MEMTRAIN_MODEL, so the run_id tells two factories apart (loader.run_id)."""
     node = c.get("model")
     if not isinstance(node, dict) or node.get("_target_") != USER_MODULE or node.get("arch"):
         return

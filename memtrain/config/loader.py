@@ -4,8 +4,9 @@
 
 The CLI (cli.py), the API (api.py), the launchers and the runner all compose and name runs
 through this module, so a job's folder, its row's run_id and skip_done agree everywhere. It
-registers the typed trainer schema when imported; memtrain's resolvers (memtrain/resolvers.py)
-are registered by memtrain's Hydra plugins, which Hydra's plugin scan imports in every session.
+registers the typed trainer schema when imported; memtrain's resolvers
+(memtrain/config/resolvers.py) are registered by memtrain's Hydra plugins, which Hydra's plugin
+scan imports in every session.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import offline, record, schema
+from memtrain import record
+from memtrain.config import offline, schema
 from memtrain.errors import ConfigError
-from memtrain.paths import conf_dir, installed_conf_dir  # noqa: F401 (config.conf_dir)
+from memtrain.paths import conf_dir, installed_conf_dir  # noqa: F401 (loader.conf_dir)
 
 # ---------------------------------------------------------------- compose
 
@@ -240,14 +242,14 @@ def check_overrides(overrides: list[str], *, config_path: str | None = None,
                     multirun: bool | None = False, jobs: bool = True) -> None:
     """Reject bad overrides before Hydra does, with a one-line message: unknown groups, options
     and keys (did-you-mean), wrong types, bad syntax, presets that do not compose
-    (memtrain/validate.py), then the values of the jobs to run (`_check_jobs`: ranges, the
+    (memtrain/config/validate.py), then the values of the jobs to run (`_check_jobs`: ranges, the
     data's memory, options a method cannot honour), so that bad input leaves no folder. The
     groups' options are those Hydra finds on the search path (`--config-dir`,
     `hydra.searchpath` included). `multirun`: also check the sweep (its params and variants)
     the command configures; None: when its `hydra.mode` is MULTIRUN (the CLI without -m). A
     single job (the API) is checked as itself. `jobs=False`: the values are left unchecked (a
     command that only shows the config, `--cfg` or `--info`)."""
-    from memtrain import validate
+    from memtrain.config import validate
 
     parsed = validate.parse(overrides)
     name = config_name or "config"
@@ -275,8 +277,8 @@ def _check_sweep(parsed: list, options, compose, multirun: bool | None
     """The sweep a command configures: `hydra.sweeper.params` with the command's overrides, and
     each of `hydra.sweeper.variants` (hydra/sweeper=variants) with them, checked as overrides.
     Returns (hydra node, the common overrides, the variants) of a multirun, else None."""
-    from memtrain import validate
-    from memtrain.sweeper import variant_overrides
+    from memtrain.config import validate
+    from memtrain.config.sweeper import variant_overrides
 
     own = [o.input_line for o in parsed
            if o.key_or_group.startswith(("hydra.sweeper", "hydra/sweeper", "hydra/launcher",
@@ -314,7 +316,8 @@ def _check_jobs(parsed: list, name: str,
     Hydra's run-time settings (`${hydra:...}`) is left to itself."""
     import logging
 
-    from memtrain import preflight, validate
+    from memtrain import preflight
+    from memtrain.config import validate
 
     if sweep is None:
         jobs: Iterable[list[str]] = [[o.input_line for o in parsed if not o.is_sweep_override()]]
@@ -347,12 +350,12 @@ def _check_jobs(parsed: list, name: str,
 
 def _sweep_jobs(common: list[str], variants: list[str]) -> Iterator[list[str]]:
     """Each job's overrides, in the order Hydra's basic sweeper (and the variants sweeper,
-    memtrain/sweeper.py) launches them."""
+    memtrain/config/sweeper.py) launches them."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from memtrain.sweeper import variant_overrides
+    from memtrain.config.sweeper import variant_overrides
 
     parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
     for variant in variants or [None]:
@@ -389,7 +392,7 @@ def check_default_output_dir(overrides: list[str], multirun: bool, *,
     call after check_overrides (the overrides are known to compose)."""
     import os
 
-    from memtrain import validate
+    from memtrain.config import validate
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     parsed = validate.parse(overrides)

@@ -9,7 +9,7 @@ presets need them):
 - `${memtrain_run_id:}`: the job's run_id (memtrain's `hydra.sweep.subdir`).
 
 Imports OmegaConf alone: a plugin module is imported by every Hydra app at startup; torch and
-memtrain.config are imported where a resolver needs them.
+memtrain.config.loader are imported where a resolver needs them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def job_run_id(*, _root_: Any) -> str:
     relaunch with other values) in one folder never share a job folder. A value that cannot be
     resolved (an unset `${oc.env:...}`) hashes as written: that job still gets a folder, and its
     row says what is missing."""
-    from memtrain.config import run_id
+    from memtrain.config.loader import run_id
 
     try:
         return run_id(_root_)
