@@ -194,8 +194,9 @@ RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
   $(if $(ARCHIVE),--archive $(ARCHIVE)) $(ARGS)
 
 .PHONY: results results-docs results-figures gpu-env
-results-docs: $(if $(PY),,$(STAMP)) ## every generated block of README.md and docs/ again from the committed CSVs (ARGS=--check: compare only)
+results-docs: $(if $(PY),,$(STAMP)) ## every generated block of README.md and docs/ again from the committed CSVs, and the architecture page's module map from the code (ARGS=--check: compare only)
 	$(RESULTS_PY) -m tools.docs $(ARGS)
+	$(RESULTS_PY) -m tools.architecture $(ARGS)
 
 results-figures: $(if $(PY),,$(STAMP)) ## README's pictures of the report's figures (docs/figures/*.png) again from committed rows
 	$(RESULTS_PY) -m tools.doc_figures
