@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from memtrain import measure, provenance
+from memtrain import provenance
+from memtrain.memory import measure
 from memtrain.record import atomic_write
 
 

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks as bench
-from memtrain import api, measure
+from memtrain import api
 from memtrain.losses import cross_entropy
+from memtrain.memory import measure
 from memtrain.methods.checkpoint import CheckpointMethod
 
 BUDGETS = (0.25, 0.3, 0.4, 0.5, 0.6, 0.8)

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks as bench
-from memtrain import measure, models
+from memtrain import models
+from memtrain.memory import measure
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
 from memtrain.train import PRECISIONS

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks as bench
-from memtrain import api, measure, models
+from memtrain import api, models
+from memtrain.memory import measure
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.quantize import QuantizeMethod
 

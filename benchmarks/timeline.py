@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import benchmarks as bench
-from memtrain import api, by_module, measure, timeline
+from memtrain import api
+from memtrain.memory import by_module, measure, timeline
 
 COLUMNS = ["date", "device", "model", "method", "image px", "batch", "events", "rounds",
            "plain step s", "accounting step s", "recording step s", "tracker ratio",

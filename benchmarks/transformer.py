@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from memtrain import measure
 from memtrain.losses import cross_entropy
+from memtrain.memory import measure
 from memtrain.models.transformer import GPT, DecoderLayer
 from memtrain.record import atomic_write
 

@@ -80,7 +80,7 @@ CONFIG_GROUPS = ("method", "trainer", "dataset", "model", "optim")  # flattened 
 BREAKDOWN = ("params", "grads", "optim", "act", "other")  # the moments' parts (measure.py)
 # the tracker's own, and the update's temporaries
 ESTIMATE_AT_PEAK = ("params", "buffers", "grads", "optim", "update", "act", "other")
-# the live-tensor tracker's categories (memtrain/tracker.py), bottom to top of a timeline:
+# the live-tensor tracker's categories (memtrain/memory/tracker.py), bottom to top of a timeline:
 # `update`: tensors the optimizer step makes and frees (the update's temporaries)
 TRACKED = ("params", "buffers", "optim", "update", "grads", "act", "temp", "other")
 
@@ -194,9 +194,9 @@ COLUMNS: tuple[Column, ...] = (
                                      "beside it)"),
          ("saved_by_module", "path", "the accounting step's saved-activation bytes per module, "
                                      "relative to the run folder (`trainer.memory_timeline=true`;"
-                                     " memtrain/by_module.py)"),
+                                     " memtrain/memory/by_module.py)"),
          ("plan_table", "path", "the plan the method applied, one row per segment (checkpoint; "
-                                "`trainer.memory_timeline=true`; memtrain/by_module.py)")),
+                                "`trainer.memory_timeline=true`; memtrain/memory/by_module.py)")),
     *_of("status", "runner",
          ("failed_rank", "count", "a run of several ranks that failed: the rank whose failure "
                                   "came first (the row's status and error are its)")),

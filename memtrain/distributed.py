@@ -53,6 +53,7 @@ import memtrain.methods.base as base
 from memtrain.config.schema import STRATEGIES
 from memtrain.data import Split
 from memtrain.errors import ConfigError, check_choice
+from memtrain.memory.measure import COMM_BUFFERS
 
 log = logging.getLogger("memtrain")
 
@@ -345,8 +346,9 @@ def wrap(model: nn.Module, world: World, device: torch.device) -> nn.Module:
         index = device.index if device.index is not None else torch.cuda.current_device() \
             if device.type == "cuda" else None
         ddp = DDP(model, device_ids=[index] if device.type == "cuda" else None)
-        ddp._memtrain_buckets = _Buckets(fake=world.backend == "fake")
-        ddp.register_comm_hook(ddp._memtrain_buckets, _bucket_hook)
+        buckets = _Buckets(fake=world.backend == "fake")
+        setattr(ddp, COMM_BUFFERS, buckets)  # where the measurement finds them
+        ddp.register_comm_hook(buckets, _bucket_hook)
         return ddp
     if world.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -396,7 +398,7 @@ class _Buckets:
     reducer makes them when the model is wrapped (and again in the second step), outside any
     tracked step, so the tracker would see them only when an op first writes one, and file it
     as a backward temporary. Registered as the hook, this keeps the buckets for the tracker
-    (`comm_buffers`, tracked from the start of the accounting step as other memory) and then
+    (`measure.comm_buffers`, tracked from the start of the accounting step as other memory) and then
     reduces them as DDP does without a hook (each rank's gradient / world size, summed: the
     same operations, in the same order)."""
 
@@ -415,14 +417,6 @@ def _bucket_hook(state: _Buckets, bucket):
         done.set_result(bucket.buffer())
         return done
     return allreduce_hook(None, bucket)  # None: the default group, as DDP's own
-
-
-def comm_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers a strategy holds beside the tensors a step makes: DDP's gradient buckets
-    (one gradient-sized buffer in all, gradient_as_bucket_view off as torch's default); []
-    otherwise."""
-    hook = getattr(model, "_memtrain_buckets", None)
-    return list(hook.buffers.values()) if hook is not None else []
 
 
 def settle_steps(model: nn.Module) -> int:

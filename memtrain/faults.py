@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from memtrain.allocator import History
+from memtrain.memory.allocator import History
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from memtrain import (
     faults,
     learned,
     loggers,
-    measure,
     probes,
     provenance,
     record,
@@ -44,6 +43,7 @@ from memtrain.config.loader import identity
 from memtrain.config.schema import Trainer
 from memtrain.data import Data, cast_batches, place
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.base import Method  # the contract: what the runner asks of a method
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.preflight import build_data, build_method, check, kwargs_of, target_of, trainer_of
@@ -455,8 +455,8 @@ def _write_timeline(recorder: measure.TimelineRecorder, table, method: Method,
     """`trainer.memory_timeline`: the accounting step's timeline (timeline.parquet, .png,
     .pdf), the bytes each module saved (saved_by_module.csv) and the plan the method applied,
     where it has one (plan.csv: checkpoint's segments); returns the row's columns."""
-    from memtrain import by_module
-    from memtrain import timeline as timeline_file
+    from memtrain.memory import by_module
+    from memtrain.memory import timeline as timeline_file
 
     title = f"{summary.get('method', '')} on {summary.get('model', '')}: one training step"
     out = timeline_file.write(table, run_dir, title, source=recorder.source)

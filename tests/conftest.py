@@ -163,7 +163,7 @@ def cli_checks(monkeypatch, capsys):
 def saved_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
     """Saved-for-backward bytes of one forward pass (no backward); the inputs, parameters and
     buffers are not counted (`measure.alive_before_step`), as on a run's accounting step."""
-    from memtrain import measure
+    from memtrain.memory import measure
 
     counter = measure.SavedBytes(exclude=measure.alive_before_step(model, *inputs))
     with counter:

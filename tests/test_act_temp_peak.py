@@ -3,7 +3,7 @@
 The tracker's activation peak (`mem_peak_act_bytes`) leaves out what a method allocates during
 backward (quantize's dequantized copies, pool's upsampled maps); the tracker's
 `mem_tracker_act_temp_bytes` includes it, and the CPU's `mem_peak_act_temp_bytes` (the
-allocator's count, memtrain/allocator.py) also kernels' scratch. Checked here against two counts
+allocator's count, memory/allocator.py) also kernels' scratch. Checked here against two counts
 that share nothing with the tracker (torch's MemTracker: storages, weak references, reference
 types):
 
@@ -37,8 +37,9 @@ from memtrain.kernels import quant
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrain import estimate, measure
+from memtrain import estimate
 from memtrain.columns import ACT_PEAK, ACT_TEMP_PEAK
+from memtrain.memory import measure
 from memtrain.methods.pool import PoolMethod
 from memtrain.methods.quantize import QuantizeMethod
 

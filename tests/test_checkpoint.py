@@ -526,7 +526,7 @@ def test_tracked_peak_counts_a_recomputed_first_module():
     forward, so the group runs that forward as a module (`_OwnForward`, checkpoint/segments.py):
     the tracked activation peak is the modelled recompute peak (before: 2 MiB, conv1's output,
     low)."""
-    from memtrain import measure
+    from memtrain.memory import measure
 
     _, model, _ = api.build(["model=resnet18", "dataset.image_size=64"])
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))

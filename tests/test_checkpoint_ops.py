@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
-from memtrain import api, measure
+from memtrain import api
+from memtrain.memory import measure
 from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.checkpoint.ops import Compact
 from memtrain.methods.checkpoint.segments import discover

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_data
 
-from memtrain import allocator, api, measure
+from memtrain import api
 from memtrain.columns import ACT_TEMP_PEAK, PEAK, PEAK_SOURCE
+from memtrain.memory import allocator, measure
 
 BATCH, PX = 32, 32
 # torch's profiler events and MemTracker's internals: make test-compat runs these on torch 2.11

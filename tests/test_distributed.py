@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain import api, distributed, measure
+from memtrain import api, distributed
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.models.mlp import mlp6
 from memtrain.optim import build_optimizer
 

@@ -162,12 +162,16 @@ LAYERS = {
     # names, the optimizers' signatures) and the job checks it runs before Hydra starts a job
     "memtrain.config": {"memtrain", "memtrain.errors", "memtrain.paths", "memtrain.record",
                         "memtrain.optim", "memtrain.preflight"},
+    # the measurement of a step's memory: the one list of columns, nothing of the run (the
+    # strategy leaves its buffers where the measurement looks, measure.COMM_BUFFERS)
+    "memtrain.memory": {"memtrain.columns"},
 }
 
 
 def test_each_layer_imports_only_what_is_below_it():
     """A package of the core imports, outside itself, only what LAYERS lists for it, lazy
-    imports included: the config front never reaches the run, the measurement or the data."""
+    imports included: the config front never reaches the run, the measurement or the data; the
+    measurement never reaches the config or the run."""
     edges = graph()
     for layer, below in LAYERS.items():
         inside = [m for m in edges if m == layer or m.startswith(layer + ".")]
@@ -237,7 +241,7 @@ def test_the_checker_sees_a_method_import():
 
 def test_the_report_reaches_only_torch_free_core_modules():
     """report/ takes from the core only the record, the column list, the conf/ path, the
-    timeline's table and figure and the per-module files (memtrain.by_module), and
+    timeline's table and figure and the per-module files (memtrain.memory.by_module), and
     nothing it reaches, transitively, imports torch (it runs where torch is not installed)."""
     edges, mods = graph(), _modules()
     reached, todo = set(), [m for m in edges if package_of(m) == "memtrain.report"]
@@ -247,7 +251,8 @@ def test_the_report_reaches_only_torch_free_core_modules():
             todo.append(d)
     core = {m for m in reached if package_of(m) == "memtrain"}
     assert core <= {"memtrain", "memtrain.record", "memtrain.columns", "memtrain.paths",
-                    "memtrain.timeline", "memtrain.by_module"}, core
+                    "memtrain.memory", "memtrain.memory.timeline",
+                    "memtrain.memory.by_module"}, core
     for m in core | {m for m in mods if package_of(m) == "memtrain.report"}:
         f = mods[m]
         assert not {d for d in _imports(f, m, f.name == "__init__.py")

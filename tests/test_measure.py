@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain import measure
+from memtrain.memory import measure
 
 F32 = 4
 
@@ -88,7 +88,7 @@ def test_tracker_activation_peak_close_to_saved_bytes_for_plain_model():
 
 def test_the_members_the_tracker_replaces_are_torchs():
     """PeakTracker replaces private members of torch's MemTracker and FSDPMemTracker
-    (memtrain/tracker.py, one function each): a torch that renames one or changes what it is
+    (memtrain/memory/tracker.py, one function each): a torch that renames one or changes what it is
     called with fails here, by name, not as a wrong number in a row."""
     import inspect
 

@@ -8,9 +8,10 @@ import torch
 from conftest import conf_options, tiny_data
 from torch import nn
 
-from memtrain import api, measure, runner
+from memtrain import api, runner
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
+from memtrain.memory import measure
 from memtrain.methods.offload import HostMover, Offloader, OffloadMethod
 from memtrain.methods.quantize import ActivationQuantizer
 

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from conftest import saved_bytes
 
-from memtrain import api, measure
+from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.common.compact import MaskedReLU
 from memtrain.methods.pool import PooledConv2d, PoolMethod
 

@@ -11,8 +11,9 @@ from conftest import fashion_mnist_available, saved_bytes
 from memtrain.kernels import reference as ref
 from torch import nn
 
-from memtrain import api, measure
+from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.prune import PruneMethod
 
 # make test-compat runs this file on the oldest torch: the prune kernels and torch's

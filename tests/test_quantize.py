@@ -9,8 +9,9 @@ from conftest import saved_bytes
 from memtrain.kernels import bitmask, quant
 from torch import nn
 
-from memtrain import api, measure
+from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.quantize import (
     ActivationQuantizer,
     QuantizeMethod,

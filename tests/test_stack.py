@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import run_memtrain
 
-from memtrain import api, measure
+from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.offload import OffloadMethod

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import fashion_mnist_available
 
-from memtrain import api, measure, runner
+from memtrain import api, runner
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 from memtrain.methods.synthetic import Synthetic
 from memtrain.methods.synthetic.cuts import balanced_cuts
 from memtrain.methods.synthetic.partition import (

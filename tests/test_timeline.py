@@ -6,8 +6,9 @@ a step's shape, and (on CUDA, or on a made-up allocator history here) against th
 import pandas as pd
 import pytest
 
-from memtrain import allocator, api, by_module, timeline
+from memtrain import api
 from memtrain.columns import PEAK, SAVED
+from memtrain.memory import allocator, by_module, timeline
 
 pytestmark = pytest.mark.compat  # reads torch's MemTracker internals (measure.PeakTracker)
 

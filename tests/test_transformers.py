@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, learned, measure, runner, tokens
+from memtrain import api, learned, runner, tokens
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
+from memtrain.memory import measure
 from memtrain.models.transformer import GPT
 from memtrain.train import evaluate
 

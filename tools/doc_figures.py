@@ -76,7 +76,7 @@ def capture_timeline(runs: Path, name: str, root: Path = ROOT) -> Path:
 
     import pandas as pd
 
-    from memtrain import timeline
+    from memtrain.memory import timeline
     from tools.docs import capture
 
     out = capture(runs, name, root)

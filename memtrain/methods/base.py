@@ -43,7 +43,7 @@ Optional hooks, each called only where the method has it:
   method measures when they are not one step of the wrapped model (checkpoint: its plan
   applied; synthetic: one step per phase).
 - `plan_rows(model) -> list[dict]`: the plan the method applied, one row per segment
-  (memtrain/by_module.py's plan.csv), written with `trainer.memory_timeline`.
+  (memtrain/memory/by_module.py's plan.csv), written with `trainer.memory_timeline`.
 
 Between a stack and its members (methods/stack.py):
 

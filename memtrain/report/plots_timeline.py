@@ -10,7 +10,7 @@
 - `anatomy`: per checkpoint setting, its step's timeline with each recomputed group marked
   where backward runs it again, over its segments' saved bytes against the baseline's, each
   segment kept or recomputed as the plan says (plan.csv).
-- `module_tables`: the per-module tables of report.md (memtrain.by_module.compare).
+- `module_tables`: the per-module tables of report.md (memtrain.memory.by_module.compare).
 
 Input is the per-run table (`Report.runs`): the first seed of each setting that wrote the
 files is read (paths relative to its `run_dir`). Each figure's data frame is what was drawn.
@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.patches import Patch
 
-from memtrain import by_module, timeline
+from memtrain.memory import by_module, timeline
 from memtrain.report import style
 from memtrain.report.draw import Plot
 from memtrain.report.names import DEFAULT as DEFAULT_NAMES

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
-from memtrain import measure
+from memtrain.memory import measure
 from memtrain.methods.checkpoint.ops import Compact
 from memtrain.methods.checkpoint.segments import Segment
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLUFn

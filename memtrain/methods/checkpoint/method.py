@@ -600,7 +600,7 @@ class CheckpointMethod:
         }
 
     def plan_rows(self, model: nn.Module) -> list[dict[str, Any]]:
-        """The plan in place, one row per segment (memtrain/by_module.py's plan.csv): its modules
+        """The plan in place, one row per segment (memory/by_module.py's plan.csv): its modules
         (as `model.named_modules()` names them), kept or recomputed and in which group, and at
         op granularity the ops of a recomputed segment whose outputs the plan keeps (and their
         bytes) and a kept segment's compaction. `selective`: every segment recomputed as a

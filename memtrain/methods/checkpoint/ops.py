@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import memtrain.methods.checkpoint.plan as planner
-from memtrain import measure
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 
 Key = tuple[int, int]  # (segment, op index within the segment's forward)
 

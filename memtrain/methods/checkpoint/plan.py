@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memtrain import measure
+from memtrain.memory import measure
 from memtrain.methods.checkpoint.segments import Segment
 
 Group = tuple[int, int]

@@ -18,8 +18,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from memtrain import measure
 from memtrain.errors import ConfigError
+from memtrain.memory import measure
 
 # Automatic cuts accept a largest partition this much above the least possible one, for evenness.
 BALANCE_SLACK = 0.02

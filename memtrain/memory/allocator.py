@@ -182,7 +182,7 @@ def _profiled(prof) -> list[tuple[int, int, int]]:
     """The profile's CPU allocation events and memtrain's marks, in time order."""
     from torch._C._profiler import _EventType
 
-    from memtrain.tracker import MARK
+    from memtrain.memory.tracker import MARK
 
     out: list[tuple[int, int, int, int, int]] = []  # (time, order, kind, a, b)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())

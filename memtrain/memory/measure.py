@@ -4,7 +4,7 @@ Three independent instruments, each usable alone:
 - `SavedBytes`: bytes packed for backward by `saved_tensors_hooks` in one step, counted once per
   storage; what was alive before the step (parameters, buffers, the batch: `alive_before_step`)
   is excluded, as the tracker's activation peak excludes it. Works on any device.
-- `PeakTracker` (memtrain/tracker.py): live-tensor tracking through one step (torch's
+- `PeakTracker` (memtrain/memory/tracker.py): live-tensor tracking through one step (torch's
   MemTracker), giving the peak, its breakdown at that moment and the peak of activation memory
   (recomputation included): the breakdown, on every device.
 - `allocator.CpuHistory`: the CPU allocator's own events of the step (torch's profiler), filed
@@ -25,8 +25,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-# the headline columns by their names in the one list of columns
-from memtrain import allocator
 from memtrain.columns import (
     ACT_PEAK,
     ACT_TEMP_PEAK,
@@ -38,7 +36,10 @@ from memtrain.columns import (
     STEP_TIME_P90,
     THROUGHPUT,
 )
-from memtrain.tracker import PeakTracker, local
+
+# the headline columns by their names in the one list of columns
+from memtrain.memory import allocator
+from memtrain.memory.tracker import PeakTracker, local
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -60,6 +61,18 @@ def alive_before_step(model: nn.Module, *batch: torch.Tensor | None) -> list[tor
     return [*model.parameters(), *model.buffers(),
             *(t for t in batch if isinstance(t, torch.Tensor))]
 
+
+# where a strategy's wrap leaves the buffers it holds beside every step's tensors (an object with
+# a `buffers` dict: distributed.py's DDP gradient buckets), counted as other memory
+COMM_BUFFERS = "_memtrain_buckets"
+
+
+def comm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers a strategy holds beside the tensors a step makes (`COMM_BUFFERS`): DDP's
+    gradient buckets (one gradient-sized buffer in all, gradient_as_bucket_view off as torch's
+    default); [] otherwise."""
+    hook = getattr(model, COMM_BUFFERS, None)
+    return list(hook.buffers.values()) if hook is not None else []
 
 class SavedBytes:
     """Counts bytes saved for backward, once per storage, `exclude` (and views of it) left out:
@@ -130,7 +143,7 @@ class SavedByModule(SavedBytes):
     first (`where()`: the innermost module active then, as `PeakTracker.module_now` names it;
     '' outside every module: the loss). Counted once per storage, as SavedBytes counts: the
     modules' bytes sum to `bytes` (and `host_bytes`). `trainer.memory_timeline`'s per-module
-    table (memtrain/by_module.py)."""
+    table (memtrain/memory/by_module.py)."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), device: torch.device | None = None,
                  model: nn.Module | None = None, where=lambda: ""):
@@ -160,8 +173,8 @@ class TimelineRecorder:
     """`trainer.memory_timeline=true`: while entered (the runner, around training), every
     accounting step records here its timeline, one table per part of the run (synthetic: one per
     phase; others: one), and the bytes each module saved for backward (`SavedByModule`);
-    `table()` is the timelines end to end (memtrain/timeline.py's format), `saved` the modules'
-    rows (memtrain/by_module.py's). On the CPU a step's events are the tracker's
+    `table()` is the timelines end to end (timeline.py's format), `saved` the modules'
+    rows (by_module.py's). On the CPU a step's events are the tracker's
     (`PeakTracker.events`); on CUDA the allocator history's (`allocator.StepHistory`), filed
     under the tracker's categories (`timeline.from_allocator`). Off: a no-op."""
 
@@ -178,7 +191,7 @@ class TimelineRecorder:
             history=None) -> None:
         """A recorded step's events, kept as they are: the tables are made after training
         (`table`), outside every step."""
-        from memtrain import timeline
+        from memtrain.memory import timeline
 
         if history is not None and history.lost:  # the tracker's events instead, said so
             self.columns["mem_timeline_note"] = history.lost
@@ -198,10 +211,10 @@ class TimelineRecorder:
             self.saved += [(part, *row) for row in saved.by_module()]
 
     def table(self):
-        """The recorded steps end to end (memtrain/timeline.py's tidy table), or None."""
+        """The recorded steps end to end (memtrain/memory/timeline.py's tidy table), or None."""
         import pandas as pd
 
-        from memtrain import timeline
+        from memtrain.memory import timeline
 
         tables, first = [], 0
         for events, part, cats in self.steps:
@@ -337,8 +350,6 @@ class Measurement:
         timed = step >= self.warmup and not accounting
         recorder = TimelineRecorder.active if accounting else None
         cuda = recorder is not None and self.device.type == "cuda"
-        from memtrain.distributed import comm_buffers
-
         comm = comm_buffers(model) if accounting else []
         # the CPU: the allocator's own events of the step (`allocator.CpuHistory`), each
         # allocation filed under the tensor the tracker saw in it (its births and deaths marked)

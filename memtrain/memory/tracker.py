@@ -5,7 +5,7 @@ and keeps, after every op, the live bytes per category (`columns.TRACKED`): the 
 its breakdown, the activation peak, the peak of activations + backward temporaries. It also
 notes, on request, every storage it files (`births`: the CUDA timeline and the CPU allocator's
 count file allocations under them) and marks births and deaths in torch's profiler (`marks`:
-the CPU allocator's count places them among its own events, `memtrain.allocator`).
+the CPU allocator's count places them among its own events, `memtrain.memory.allocator`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class PeakTracker:
         self._moves: list[tuple[int, int, int, int, int]] = []
         self._final: dict[int, int] = {}  # record -> the category it was filed again under
         # `trainer.memory_timeline`: the live bytes per category after every op (`events`,
-        # rows of memtrain.timeline.table), with the loop's `phase`, the innermost module and
+        # rows of memtrain.memory.timeline.table), with the loop's `phase`, the innermost module and
         # whether a forward runs again in backward (MemTracker's `_in_ac`: a recomputation)
         self.events: list[tuple] | None = [] if timeline else None
         self.phase = "forward"

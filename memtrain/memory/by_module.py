@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from memtrain.timeline import short_module
+from memtrain.memory.timeline import short_module
 
 SAVED_FILE = "saved_by_module.csv"
 PLAN_FILE = "plan.csv"
