@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from memtrain import provenance
 from memtrain.memory import measure
 from memtrain.record import atomic_write
+from memtrain.run import provenance
 
 
 def device(name: str = "auto") -> torch.device:

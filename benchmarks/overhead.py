@@ -26,7 +26,7 @@ from memtrain import api
 from memtrain.config.schema import Trainer
 from memtrain.data import Data, Split
 from memtrain.optim import build_optimizer, build_scheduler
-from memtrain.train import train
+from memtrain.run.train import train
 
 
 class FixedBatches(Split):

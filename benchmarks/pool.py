@@ -26,7 +26,7 @@ from memtrain import models
 from memtrain.memory import measure
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.pool import PoolMethod
-from memtrain.train import PRECISIONS
+from memtrain.run.train import PRECISIONS
 
 VARIANTS = {  # label -> method factory
     "none": NoneMethod,

@@ -31,9 +31,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from memtrain import runner
 from memtrain.config import loader
 from memtrain.errors import ConfigError
+from memtrain.run import runner
 
 Model = nn.Module | Callable[..., nn.Module]
 

@@ -15,9 +15,9 @@ from typing import Any, NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from memtrain import distributed, faults, runner
 from memtrain.config import loader
 from memtrain.errors import ConfigError
+from memtrain.run import distributed, faults, runner
 
 log = logging.getLogger("memtrain")
 

@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 import memtrain.methods.base as base
-from memtrain import distributed
 from memtrain.losses import cross_entropy
 from memtrain.memory import measure
 from memtrain.methods.base import ProbeStep
-from memtrain.train import autocast_factory, cast_input
+from memtrain.run import distributed
+from memtrain.run.train import autocast_factory, cast_input
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from memtrain.faults import SweepStop
 from memtrain.record import SKIPPED, STATUSES, SUMMARY
+from memtrain.run.faults import SweepStop
 
 LOCK = ".memtrain-sweep.lock"
 

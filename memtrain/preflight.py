@@ -14,12 +14,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import memtrain.methods.base as base
-from memtrain import loggers, probes
+from memtrain import probes
 from memtrain.config import schema, trust
 from memtrain.config.schema import Trainer
 from memtrain.data import check_options
 from memtrain.errors import ConfigError
 from memtrain.record import GROUPS
+from memtrain.run import loggers
 
 
 def kwargs_of(node: DictConfig) -> dict[str, Any]:

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import capacity, estimate
+from memtrain import estimate
 from memtrain.config.schema import Trainer
 from memtrain.data import Data
 from memtrain.errors import ConfigError
+from memtrain.run import capacity
 
 log = logging.getLogger("memtrain")
 

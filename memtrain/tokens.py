@@ -71,7 +71,7 @@ class TokenSplit(Split):
 def unigram_loss(train: torch.Tensor, test: torch.Tensor, vocab_size: int) -> float:
     """Mean loss (nats per token) on `test`'s predicted tokens of the unigram model fitted on
     `train` (add-one smoothed): what a language model that ignores context achieves. A model
-    that does not get below it has not learned (memtrain.learned)."""
+    that does not get below it has not learned (memtrain.run.learned)."""
     counts = torch.bincount(train[:, 1:].reshape(-1).long(), minlength=vocab_size).double() + 1
     logp = counts.log() - counts.sum().log()
     return float(-logp[test[:, 1:].reshape(-1).long()].mean())

@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memtrain import capacity, estimate
+from memtrain import estimate
 from memtrain.config import loader
 from memtrain.errors import ConfigError
+from memtrain.run import capacity
 
 log = logging.getLogger("memtrain")
 
@@ -360,9 +361,9 @@ def will_fit(overrides: Sequence[str], out_dir: str | Path | None = None,
     `methods=`, `settings=`, `out=`); rows, answer and figure written to `out_dir` (None: not
     written). `defaults_only`: each method at its defaults only (`settings=defaults`).
     Bad input raises a one-line ConfigError before anything is written."""
-    from memtrain import runner
     from memtrain.optim import build_optimizer
     from memtrain.preflight import build_data, kwargs_of
+    from memtrain.run import runner
 
     started = time.perf_counter()
     say = progress or (lambda line: log.info(line))
@@ -433,7 +434,7 @@ def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> d
     an fsdp row (its run would be a sharded one)."""
     import torch
 
-    from memtrain import provenance
+    from memtrain.run import provenance
 
     if s.ranks > 1:
         return None
@@ -453,7 +454,7 @@ def _run_row(s: Setting, cfg, choices: dict[str, str], row: dict[str, Any]) -> d
 
 def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, batch: int,
          committed, base: Sequence[str] = ()) -> dict[str, Any]:
-    from memtrain import runner
+    from memtrain.run import runner
 
     defaults = _defaults(cfg)
     est = Estimator(cfg, data, runner.make_model, make_optimizer, s.ranks)

@@ -44,7 +44,7 @@ break_one memtrain/memory/measure.py \
   '            if key not in self._exclude and key[1] != 0:' \
   '            if key[1] != 0:' \
   tests/test_measure.py "saved-bytes accounting (parameters and the batch excluded)"
-break_one memtrain/resume.py \
+break_one memtrain/run/resume.py \
   '    shuffle_gen.set_state(rng["epoch_shuffle"])' \
   '    pass  # the shuffle state is not restored' \
   tests/test_survive.py "kill -9, then resume bit-identical"
@@ -52,7 +52,7 @@ break_one memtrain/methods/checkpoint/segments.py \
   '    saved = [(bn, [getattr(bn, k) for k in names]) for bn in bns if bn.track_running_stats]' \
   '    saved = []  # recomputation updates the running statistics a second time' \
   tests/test_checkpoint.py "checkpoint gradients and statistics equal none's"
-break_one memtrain/runner.py \
+break_one memtrain/run/runner.py \
   '        except Exception as e:  # a sweep records the failure and goes on' \
   '        except ZeroDivisionError as e:  # broken: other failures escape' \
   tests/test_survive.py "a failure becomes a row"

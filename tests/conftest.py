@@ -138,7 +138,8 @@ def cli_checks(monkeypatch, capsys):
     a real subprocess, where a traceback or a wrong exit status would show."""
     import hydra
 
-    from memtrain import cli, faults
+    from memtrain import cli
+    from memtrain.run import faults
 
     def reached_hydra(*args, **kwargs):
         raise AssertionError("memtrain handed these overrides to Hydra: they were not refused")

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import job_dir, run_memtrain
 
-from memtrain import api, data, imagefolder, resume
+from memtrain import api, data, imagefolder
 from memtrain.config import loader
 from memtrain.errors import ConfigError
 from memtrain.report import cli as report_cli
+from memtrain.run import resume
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
@@ -194,7 +195,8 @@ def test_a_sweep_is_refused_when_every_job_would_be(in_tmp, monkeypatch, capsys,
 
     import hydra
 
-    from memtrain import cli, faults
+    from memtrain import cli
+    from memtrain.run import faults
 
     launched = []
     monkeypatch.setattr(hydra, "main", lambda **_: lambda task: lambda: launched.append(task))
@@ -322,8 +324,8 @@ def test_a_model_too_large_to_build_names_the_input_size():
     (built on a shape alone, as the runner builds it: no 9000 px images are made)."""
     from omegaconf import OmegaConf
 
-    from memtrain import runner
     from memtrain.data import Data
+    from memtrain.run import runner
 
     cfg = OmegaConf.create({"model": {"_target_": "memtrain.models.mlp6"},
                             "method": {"_target_": "memtrain.methods.none.NoneMethod"}})

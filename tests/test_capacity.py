@@ -5,8 +5,9 @@ import logging
 import pytest
 import torch
 
-from memtrain import api, capacity
+from memtrain import api
 from memtrain.errors import ConfigError
+from memtrain.run import capacity
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 

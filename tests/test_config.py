@@ -9,10 +9,11 @@ import yaml
 from conftest import CONF, conf_options
 from omegaconf import OmegaConf
 
-from memtrain import api, runner
+from memtrain import api
 from memtrain.data import Data
 from memtrain.errors import ConfigError
 from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.run import runner
 
 GROUPS = ["dataset", "model", "method", "optim", "trainer"]
 

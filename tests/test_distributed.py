@@ -1,4 +1,4 @@
-"""One run across processes (memtrain/distributed.py): DDP and FSDP2 on torchrun, per-rank memory.
+"""One run across processes (run/distributed.py): DDP and FSDP2 on torchrun, per-rank memory.
 
 What one rank holds is counted in this process on torch's fake process group (one rank of N,
 collectives that move nothing); the two real 2-rank runs (torchrun, gloo) are marked `ranks`
@@ -19,11 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from memtrain import api, distributed
+from memtrain import api
 from memtrain.errors import ConfigError
 from memtrain.memory import measure
 from memtrain.models.mlp import mlp6
 from memtrain.optim import build_optimizer
+from memtrain.run import distributed
 
 TINY = ["model=mlp6", "trainer=smoke", "dataset.image_size=8", "model.widths=[64,64,64,64,64]"]
 
@@ -45,8 +46,8 @@ def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int =
     import contextlib
 
     import memtrain.methods.base as base
-    from memtrain import runner
-    from memtrain.train import autocast_factory
+    from memtrain.run import runner
+    from memtrain.run.train import autocast_factory
 
     cfg, _ = api.compose(overrides)
     t = runner.trainer_of(cfg)
@@ -313,7 +314,7 @@ def test_the_rank_that_failed_first_is_the_rows():
     connection; rank 0's own failure when every other rank is alive."""
     import torch.distributed as dist
 
-    from memtrain.distributed import Heartbeat, World, lost_peer, record_failure, root_failure
+    from memtrain.run.distributed import Heartbeat, World, lost_peer, record_failure, root_failure
 
     reset = RuntimeError("[pair.cc:534] Read error [127.0.0.1]:51376: Connection reset by peer")
     assert lost_peer(reset) and not lost_peer(RuntimeError("injected failure"))

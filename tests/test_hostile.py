@@ -21,9 +21,10 @@ from conftest import BY_NAME, conf_options, language_model
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from walker import METHODS, MODELS
 
-from memtrain import optim, runner
+from memtrain import optim
 from memtrain.config import loader, validate
 from memtrain.errors import ConfigError
+from memtrain.run import runner
 
 HOSTILE = ["nan", "inf", "-inf", "1e300", "-1", "0", "''", "[]", "[1,2]", "{a: 1}", "true",
            "null", "'$(touch pwned)'", "'; rm -rf ~'", "'ünïcødé ✓'", "'../../../etc/passwd'",

@@ -165,20 +165,34 @@ LAYERS = {
     # the measurement of a step's memory: the one list of columns, nothing of the run (the
     # strategy leaves its buffers where the measurement looks, measure.COMM_BUFFERS)
     "memtrain.memory": {"memtrain.columns"},
+    # the run: the config front, the measurement, the data, the method contract, the job checks
+    # and the probes it runs, and the bottom; never the command line, the API, the report
+    "memtrain.run": {"memtrain", "memtrain.errors", "memtrain.losses", "memtrain.optim",
+                     "memtrain.record", "memtrain.columns", "memtrain.data", CONTRACT,
+                     "memtrain.preflight", "memtrain.probes", "memtrain.config.*",
+                     "memtrain.memory.*"},
 }
+
+
+def _allowed(module: str, below: set[str]) -> bool:
+    """`module` is one of `below`, or under a package `below` names as `pkg.*`."""
+    return module in below or any(
+        p.endswith(".*") and (module == p[:-2] or module.startswith(p[:-1])) for p in below)
 
 
 def test_each_layer_imports_only_what_is_below_it():
     """A package of the core imports, outside itself, only what LAYERS lists for it, lazy
     imports included: the config front never reaches the run, the measurement or the data; the
-    measurement never reaches the config or the run."""
+    measurement never reaches the config or the run; the run never reaches the command line,
+    the API or the report."""
     edges = graph()
     for layer, below in LAYERS.items():
         inside = [m for m in edges if m == layer or m.startswith(layer + ".")]
         assert inside, layer
         out = {d for m in inside for d in edges[m]
                if not (d == layer or d.startswith(layer + "."))}
-        assert out <= below, (layer, sorted(out - below))
+        assert all(_allowed(d, below) for d in out), \
+            (layer, sorted(d for d in out if not _allowed(d, below)))
 
 
 def test_kernels_are_a_leaf():
@@ -277,6 +291,6 @@ def test_nothing_of_memtrain_imports_the_tools():
 def test_the_training_loop_reads_in_one_screen():
     """train.train stays under 100 lines (docstring included): what is not the loop's order of
     events goes into the helpers beside it (docs/architecture.md, the training loop)."""
-    tree = ast.parse((ROOT / "memtrain" / "train.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "memtrain" / "run" / "train.py").read_text(encoding="utf-8"))
     (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train"]
     assert fn.end_lineno - fn.lineno + 1 < 100, fn.end_lineno - fn.lineno + 1

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from memtrain import api, loggers, preflight
+from memtrain import api, preflight
 from memtrain.config.schema import Trainer
 from memtrain.errors import ConfigError
+from memtrain.run import loggers
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 LINE = re.compile(r"step (\d+)/(\d+) epoch \d+ loss [\d.]+ samples/s (\d+|-) "

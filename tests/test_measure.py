@@ -131,7 +131,7 @@ def test_the_commit_is_read_without_touching_the_users_index(tmp_path):
     import shutil
     import subprocess
 
-    from memtrain.provenance import git_commit
+    from memtrain.run.provenance import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git not installed")

@@ -13,13 +13,14 @@ from conftest import conf_options
 from omegaconf import OmegaConf
 
 import memtrain.methods.base as base
-from memtrain import api, runner
+from memtrain import api
 from memtrain.errors import ConfigError
 from memtrain.methods.checkpoint import CheckpointMethod
 from memtrain.methods.none import NoneMethod
 from memtrain.methods.offload import OffloadMethod
 from memtrain.methods.quantize import QuantizeMethod
 from memtrain.methods.stack import Stack
+from memtrain.run import runner
 
 # what each built-in method declares (the contract's docstring says why)
 EXACT = {"none": True, "checkpoint": True, "offload": True, "pool": False, "prune": False,

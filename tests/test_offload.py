@@ -8,12 +8,13 @@ import torch
 from conftest import conf_options, tiny_data
 from torch import nn
 
-from memtrain import api, runner
+from memtrain import api
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.memory import measure
 from memtrain.methods.offload import HostMover, Offloader, OffloadMethod
 from memtrain.methods.quantize import ActivationQuantizer
+from memtrain.run import runner
 
 # make test-compat runs this file on the oldest torch: saved-tensor hooks
 pytestmark = pytest.mark.compat

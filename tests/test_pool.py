@@ -219,7 +219,7 @@ def test_training_converges_like_none_at_equal_epochs():
     from memtrain.config.schema import Trainer
     from memtrain.data import synthetic
     from memtrain.optim import build_optimizer, build_scheduler
-    from memtrain.train import train
+    from memtrain.run.train import train
 
     data = synthetic(image_size=16, train_size=2048, test_size=1000)
     torch.manual_seed(0)

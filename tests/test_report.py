@@ -402,7 +402,7 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
 
 def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged(tmp_path):
     """Error bars stop at 0% and 100%; the chance level (1 / classes) is a line; a setting with
-    a run that did not learn (memtrain.learned) is hollow in the figure and said in the table."""
+    a run that did not learn (run.learned) is hollow in the figure and said in the table."""
     r = tmp_path / "r"
     for seed, acc in enumerate((0.02, 0.40)):  # mean 0.21, std 0.27: the bar would reach -6%
         write_run(r / f"p{seed}", method="pool", seed=seed, test_acc=acc, peak=60 * MiB,
@@ -420,7 +420,7 @@ def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged
 
 
 def test_a_run_that_did_not_learn_says_why():
-    from memtrain.learned import classifier
+    from memtrain.run.learned import classifier
 
     ok = classifier(0.9, 0.3, 10, 2000)
     assert ok["learned"] is True and ok["chance_acc"] == 0.1 and "not_learned_why" not in ok

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from memtrain import runner
 from memtrain.config import trust
 from memtrain.errors import ConfigError
+from memtrain.run import runner
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 HOSTILE = ["os.system", "builtins.exec", "subprocess.run", "memtrain.record.atomic_write",

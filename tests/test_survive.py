@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import job_dir, run_memtrain
 
-from memtrain import api, faults
+from memtrain import api
 from memtrain.hydra_callbacks import count_statuses, format_counts
+from memtrain.run import faults
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 # small enough that thousands of steps take seconds
@@ -54,8 +55,8 @@ def test_a_failure_after_training_keeps_the_metrics(in_tmp, monkeypatch):
     """Bad input found after the loop (a ConfigError, exit 2 from the command) is the row's
     error, and the row keeps every metric the run logged: the training rows and the
     evaluation's."""
-    from memtrain import runner
     from memtrain.errors import ConfigError
+    from memtrain.run import runner
 
     def refuse(*args):
         raise ConfigError("refused after training")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import fashion_mnist_available
 
-from memtrain import api, runner
+from memtrain import api
 from memtrain.errors import ConfigError
 from memtrain.memory import measure
 from memtrain.methods.synthetic import Synthetic
@@ -20,6 +20,7 @@ from memtrain.methods.synthetic.partition import (
 )
 from memtrain.models import efficientnet_b0, mlp6, resmlp12, resmlp24, resnet18, resnet50
 from memtrain.optim import build_optimizer, build_scheduler
+from memtrain.run import runner
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.device=cpu"]
 SYN = [*TINY, "method=synthetic"]
@@ -148,8 +149,8 @@ def test_parallel_refuses_what_its_workers_would_leave_undone(in_tmp, cli_checks
     assert line.endswith(f"use method.parallel=false (the same partitions, one after another in "
                          f"this process) or drop {asked.split('=')[0]}")
     assert list(in_tmp.iterdir()) == []
-    from memtrain import runner
     from memtrain.config import loader
+    from memtrain.run import runner
 
     loader.check_overrides([*SYN, asked])  # sequential: accepted
     cfg, _ = loader.compose([*SYN, asked])

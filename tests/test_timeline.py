@@ -312,7 +312,7 @@ def test_the_snapshot_and_the_timeline_share_one_recorder(monkeypatch, tmp_path)
     dumped before recording stops (mocked: no CUDA here)."""
     import torch
 
-    from memtrain import faults
+    from memtrain.run import faults
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",

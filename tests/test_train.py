@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from memtrain import api, runner
+from memtrain import api
 from memtrain.optim import build_optimizer, build_scheduler
-from memtrain.train import train
+from memtrain.run import runner
+from memtrain.run.train import train
 
 TINY = ["trainer=smoke", "model=resnet18", "dataset.image_size=8", "trainer.batch_size=4"]
 

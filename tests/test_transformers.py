@@ -21,12 +21,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, learned, runner, tokens
+from memtrain import api, tokens
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.memory import measure
 from memtrain.models.transformer import GPT
-from memtrain.train import evaluate
+from memtrain.run import learned, runner
+from memtrain.run.train import evaluate
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from memtrain import api, willfit
-from memtrain.capacity import GiB
+from memtrain.run.capacity import GiB
 
 TINY = ["model=mlp6", "dataset.image_size=16", "dataset.train_size=4096", "dataset.test_size=8",
         "trainer=smoke", "trainer.seed=0"]

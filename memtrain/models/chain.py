@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import distributed
 from memtrain.errors import ConfigError
+from memtrain.run import distributed
 
 
 @dataclass(frozen=True)

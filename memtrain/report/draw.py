@@ -49,7 +49,7 @@ def failed_lines(g: pd.DataFrame) -> list[str]:
 def not_learned(g: pd.DataFrame) -> list[str]:
     """'did not learn: synthetic (2/3 runs): test accuracy 10.1%, chance 10.0%; each phase on
     its own task: part0 21%, part1 100%' for each drawn setting with a run that did not learn
-    (`learned` false: memtrain.learned), so a hollow point says why."""
+    (`learned` false: memtrain.run.learned), so a hollow point says why."""
     out = []
     for _, r in ok_rows(g).iterrows():
         if not is_true(r.get("did_not_learn")):

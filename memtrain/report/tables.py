@@ -389,7 +389,7 @@ def aggregate_seeds(df: pd.DataFrame, seed: str = SEED,
                    timing_noisy=bool(ok.get("timing_noisy", pd.Series(dtype=bool)).any())
                    or derive.spread_noisy(ok.get("step_time_e2e_s", pd.Series(dtype=float))),
                    error_short=_common(g.drop(ok.index).get("error_short")),
-                   # ok runs whose row says they did not learn (memtrain.learned)
+                   # ok runs whose row says they did not learn (memtrain.run.learned)
                    n_not_learned=int((ok.get("learned", pd.Series(dtype=object))
                                       .map(said_false)).sum()))
         row["did_not_learn"] = row["n_not_learned"] > 0

@@ -159,8 +159,8 @@ def _done(cfg: DictConfig, sweep_dir: Path, cache: dict[Path, dict[str, Path]]) 
         t = cfg.get("trainer")
         if not OmegaConf.is_config(t) or not t.get("skip_done"):
             return False
-        from memtrain import resume
         from memtrain.config import loader
+        from memtrain.run import resume
 
         root = Path(t.search_dir or sweep_dir)
         rid = loader.run_id(cfg)
@@ -234,7 +234,7 @@ class TimeLimit:
         return self
 
     def _handle(self, signum, frame) -> None:
-        from memtrain import faults
+        from memtrain.run import faults
 
         self.hit = True
         name = signal.Signals(signum).name

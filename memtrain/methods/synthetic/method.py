@@ -60,7 +60,7 @@ from memtrain.methods.synthetic.partition import (
 )
 from memtrain.models import chain_of
 from memtrain.models.chain import model_class
-from memtrain.train import RunFailed, TrainResult, autocast_factory, evaluate
+from memtrain.run.train import RunFailed, TrainResult, autocast_factory, evaluate
 
 log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under
 

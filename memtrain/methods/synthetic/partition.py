@@ -20,7 +20,7 @@ from torch import nn
 
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
-from memtrain.train import evaluate, train
+from memtrain.run.train import evaluate, train
 
 # A dense S of shape (cut width, classes) is held on the device; refuse sizes that would rival
 # the activations it is meant to save (1 GiB of fp32).

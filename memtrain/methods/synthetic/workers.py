@@ -19,7 +19,7 @@ from torch import nn
 from memtrain.data import Data
 from memtrain.errors import ConfigError
 from memtrain.methods.synthetic.partition import Phase, run_phase
-from memtrain.train import RunFailed, TrainResult
+from memtrain.run.train import RunFailed, TrainResult
 
 POLL_S = 1.0
 

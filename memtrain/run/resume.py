@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memtrain import record
-from memtrain.faults import StopSignals
+from memtrain.run.faults import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def clean_partial(run_dir: Path) -> list[Path]:
 
 
 def _sharded() -> bool:
-    from memtrain import distributed
+    from memtrain.run import distributed
 
     return distributed.World.active is not None and distributed.World.active.sharded
 
@@ -217,7 +217,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from memtrain import distributed
+        from memtrain.run import distributed
 
         world = distributed.World.active
         model, optimizer = state.pop("live")
@@ -237,7 +237,7 @@ class Checkpointer:
 
     @staticmethod
     def world_collective() -> bool:
-        from memtrain import distributed
+        from memtrain.run import distributed
 
         return distributed.World.active is not None and distributed.World.active.collective
 
@@ -255,7 +255,7 @@ class Checkpointer:
 def _rank_state(state: dict, folder: Path) -> dict:
     """A sharded checkpoint's state as this rank resumes it: the folder of its shards, and its
     own random state and records (rank 0's file holds rank 0's; every rank has its own)."""
-    from memtrain import distributed
+    from memtrain.run import distributed
 
     world = distributed.World.active
     rank = world.rank if world is not None else 0
@@ -301,7 +301,7 @@ def find_checkpoints(root: Path) -> list[Path]:
 
 def save_weights(model: nn.Module, run_dir: Path) -> Path:
     """weights.pt: the model's whole state_dict (several ranks: gathered, written by rank 0)."""
-    from memtrain import distributed
+    from memtrain.run import distributed
 
     path = Path(run_dir) / WEIGHTS
     state = distributed.full_state(model)

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import distributed, resume
 from memtrain.config.schema import Trainer
 from memtrain.data import Data, Split
 from memtrain.errors import ConfigError
-from memtrain.faults import Fault
-from memtrain.loggers import Logger
 from memtrain.losses import cross_entropy
 from memtrain.memory import measure
+from memtrain.run import distributed, resume
+from memtrain.run.faults import Fault
+from memtrain.run.loggers import Logger
 
 log = logging.getLogger(__name__)
 
