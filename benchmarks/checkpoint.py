@@ -148,7 +148,7 @@ def profiled(model_name: str, size: int, batch: int, profile_batch: int, device:
 
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memtrain.estimate import random_batch
+    from memtrain.run.estimate import random_batch
 
     lm = language_model(model_name, extra)
     data, model, method = api.build([

@@ -207,9 +207,9 @@ class ProbeCheck(Callback):
     trainer options are left to the job, which records them in its row."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from memtrain import probes
         from memtrain.config.schema import Trainer
         from memtrain.errors import ConfigError
+        from memtrain.run import probes
 
         try:
             t = Trainer.from_config(config.trainer)

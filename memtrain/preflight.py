@@ -14,13 +14,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import memtrain.methods.base as base
-from memtrain import probes
 from memtrain.config import schema, trust
 from memtrain.config.schema import Trainer
 from memtrain.data import check_options
 from memtrain.errors import ConfigError
 from memtrain.record import GROUPS
-from memtrain.run import loggers
+from memtrain.run import loggers, probes
 
 
 def kwargs_of(node: DictConfig) -> dict[str, Any]:

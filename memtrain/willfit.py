@@ -32,10 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memtrain import estimate
 from memtrain.config import loader
 from memtrain.errors import ConfigError
-from memtrain.run import capacity
+from memtrain.run import capacity, estimate
 
 log = logging.getLogger("memtrain")
 

@@ -37,11 +37,11 @@ from memtrain.kernels import quant
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrain import estimate
 from memtrain.columns import ACT_PEAK, ACT_TEMP_PEAK
 from memtrain.memory import measure
 from memtrain.methods.pool import PoolMethod
 from memtrain.methods.quantize import QuantizeMethod
+from memtrain.run import estimate
 
 F32 = 4
 

@@ -96,7 +96,7 @@ def cases() -> list[tuple[tuple[str, ...], str]]:
 def build_without_training(cfg: DictConfig) -> None:
     """What a job builds before its first step, on tiny sizes: raises what the job would."""
     t = runner.trainer_of(cfg)
-    from memtrain import probes
+    from memtrain.run import probes
 
     probes.check(t)
     data, model, method = runner.build(cfg, t)

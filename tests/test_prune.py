@@ -279,7 +279,7 @@ def test_the_plan_leaves_an_input_alive_at_the_peak_dense_and_prunes_it_after_sa
     without backward's temporaries, is then below none's."""
     from memtrain.kernels import bsr
 
-    from memtrain import estimate
+    from memtrain.run import estimate
 
     def net():
         torch.manual_seed(0)

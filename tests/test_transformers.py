@@ -236,7 +236,7 @@ def test_the_estimate_of_gpt2_small_at_1024_tokens_is_the_formula():
     2-byte dropout masks) within 5%; nothing of that size is allocated."""
     if torch.cuda.is_available():
         pytest.skip("the CUDA estimate has its own test (1-byte masks)")
-    from memtrain import estimate
+    from memtrain.run import estimate
 
     cfg, data = _gpt2_small_1024("cpu")
     out = estimate.estimate_peak(lambda: runner.make_model(cfg, data),
@@ -268,7 +268,7 @@ def test_the_cuda_estimate_of_gpt2_small_keeps_one_byte_masks():
     CPU's form. The full estimate on a GPU: tests/test_gpu.py."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtrain import estimate
+    from memtrain.run import estimate
 
     cfg, data = _gpt2_small_1024("cuda")
     with FakeTensorMode(), torch.device("cuda"):

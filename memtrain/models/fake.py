@@ -1,6 +1,6 @@
 """Building a library's model where the estimate runs: on fake tensors.
 
-The GPU-free estimate (memtrain/estimate.py) builds its models inside torch's FakeTensorMode.
+The GPU-free estimate (memtrain/run/estimate.py) builds its models inside torch's FakeTensorMode.
 memtrain's own builders run there as they are; a library's often do not: timm's initialisers
 read values (`torch.linspace(0, drop_path_rate, depth).tolist()`), which a fake tensor has none
 of. `build(make)` runs `make()` under the active fake mode where it can, and otherwise builds

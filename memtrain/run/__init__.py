@@ -6,5 +6,7 @@
 - `distributed`: the ranks of one run (DDP, FSDP2, each rank's data).
 - `resume`, `faults`: checkpoints, stop signals, the sweep's stop.
 - `capacity`: the device claim and the GPU cap; `provenance`: the row's device, versions, commit.
+- `probes`, `estimate`: the estimate and the batch search, run before training (the estimate
+  runs the training step on fake tensors).
 - `learned`: whether the run learned (the row's verdict).
 """

@@ -28,7 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import memtrain.methods.base as base
-from memtrain import probes, record
+from memtrain import record
 from memtrain.config.loader import identity
 from memtrain.config.schema import Trainer
 from memtrain.data import Data, cast_batches, place
@@ -37,7 +37,7 @@ from memtrain.memory import measure
 from memtrain.methods.base import Method  # the contract: what the runner asks of a method
 from memtrain.optim import build_optimizer, build_scheduler
 from memtrain.preflight import build_data, build_method, check, kwargs_of, target_of, trainer_of
-from memtrain.run import capacity, distributed, faults, learned, loggers, provenance, resume
+from memtrain.run import capacity, distributed, faults, learned, loggers, probes, provenance, resume
 from memtrain.run.train import RunFailed, TrainResult, autocast_factory, param_dtype, train
 
 log = logging.getLogger("memtrain")

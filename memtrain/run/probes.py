@@ -16,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtrain import estimate
 from memtrain.config.schema import Trainer
 from memtrain.data import Data
 from memtrain.errors import ConfigError
-from memtrain.run import capacity
+from memtrain.run import capacity, estimate
 
 log = logging.getLogger("memtrain")
 
