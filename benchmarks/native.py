@@ -228,7 +228,7 @@ COLUMNS = {  # the comparison: column -> heading
 PLAN_COLUMNS = {  # how the timed plan was found: column -> heading
     "model": "model", "granularities_tried": "granularities tried",
     "plan_granularity": "timed plan", "replans": "re-plans",
-    "first_plan_act_peak_bytes": "first plan act. MiB", "plan_asked_bytes": "asked MiB",
+    "first_plan_act_peak_bytes": "first plan act. / native's", "plan_asked_bytes": "asked MiB",
     "plan_peak_bytes": "modelled MiB", "plan_groups": "recomputed groups",
     "plan_note": "over native's peak: why",
 }
@@ -236,6 +236,8 @@ PLAN_COLUMNS = {  # how the timed plan was found: column -> heading
 
 def _cell(r: dict, k: str) -> str:
     v = r.get(k, "")
+    if k == "first_plan_act_peak_bytes":
+        return f"{v / r['budget_bytes']:.3f}"
     if k.endswith("_bytes"):
         return f"{v / 2**20:.2f}"
     if k.endswith("_step_s"):
