@@ -1042,6 +1042,7 @@ BLOCKS = [
     Block("checkpoint-least", checkpoint_least),
     Block("checkpoint-resnet50", _bench_table("checkpoint_cpu.csv", _checkpoint_table("resnet50"),
                                               "0", "5 timed after 2 warm-up (median)")),
+    Block("checkpoint-native", _bench_table("native_cpu.csv", _bench("native"))),
     *(Block(f"frontier-{m}", _bench_table(FRONTIER_CSV, _frontier(m), "-",
                                           "planner only (one profile)",
                                           select=lambda r, m=m: r["model"] == m))
