@@ -228,7 +228,9 @@ def test_budget_respected_and_peak_predicted(tmp_path):
         ("resnet50", 64, "sqrt", [], 1.0), ("efficientnet_b0", 32, "uniform", [], 1.0),
         ("resmlp12", 32, "budget", [], 0.5)]),
     # autocast caches its bf16 weight copies until the forward ends, recomputed segment or not
-    ("resnet18", 16, "budget", ["trainer.precision=bf16"], 0.8)])
+    # (at 8 px they are most of the activation peak: the claim at its sharpest, and the CPU's
+    # slow bf16 convolutions on the smallest maps)
+    ("resnet18", 8, "budget", ["trainer.precision=bf16"], 0.8)])
 def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extra, fraction):
     args = [f"model={model}", f"dataset.image_size={size}", *extra]
     none = _run(tmp_path, "none", *args)
