@@ -138,6 +138,10 @@ bench-checkpoint: $(STAMP) ## GPU: the checkpoint frontier per model (op, block,
 bench-checkpoint-table: $(STAMP) ## checkpointing vs none in one process (table); ARGS=--frontier: the planner's op vs block frontier alone
 	$(BIN)/python -m benchmarks.checkpoint $(ARGS)
 
+.PHONY: bench-native
+bench-native: $(STAMP) ## the budget planner at native checkpointing's activation peak against it (convnext_atto, a ViT, a 2-layer llama; CPU, 1 thread, a few minutes) -> docs/results/rows/native_cpu.csv; then make results-docs
+	$(BIN)/python -m benchmarks.native --csv docs/results/rows/native_cpu.csv $(ARGS)
+
 .PHONY: model-coverage
 model-coverage: $(STAMP) ## every method on ~60 architectures by name (timm, torchvision, transformers), 2 steps each on the CPU (45-90 min; ARGS=--only a,b) -> runs/coverage/
 	$(BIN)/python -m benchmarks.coverage --csv runs/coverage/rows.csv --out runs/coverage/table.md $(ARGS)

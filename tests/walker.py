@@ -74,14 +74,16 @@ VARIANTS: dict[str, list[list[str]]] = {
     "pool": [["method.targets=conv+bn"]],
 }
 # A method's defaults where they cannot hold on the small sizes walked: a stack's plan at the
-# exact uniform schedule (its budget plan measures each candidate in a tracked step); prune's
+# exact uniform schedule (its budget plan measures each candidate in a tracked step), not timed
+# before training (its forwards and backwards through quantize, timed in pairs); prune's
 # default 32x32 blocks do not fit the walked batch of 16 rows on mlp6 (the run refuses it).
 # (Checkpoint's default budget, 0.5 of none's activation peak, below mlp6's smallest feasible
 # plan at ~0.62, is raised to that plan: its defaults are walked.)
 DEFAULTS: dict[str, list[str]] = {
     "prune": ["method.block_size=16"],
     "checkpoint+quantize": ["method.checkpoint.strategy=uniform",
-                            "method.checkpoint.profile_repeats=1"],
+                            "method.checkpoint.profile_repeats=1",
+                            "method.checkpoint.time_plan=false"],
 }
 # The estimate-level walk of the other models: one configuration per method, its defaults.
 ESTIMATED: dict[str, list[str]] = {"prune": []}

@@ -452,6 +452,8 @@ LATER_OPTIONS: dict[str, Any] = {
     "trainer.cuda_context_gb": 0.0,
     # what a checkpoint op plan minimises: measured times, as before the option
     "method.cost": "time", "method.checkpoint.cost": "time",
+    # the checkpoint plan timed before training, as before the option
+    "method.time_plan": True, "method.checkpoint.time_plan": True,
     # one run across processes: one process, as before
     "trainer.strategy": "single", "trainer.world_size": None, "trainer.fault_rank": None,
 }

@@ -158,7 +158,8 @@ class CheckpointMethod:
     def __init__(self, strategy: str = "budget", every: int = 1, budget_fraction: float = 0.5,
                  budget_bytes: int | None = None, max_group: int | None = None,
                  profile_batch: int | None = None, profile_repeats: int = 2,
-                 dry_run: bool = False, granularity: str = "op", cost: str = "time"):
+                 dry_run: bool = False, granularity: str = "op", cost: str = "time",
+                 time_plan: bool = True):
         check_choice("method.strategy", strategy, STRATEGIES)
         check_choice("method.granularity", granularity, GRANULARITIES)
         check_choice("method.cost", cost, opplan.COSTS)
@@ -184,6 +185,9 @@ class CheckpointMethod:
         self.budget_fraction, self.budget_bytes = float(budget_fraction), budget_bytes
         check_range("method.profile_repeats", profile_repeats, 1)
         self.max_group, self.profile_batch, self.dry_run = max_group, profile_batch, dry_run
+        if not isinstance(time_plan, bool):
+            raise ConfigError(f"method.time_plan={time_plan!r} must be true or false")
+        self.time_plan = time_plan  # the plan timed against the plain model before training
         self.profile_repeats = int(profile_repeats)
         self.segments: list[Segment] = []
         self.plan: planner.Plan | None = None
@@ -310,7 +314,8 @@ class CheckpointMethod:
             self._apply(model)
             if self.strategy == "budget" and groups is None and self._stacked(model):
                 self._fit_measured(model, x, y, autocast or contextlib.nullcontext)
-            self._measure_overhead(model, x, y, autocast)
+            if self.time_plan:
+                self._measure_overhead(model, x, y, autocast)
         carry["checkpoint_plan"] = [list(g) for g in self.plan.groups]
         if self.raised_to is not None:
             carry["checkpoint_raised_to"] = int(self.raised_to)

@@ -409,7 +409,9 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
     buffers (BatchNorm statistics), gradients and the RNG state are restored afterwards.
 
     `scale` multiplies bytes and times (profiling on a slice of the batch). On fake tensors
-    (a probe) no clock means anything: the baseline step is not timed (`step_time` NaN)."""
+    (a probe) the baseline step is not timed: its `step_time` is three of the segments'
+    forwards (a backward costs about two), in the units of their times, what a probe's plan
+    sums its recomputation in (a probe's clock times dispatch, not kernels)."""
     autocast = autocast or contextlib.nullcontext
     device = x.device
     steps, per_seg = [], []
@@ -435,9 +437,10 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
         del out
         result.transient, result.rec_peak, result.rec_last = transients(model, segments, x,
                                                                         autocast, scale)
-    result.step_time = statistics.median(steps[1:] or steps) * scale if steps else float("nan")
     result.time = [statistics.median(ts[1:] or ts) * scale
                    for ts in zip(*per_seg)]  # first forward warms caches up
+    result.step_time = (statistics.median(steps[1:] or steps) * scale if steps
+                        else 3 * sum(result.time))
     for k in ("inner", "out", "cast", "flops"):
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
     result.tail = int(result.tail * scale)
