@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 import benchmarks as bench
-from memtrain import api, measure
-from memtrain.estimate import random_batch
+from memtrain import api
 from memtrain.losses import cross_entropy
+from memtrain.memory import measure
+from memtrain.run.estimate import random_batch
 
 
 @dataclass(frozen=True)
