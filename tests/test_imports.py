@@ -107,8 +107,9 @@ def test_no_cycle_between_packages():
         edges.setdefault(package_of(m), set()).update(
             package_of(d) for d in deps if package_of(d) != package_of(m))
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
-    # the bottom layer: the core (memtrain/*.py) never reaches into methods, models, report,
-    # benchmarks or kernels; it instantiates methods and models by their `_target_` names
+    # the bottom layer: the core (the top level's modules and config/, memory/, run/) never
+    # reaches into methods, models, report, benchmarks or kernels; it instantiates methods and
+    # models by their `_target_` names
     assert not edges.get("memtrain"), edges["memtrain"]
 
 
@@ -187,6 +188,11 @@ def test_each_layer_imports_only_what_is_below_it():
     (the job checks it calls do); the measurement never reaches the config or the run; the run
     never reaches the command line, the API or the report."""
     edges = graph()
+    # every package of the core has its layer (Hydra's plugins aside: they sit on top, with the
+    # command line)
+    packages = {".".join(m.split(".")[:2]) for m, f in _modules().items()
+                if package_of(m) == "memtrain" and m.count(".") >= 1 and f.name == "__init__.py"}
+    assert packages - {"memtrain.hydra_plugins"} == set(LAYERS), packages
     for layer, below in LAYERS.items():
         inside = [m for m in edges if m == layer or m.startswith(layer + ".")]
         assert inside, layer
@@ -194,6 +200,15 @@ def test_each_layer_imports_only_what_is_below_it():
                if not (d == layer or d.startswith(layer + "."))}
         assert all(_allowed(d, below) for d in out), \
             (layer, sorted(d for d in out if not _allowed(d, below)))
+
+
+def test_the_layer_check_names_a_module_or_a_whole_package():
+    below = {"memtrain.columns", "memtrain.config.*"}
+    assert _allowed("memtrain.columns", below) and _allowed("memtrain.config", below)
+    assert _allowed("memtrain.config.loader", below)
+    assert not _allowed("memtrain.configs", below) and not _allowed("memtrain.run.train", below)
+    # the real graph has an edge the layers forbid were it not listed: the run imports the loader
+    assert "memtrain.config.loader" in graph()["memtrain.run.runner"]
 
 
 def test_kernels_are_a_leaf():
