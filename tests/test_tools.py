@@ -36,9 +36,9 @@ def commands() -> dict[str, set[str]]:
 
 def command_lines() -> list[str]:
     """Every benchmark (each module of benchmarks/) and every tool (the study, the docs
-    generator, the docs' pictures): the modules run as commands."""
+    generator, the docs' pictures, the module map): the modules run as commands."""
     found = [f"benchmarks.{m.name}" for m in pkgutil.iter_modules(benchmarks.__path__)]
-    return sorted([*found, "tools.docs", "tools.doc_figures", "tools.study"])
+    return sorted([*found, "tools.docs", "tools.doc_figures", "tools.study", "tools.architecture"])
 
 
 def test_every_module_a_command_runs_is_found_from_the_checkout():
