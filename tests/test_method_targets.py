@@ -1,0 +1,110 @@
+"""What pool acts on in other libraries' models, found by what a module is: timm's Conv2dSame
+and BatchNormAct2d. Tiny sizes; exact references where the method claims exactness, counts by
+hand elsewhere."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.methods.common.compact import MaskedReLU
+from memtrain.methods.pool import PoolMethod, pool, upsample
+
+timm_layers = pytest.importorskip("timm.layers")
+
+
+def _same_pads(x, k, s, d):
+    """TensorFlow's SAME padding, written out: (left, right, top, bottom)."""
+    pads = []
+    for size, kk, ss, dd in ((x.shape[3], k[1], s[1], d[1]), (x.shape[2], k[0], s[0], d[0])):
+        out = -(-size // ss)
+        total = max((out - 1) * ss + (kk - 1) * dd + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return pads
+
+
+@pytest.mark.parametrize("hw,kernel,stride,dilation", [
+    ((9, 10), 3, 2, 1), ((8, 8), (3, 5), (2, 1), (1, 2)), ((7, 11), 5, 1, 1)])
+def test_pool_swaps_timm_conv2d_same_grad_input_exact(hw, kernel, stride, dilation):
+    """Forward and grad_input as timm's own module; grad_weight from the pooled padded input,
+    upsampled (pool's upsample mode)."""
+    torch.manual_seed(0)
+    conv = timm_layers.Conv2dSame(4, 6, kernel, stride=stride, dilation=dilation).double()
+    net = PoolMethod(kernel_size=2).wrap(nn.Sequential(copy.deepcopy(conv)))
+    assert type(net[0]).__name__ == "PooledConv2dSame"
+    x = torch.randn(2, 4, *hw, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn_like(conv(x))
+    conv(x).backward(g)
+    out = net(x2)
+    torch.testing.assert_close(out, conv(x.detach()), rtol=1e-12, atol=1e-12)
+    out.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
+    xp = F.pad(x.detach(), _same_pads(x, conv.kernel_size, conv.stride, conv.dilation))
+    w = conv.weight.detach().clone().requires_grad_()
+    F.conv2d(upsample(pool(xp, 2, "avg"), 2, xp.shape[-2:]), w, None, conv.stride, 0,
+             conv.dilation).backward(g)
+    torch.testing.assert_close(net[0].weight.grad, w.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(net[0].bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
+def test_pool_conv_bn_swaps_timm_batchnormact2d_exact_on_block_constant_input(act):
+    """BatchNormAct2d at targets=conv+bn: its batch norm pooled, then its own activation (a ReLU
+    masked); forward, running statistics and every gradient equal timm's module where the
+    input is constant over each 2x2 window (pooling then loses nothing)."""
+    torch.manual_seed(0)
+    bn = timm_layers.BatchNormAct2d(3, act_layer=act).double()
+    bn.weight.data.uniform_(0.5, 1.5)
+    bn.bias.data.normal_()
+    net = PoolMethod(kernel_size=2, targets="conv+bn").wrap(nn.Sequential(copy.deepcopy(bn)))
+    assert type(net[0]).__name__ == "PooledBatchNormAct2d"
+    assert isinstance(net[0].act, MaskedReLU) == (act is nn.ReLU)
+    small = torch.randn(4, 3, 3, 4, dtype=torch.float64) * 2 + 1
+    x = small.repeat_interleave(2, 2).repeat_interleave(2, 3).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 3, 6, 8, dtype=torch.float64)
+    out_ref, out = bn(x), net(x2)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    out_ref.backward(g), out.backward(g)
+    for a, b in [(x.grad, x2.grad), (bn.weight.grad, net[0].weight.grad),
+                 (bn.bias.grad, net[0].bias.grad), (bn.running_mean, net[0].running_mean),
+                 (bn.running_var, net[0].running_var)]:
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    net.eval(), bn.eval()
+    torch.testing.assert_close(net(x.detach()), bn(x.detach()), rtol=1e-12, atol=1e-12)
+
+
+def test_pool_on_timm_tf_mobilenetv3_finds_every_conv_batchnorm_and_relu():
+    """timm by name (TensorFlow padding: Conv2dSame where the pad depends on the size; every
+    norm a BatchNormAct2d, ReLU inside): all counted by hand become pooled ones; a step runs."""
+    from memtrain.models import timm_model
+
+    net = timm_model(10, (3, 32, 32), "tf_mobilenetv3_small_minimal_100")
+    count = {name: sum(type(m).__name__ == name for m in net.modules())
+             for name in ("Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
+    assert count["Conv2dSame"] > 0 and count["BatchNormAct2d"] > 0 and count["ReLU"] > 0
+    PoolMethod(kernel_size=2, targets="conv+bn").wrap(net)
+    after = {name: sum(type(m).__name__ == name for m in net.modules())
+             for name in ("PooledConv2d", "PooledConv2dSame", "PooledBatchNormAct2d",
+                          "MaskedReLU", "Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
+    assert after == {"PooledConv2d": count["Conv2d"], "PooledConv2dSame": count["Conv2dSame"],
+                     "PooledBatchNormAct2d": count["BatchNormAct2d"],
+                     "MaskedReLU": count["ReLU"], "Conv2d": 0, "Conv2dSame": 0,
+                     "BatchNormAct2d": 0, "ReLU": 0}
+    net.train()
+    net(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_pool_leaves_other_conv_subclasses_and_says_so_in_one_line():
+    """A convolution subclass that computes something else (timm's weight-standardised
+    StdConv2d) is not a target: a model of only those is refused, in one line."""
+    from memtrain.errors import ConfigError
+
+    net = nn.Sequential(timm_layers.StdConv2d(3, 4, 3), nn.GELU())
+    with pytest.raises(ConfigError, match="it has no convolution") as err:
+        PoolMethod().wrap(net)
+    assert "\n" not in str(err.value)
