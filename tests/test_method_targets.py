@@ -1,6 +1,7 @@
-"""What pool acts on in other libraries' models, found by what a module is: timm's Conv2dSame
-and BatchNormAct2d. Tiny sizes; exact references where the method claims exactness, counts by
-hand elsewhere."""
+"""What pool and quantize act on in other libraries' models, found by what a module or saved
+tensor is: timm's Conv2dSame and BatchNormAct2d (pool), and views with gaps such as the q, k and v
+split from one fused projection (quantize). Tiny sizes; exact references where the method claims
+exactness, counts by hand elsewhere."""
 
 import copy
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from memtrain.methods.common.compact import MaskedReLU
 from memtrain.methods.pool import PoolMethod, pool, upsample
+from memtrain.methods.quantize import ActivationQuantizer, pack_tensor, unpack_tensor
 
 timm_layers = pytest.importorskip("timm.layers")
 
@@ -108,3 +110,58 @@ def test_pool_leaves_other_conv_subclasses_and_says_so_in_one_line():
     with pytest.raises(ConfigError, match="it has no convolution") as err:
         PoolMethod().wrap(net)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- quantize: views with gaps
+
+
+def test_quantize_packs_a_view_with_gaps_from_its_own_elements():
+    qkv = torch.randn(2, 5, 3 * 16, requires_grad=True) * 1.0
+    q, k, v = qkv.split(16, dim=-1)
+    k = k.view(2, 5, 2, 8).transpose(1, 2)  # gaps and a transpose, as attention heads
+    for view in (q, k, v):
+        p = pack_tensor(view, 8, 32, stochastic=False)
+        assert p is not None and p.buf.numel() < view.numel() * 4
+        back = unpack_tensor(p)
+        assert back.shape == view.shape and back.dtype == view.dtype
+        step = (view.max() - view.min()).item() / 255
+        torch.testing.assert_close(back, view.detach(), atol=step, rtol=0)
+    expanded = qkv[:, :1].expand(2, 5, 48)
+    assert pack_tensor(expanded, 8, 32, False) is None  # overlapping memory: left as it is
+
+
+def _gpt2():
+    from memtrain.models import hf_model
+
+    torch.manual_seed(0)
+    return hf_model(64, (8,), "gpt2", {"num_hidden_layers": 1, "hidden_size": 32}, "eager")
+
+
+def test_quantize_on_transformers_gpt2_packs_every_activation_q_k_v_too():
+    """GPT-2 splits q, k and v from one Conv1D output (views with gaps) for its attention:
+    every activation saved is packed, so no float activation reaches the outer hooks, and the
+    8-bit weight gradients stay close to the baseline's."""
+    from memtrain.methods.common.activations import is_activation
+
+    net, base = _gpt2(), None
+    ref = copy.deepcopy(net)
+    x = torch.randint(0, 64, (2, 8))
+    torch.manual_seed(1)  # the same dropout masks in both steps
+    ref(x).sum().backward()
+    handed = []
+
+    def outer(t):
+        handed.append(is_activation(t) and t.is_floating_point())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(outer, lambda t: t), \
+            ActivationQuantizer(8, 32, stochastic=False):
+        torch.manual_seed(1)
+        out = net(x)
+    out.sum().backward()
+    assert handed and not any(handed)
+    for (name, a), (_, b) in zip(ref.named_parameters(), net.named_parameters()):
+        if "c_attn.weight" in name:
+            base = a.grad.norm()
+            assert (b.grad - a.grad).norm() < 0.05 * base, name
+    assert base is not None
