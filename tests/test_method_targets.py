@@ -165,3 +165,35 @@ def test_quantize_on_transformers_gpt2_packs_every_activation_q_k_v_too():
             base = a.grad.norm()
             assert (b.grad - a.grad).norm() < 0.05 * base, name
     assert base is not None
+
+
+# ---------------------------------------------------------------- prune: timm's Linear
+
+
+def _mlp_with_timm_head():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         timm_layers.Linear(64, 10))
+
+
+@pytest.mark.parametrize("prune_head,pruned", [(False, ["0", "2"]), (True, ["0", "2", "4"])])
+def test_prune_counts_timm_linear_as_a_linear_and_as_the_head(prune_head, pruned):
+    """timm's Linear (its classifier heads) is F.linear: a layer to prune, and the last linear
+    is the head that prune leaves dense unless prune_head."""
+    from memtrain.methods.prune import PruneMethod
+
+    method = PruneMethod(sparsity=0.5, block_size=16, prune_head=prune_head)
+    method.wrap(_mlp_with_timm_head())
+    assert method.pruned == pruned
+
+
+def test_prune_at_sparsity_0_on_timm_linear_is_the_baseline_bitwise():
+    from memtrain.methods.prune import PruneMethod
+
+    ref = _mlp_with_timm_head()
+    net = PruneMethod(sparsity=0.0, block_size=16, prune_head=True).wrap(copy.deepcopy(ref))
+    x = torch.randn(64, 32)
+    for mdl in (ref, net):
+        mdl(x).square().sum().backward()
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a.grad, b.grad)
