@@ -81,14 +81,14 @@ def test_pool_conv_bn_swaps_timm_batchnormact2d_exact_on_block_constant_input(ac
 
 def test_pool_on_timm_tf_mobilenetv3_finds_every_conv_batchnorm_and_relu():
     """timm by name (TensorFlow padding: Conv2dSame where the pad depends on the size; every
-    norm a BatchNormAct2d, ReLU inside): all counted by hand become pooled ones; a step runs."""
+    norm a BatchNormAct2d, ReLU inside): all counted by hand become pooled ones."""
     from memtrain.models import timm_model
 
     net = timm_model(10, (3, 32, 32), "tf_mobilenetv3_small_minimal_100")
     count = {name: sum(type(m).__name__ == name for m in net.modules())
              for name in ("Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
     assert count["Conv2dSame"] > 0 and count["BatchNormAct2d"] > 0 and count["ReLU"] > 0
-    PoolMethod(kernel_size=2, targets="conv+bn").wrap(net)
+    PoolMethod(kernel_size=2, targets="conv+bn", relu_mask="bool").wrap(net)  # bool: no kernel
     after = {name: sum(type(m).__name__ == name for m in net.modules())
              for name in ("PooledConv2d", "PooledConv2dSame", "PooledBatchNormAct2d",
                           "MaskedReLU", "Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
@@ -96,7 +96,14 @@ def test_pool_on_timm_tf_mobilenetv3_finds_every_conv_batchnorm_and_relu():
                      "PooledBatchNormAct2d": count["BatchNormAct2d"],
                      "MaskedReLU": count["ReLU"], "Conv2d": 0, "Conv2dSame": 0,
                      "BatchNormAct2d": 0, "ReLU": 0}
-    net.train()
+
+
+@pytest.mark.slow  # a step of the whole network: seconds on a loaded CPU
+def test_pool_trains_a_step_of_timm_tf_mobilenetv3():
+    from memtrain.models import timm_model
+
+    net = timm_model(10, (3, 32, 32), "tf_mobilenetv3_small_minimal_100")
+    PoolMethod(kernel_size=2, targets="conv+bn").wrap(net).train()
     net(torch.randn(2, 3, 32, 32)).sum().backward()
     assert all(p.grad is not None for p in net.parameters())
 
@@ -137,6 +144,7 @@ def _gpt2():
     return hf_model(64, (8,), "gpt2", {"num_hidden_layers": 1, "hidden_size": 32}, "eager")
 
 
+@pytest.mark.slow  # building transformers' GPT-2 imports its modules: seconds on a loaded CPU
 def test_quantize_on_transformers_gpt2_packs_every_activation_q_k_v_too():
     """GPT-2 splits q, k and v from one Conv1D output (views with gaps) for its attention:
     every activation saved is packed, so no float activation reaches the outer hooks, and the
