@@ -22,7 +22,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
-from memtrain.methods.common.swap import recast, swap_modules
+from memtrain.methods.common.swap import is_timm_bn_act, is_timm_conv2d_same, recast, swap_modules
 from memtrain.models.chain import registered
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,27 @@ RELU_MASKS = ("bits", "bool", "none")
 TARGETS = ("conv", "conv+bn")
 
 
+def _conv_class(m: nn.Module) -> type | None:
+    """The pooled class for a convolution this method knows (nn.Conv2d, timm's Conv2dSame), or
+    None (other subclasses, such as weight-standardised convolutions, compute something else)."""
+    if type(m) is nn.Conv2d:
+        return PooledConv2d
+    return PooledConv2dSame if is_timm_conv2d_same(m) else None
+
+
+def _bn_class(m: nn.Module) -> type | None:
+    """The pooled class for a batch norm this method knows (nn.BatchNorm2d, timm's
+    BatchNormAct2d), or None."""
+    if type(m) is nn.BatchNorm2d:
+        return PooledBatchNorm2d
+    return PooledBatchNormAct2d if is_timm_bn_act(m) else None
+
+
 class PoolMethod:
     """Swaps Conv2d (and BatchNorm2d with targets=conv+bn) for pooled-backward versions, ReLU
-    for a masked ReLU (unless relu_mask=none) and MaxPool2d for a compact-index one."""
+    for a masked ReLU (unless relu_mask=none) and MaxPool2d for a compact-index one. Also
+    timm's Conv2dSame and BatchNormAct2d, by what they compute (a padded conv; a batch norm
+    followed by its dropout and activation, whose ReLU is masked as any other)."""
 
     name = "pool"
     grads_exact = False  # grad_weight (and with conv+bn BatchNorm's backward) from pooled maps
@@ -61,11 +79,10 @@ class PoolMethod:
         pooling = dict(k=self.kernel_size, pool_type=self.pool_type, min_size=self.min_size,
                        compress_input=self.compress_input)
         stem = _stem_convs(model)
-        convs = swap_modules(model, lambda _, m: type(m) is nn.Conv2d,
-                             lambda _, m: recast(m, PooledConv2d, mode=self.mode, **pooling))
+        convs = swap_modules(model, lambda _, m: _conv_class(m) is not None,
+                             lambda _, m: recast(m, _conv_class(m), mode=self.mode, **pooling))
         relus = any(type(m) in (nn.ReLU, nn.MaxPool2d) for m in model.modules())
-        bns = self.targets == "conv+bn" and any(type(m) is nn.BatchNorm2d
-                                                for m in model.modules())
+        bns = self.targets == "conv+bn" and any(_bn_class(m) for m in model.modules())
         input_only = not convs or (set(convs) <= stem and not self.compress_input)
         if not relus and not bns and input_only:
             what = (f"its only convolutions ({', '.join(convs)}) read the input batch, which the "
@@ -79,8 +96,8 @@ class PoolMethod:
             log.warning("method=pool found no nn.Conv2d in %s: nothing is pooled, only its ReLUs "
                         "and max-pools change", type(model).__name__)
         if self.targets == "conv+bn":
-            swap_modules(model, lambda _, m: type(m) is nn.BatchNorm2d,
-                         lambda _, m: recast(m, PooledBatchNorm2d, **pooling))
+            swap_modules(model, lambda _, m: _bn_class(m) is not None,
+                         lambda _, m: recast(m, _bn_class(m), **pooling))
         if self.relu_mask != "none":
             swap_modules(model, lambda _, m: type(m) is nn.ReLU,
                          lambda _, m: MaskedReLU(m.inplace, self.relu_mask))
@@ -96,7 +113,7 @@ def _stem_convs(model: nn.Module) -> set[str]:
     chain = registered(model)
     entry = chain.entry if chain is not None else None
     inside = {id(m) for m in entry.modules()} if entry is not None else set()
-    return {n for n, m in model.named_modules() if type(m) is nn.Conv2d and id(m) in inside}
+    return {n for n, m in model.named_modules() if _conv_class(m) and id(m) in inside}
 
 
 def _compress(module: nn.Module, x: torch.Tensor) -> bool:
@@ -137,6 +154,19 @@ class PooledConv2d(nn.Conv2d):
                                         self.groups, self.k, self.pool_type, self.mode)
 
 
+class PooledConv2dSame(PooledConv2d):
+    """timm's Conv2dSame, pooled: the input padded as TensorFlow's "SAME" (per call, the odd
+    pixel at the end), then PooledConv2d's unpadded convolution on it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pads = []
+        for size, k, s, d in zip(x.shape[:-3:-1], self.kernel_size[::-1], self.stride[::-1],
+                                 self.dilation[::-1]):
+            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+            pads += [total // 2, total - total // 2]
+        return super().forward(F.pad(x, pads) if any(pads) else x)
+
+
 class PooledBatchNorm2d(nn.BatchNorm2d):
     """nn.BatchNorm2d whose training backward keeps pool_k(x_hat) (see PooledBatchNormFn).
     Running statistics follow nn.BatchNorm2d exactly; eval mode is the plain module."""
@@ -158,6 +188,14 @@ class PooledBatchNorm2d(nn.BatchNorm2d):
             return PooledBatchNormFn.apply(x, self.weight, self.bias, self.running_mean,
                                            self.running_var, momentum, self.eps, self.k,
                                            self.pool_type)
+
+
+class PooledBatchNormAct2d(PooledBatchNorm2d):
+    """timm's BatchNormAct2d, pooled: PooledBatchNorm2d, then the module's own `drop` and `act`
+    (a ReLU there is swapped for a masked one as anywhere else)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
 
 
 # ---------------------------------------------------------------- autograd functions

@@ -31,7 +31,7 @@ from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
 from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.common.compact import MaskedReLUFn
-from memtrain.methods.common.swap import is_hf_conv1d, linear_of_conv1d, swap_modules
+from memtrain.methods.common.swap import is_hf_conv1d, is_linear, linear_of_conv1d, swap_modules
 
 LAYERS = ("linear", "conv1x1", "both")
 BLOCK_SIZES = (16, 32, 64)
@@ -366,7 +366,7 @@ class PruneMethod:
         def match(name: str, mod: nn.Module) -> bool:
             if name == head:
                 return False
-            if self.layers in ("linear", "both") and type(mod) is nn.Linear:
+            if self.layers in ("linear", "both") and is_linear(mod):
                 return True
             return self.layers in ("conv1x1", "both") and is_conv1x1(mod)
         return match
@@ -379,7 +379,7 @@ class PruneMethod:
     def wrap(self, model: nn.Module) -> nn.Module:
         # transformers' Conv1D (GPT-2) is a linear layer with its weight stored transposed
         swap_modules(model, lambda _, m: is_hf_conv1d(m), lambda _, m: linear_of_conv1d(m))
-        linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+        linears = [n for n, m in model.named_modules() if is_linear(m)]
         head = None if self.prune_head or not linears else linears[-1]
         self.pruned = swap_modules(model, self._match(head), self._make)
         if not self.pruned:

@@ -18,10 +18,11 @@ needed it: docs/methods/quantize.md.
 What is *not* quantized: parameters and the low-precision copies autocast makes of them (casts
 and views of a parameter), the batch and anything else a step finds alive (no grad_fn: buffers,
 BatchNorm's saved statistics), tensors whose packed form would not be smaller, tensors with
-overlapping memory (expanded views), and non-float tensors. ReLUs keep 1-bit masks
-(`relu_mask=bits`) and max-pools uint8 window offsets (both exact; pool's modules, from
-methods/common/compact.py), so a ReLU's output is kept once, quantized, by the layer that reads
-it.
+overlapping memory (expanded views), and non-float tensors. A view with gaps (q, k and v split
+from a fused qkv projection, a ViT's class token) is packed from a copy of its own elements.
+ReLUs keep 1-bit masks (`relu_mask=bits`) and max-pools uint8 window offsets (both exact;
+pool's modules, from methods/common/compact.py), so a ReLU's output is kept once, quantized, by
+the layer that reads it.
 
 Two ways to use the quantizer, so other methods can compose it (offload, stacks):
 - `ActivationQuantizer(bits, group_size, stochastic)` is a `saved_tensors_hooks`: every saved
@@ -44,7 +45,7 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
-from memtrain.methods.common.activations import is_activation, memory_order
+from memtrain.methods.common.activations import is_activation, memory_order, without_overlap
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.hooks import ChainedHooks, around_forward, recomputed_input
 from memtrain.methods.common.swap import recast, swap_modules
@@ -88,13 +89,15 @@ def _channels(x: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int] | None:
 def pack_tensor(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
                 per_channel: bool = True) -> Packed | None:
     """x quantized in its memory order (`per_channel`: each channel of dim 1 first scaled to
-    [0, 1]), or None when that would not save memory (too small, not a float, gaps or overlaps
-    in its memory)."""
+    [0, 1]; a view with gaps: its elements in row-major order), or None when that would not
+    save memory (too small, not a float, overlaps in its memory)."""
     if x.dtype not in FLOATS or x.numel() == 0:
         return None
     perm = memory_order(x)
-    if perm is None:
-        return None
+    if perm is None:  # gaps: a view into a larger storage (q, k and v split from one qkv
+        if not without_overlap(x):  # projection): its own elements, packed from a copy
+            return None
+        x, perm = x.contiguous(), tuple(range(x.dim()))
     chan = _channels(x, perm) if per_channel else None
     if quant.buffer_bytes(x.numel(), bits, group_size, chan[0] if chan else 0) >= \
             x.numel() * x.element_size():

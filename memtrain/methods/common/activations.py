@@ -20,6 +20,18 @@ def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
     return perm if x.permute(perm).is_contiguous() else None
 
 
+def without_overlap(x: torch.Tensor) -> bool:
+    """x's elements sit at distinct addresses (a view with gaps, as a split of a fused qkv
+    projection, qualifies; an expanded view does not): each stride, in increasing order, steps
+    over the whole extent of the dims below it (sufficient, not necessary)."""
+    reach = 1
+    for stride, size in sorted((x.stride(d), x.shape[d]) for d in range(x.dim()) if x.shape[d] > 1):
+        if stride < reach:
+            return False
+        reach = stride * size
+    return True
+
+
 def is_activation(t: torch.Tensor) -> bool:
     """Made by the step's differentiable ops, and not a cast or view of a parameter."""
     fn = t.grad_fn

@@ -38,6 +38,29 @@ def is_hf_conv1d(module: nn.Module) -> bool:
         "transformers.")
 
 
+def is_timm_conv2d_same(module: nn.Module) -> bool:
+    """timm's Conv2dSame (TensorFlow's "SAME": the input padded per call, asymmetric where the
+    size needs it, then an unpadded convolution; create_conv2d's choice where padding depends
+    on the input size)."""
+    return type(module).__name__ == "Conv2dSame" and type(module).__module__.startswith("timm.")
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An nn.Linear computing F.linear(x, weight, bias) and nothing else: nn.Linear itself, or
+    timm's Linear (its classifier heads; it differs only under TorchScript). Other subclasses
+    (quantized or adapter layers) compute something else."""
+    cls = type(module)
+    return cls is nn.Linear or (cls.__name__ == "Linear" and cls.__module__.startswith("timm.")
+                                and isinstance(module, nn.Linear))
+
+
+def is_timm_bn_act(module: nn.Module) -> bool:
+    """timm's BatchNormAct2d: nn.BatchNorm2d's forward, then its `drop` and `act` submodules."""
+    return (type(module).__name__ == "BatchNormAct2d"
+            and type(module).__module__.startswith("timm.")
+            and isinstance(module, nn.BatchNorm2d))
+
+
 def linear_of_conv1d(module: nn.Module) -> nn.Linear:
     """The nn.Linear that computes what a transformers Conv1D computes: its weight transposed
     (a copy, the same values), its bias the same Parameter."""

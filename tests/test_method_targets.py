@@ -1,0 +1,207 @@
+"""What pool and quantize act on in other libraries' models, found by what a module or saved
+tensor is: timm's Conv2dSame and BatchNormAct2d (pool), and views with gaps such as the q, k and v
+split from one fused projection (quantize). Tiny sizes; exact references where the method claims
+exactness, counts by hand elsewhere."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memtrain.methods.common.compact import MaskedReLU
+from memtrain.methods.pool import PoolMethod, pool, upsample
+from memtrain.methods.quantize import ActivationQuantizer, pack_tensor, unpack_tensor
+
+timm_layers = pytest.importorskip("timm.layers")
+
+
+def _same_pads(x, k, s, d):
+    """TensorFlow's SAME padding, written out: (left, right, top, bottom)."""
+    pads = []
+    for size, kk, ss, dd in ((x.shape[3], k[1], s[1], d[1]), (x.shape[2], k[0], s[0], d[0])):
+        out = -(-size // ss)
+        total = max((out - 1) * ss + (kk - 1) * dd + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return pads
+
+
+@pytest.mark.parametrize("hw,kernel,stride,dilation", [
+    ((9, 10), 3, 2, 1), ((8, 8), (3, 5), (2, 1), (1, 2)), ((7, 11), 5, 1, 1)])
+def test_pool_swaps_timm_conv2d_same_grad_input_exact(hw, kernel, stride, dilation):
+    """Forward and grad_input as timm's own module; grad_weight from the pooled padded input,
+    upsampled (pool's upsample mode)."""
+    torch.manual_seed(0)
+    conv = timm_layers.Conv2dSame(4, 6, kernel, stride=stride, dilation=dilation).double()
+    net = PoolMethod(kernel_size=2).wrap(nn.Sequential(copy.deepcopy(conv)))
+    assert type(net[0]).__name__ == "PooledConv2dSame"
+    x = torch.randn(2, 4, *hw, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn_like(conv(x))
+    conv(x).backward(g)
+    out = net(x2)
+    torch.testing.assert_close(out, conv(x.detach()), rtol=1e-12, atol=1e-12)
+    out.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
+    xp = F.pad(x.detach(), _same_pads(x, conv.kernel_size, conv.stride, conv.dilation))
+    w = conv.weight.detach().clone().requires_grad_()
+    F.conv2d(upsample(pool(xp, 2, "avg"), 2, xp.shape[-2:]), w, None, conv.stride, 0,
+             conv.dilation).backward(g)
+    torch.testing.assert_close(net[0].weight.grad, w.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(net[0].bias.grad, conv.bias.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, nn.SiLU])
+def test_pool_conv_bn_swaps_timm_batchnormact2d_exact_on_block_constant_input(act):
+    """BatchNormAct2d at targets=conv+bn: its batch norm pooled, then its own activation (a ReLU
+    masked); forward, running statistics and every gradient equal timm's module where the
+    input is constant over each 2x2 window (pooling then loses nothing)."""
+    torch.manual_seed(0)
+    bn = timm_layers.BatchNormAct2d(3, act_layer=act).double()
+    bn.weight.data.uniform_(0.5, 1.5)
+    bn.bias.data.normal_()
+    net = PoolMethod(kernel_size=2, targets="conv+bn").wrap(nn.Sequential(copy.deepcopy(bn)))
+    assert type(net[0]).__name__ == "PooledBatchNormAct2d"
+    assert isinstance(net[0].act, MaskedReLU) == (act is nn.ReLU)
+    small = torch.randn(4, 3, 3, 4, dtype=torch.float64) * 2 + 1
+    x = small.repeat_interleave(2, 2).repeat_interleave(2, 3).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 3, 6, 8, dtype=torch.float64)
+    out_ref, out = bn(x), net(x2)
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-12)
+    out_ref.backward(g), out.backward(g)
+    for a, b in [(x.grad, x2.grad), (bn.weight.grad, net[0].weight.grad),
+                 (bn.bias.grad, net[0].bias.grad), (bn.running_mean, net[0].running_mean),
+                 (bn.running_var, net[0].running_var)]:
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
+    net.eval(), bn.eval()
+    torch.testing.assert_close(net(x.detach()), bn(x.detach()), rtol=1e-12, atol=1e-12)
+
+
+def test_pool_on_timm_tf_mobilenetv3_finds_every_conv_batchnorm_and_relu():
+    """timm by name (TensorFlow padding: Conv2dSame where the pad depends on the size; every
+    norm a BatchNormAct2d, ReLU inside): all counted by hand become pooled ones."""
+    from memtrain.models import timm_model
+
+    net = timm_model(10, (3, 32, 32), "tf_mobilenetv3_small_minimal_100")
+    count = {name: sum(type(m).__name__ == name for m in net.modules())
+             for name in ("Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
+    assert count["Conv2dSame"] > 0 and count["BatchNormAct2d"] > 0 and count["ReLU"] > 0
+    PoolMethod(kernel_size=2, targets="conv+bn", relu_mask="bool").wrap(net)  # bool: no kernel
+    after = {name: sum(type(m).__name__ == name for m in net.modules())
+             for name in ("PooledConv2d", "PooledConv2dSame", "PooledBatchNormAct2d",
+                          "MaskedReLU", "Conv2d", "Conv2dSame", "BatchNormAct2d", "ReLU")}
+    assert after == {"PooledConv2d": count["Conv2d"], "PooledConv2dSame": count["Conv2dSame"],
+                     "PooledBatchNormAct2d": count["BatchNormAct2d"],
+                     "MaskedReLU": count["ReLU"], "Conv2d": 0, "Conv2dSame": 0,
+                     "BatchNormAct2d": 0, "ReLU": 0}
+
+
+@pytest.mark.slow  # a step of the whole network: seconds on a loaded CPU
+def test_pool_trains_a_step_of_timm_tf_mobilenetv3():
+    from memtrain.models import timm_model
+
+    net = timm_model(10, (3, 32, 32), "tf_mobilenetv3_small_minimal_100")
+    PoolMethod(kernel_size=2, targets="conv+bn").wrap(net).train()
+    net(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def test_pool_leaves_other_conv_subclasses_and_says_so_in_one_line():
+    """A convolution subclass that computes something else (timm's weight-standardised
+    StdConv2d) is not a target: a model of only those is refused, in one line."""
+    from memtrain.errors import ConfigError
+
+    net = nn.Sequential(timm_layers.StdConv2d(3, 4, 3), nn.GELU())
+    with pytest.raises(ConfigError, match="it has no convolution") as err:
+        PoolMethod().wrap(net)
+    assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- quantize: views with gaps
+
+
+def test_quantize_packs_a_view_with_gaps_from_its_own_elements():
+    qkv = torch.randn(2, 5, 3 * 16, requires_grad=True) * 1.0
+    q, k, v = qkv.split(16, dim=-1)
+    k = k.view(2, 5, 2, 8).transpose(1, 2)  # gaps and a transpose, as attention heads
+    for view in (q, k, v):
+        p = pack_tensor(view, 8, 32, stochastic=False)
+        assert p is not None and p.buf.numel() < view.numel() * 4
+        back = unpack_tensor(p)
+        assert back.shape == view.shape and back.dtype == view.dtype
+        step = (view.max() - view.min()).item() / 255
+        torch.testing.assert_close(back, view.detach(), atol=step, rtol=0)
+    expanded = qkv[:, :1].expand(2, 5, 48)
+    assert pack_tensor(expanded, 8, 32, False) is None  # overlapping memory: left as it is
+
+
+def _gpt2():
+    from memtrain.models import hf_model
+
+    torch.manual_seed(0)
+    return hf_model(64, (8,), "gpt2", {"num_hidden_layers": 1, "hidden_size": 32}, "eager")
+
+
+@pytest.mark.slow  # building transformers' GPT-2 imports its modules: seconds on a loaded CPU
+def test_quantize_on_transformers_gpt2_packs_every_activation_q_k_v_too():
+    """GPT-2 splits q, k and v from one Conv1D output (views with gaps) for its attention:
+    every activation saved is packed, so no float activation reaches the outer hooks, and the
+    8-bit weight gradients stay close to the baseline's."""
+    from memtrain.methods.common.activations import is_activation
+
+    net, base = _gpt2(), None
+    ref = copy.deepcopy(net)
+    x = torch.randint(0, 64, (2, 8))
+    torch.manual_seed(1)  # the same dropout masks in both steps
+    ref(x).sum().backward()
+    handed = []
+
+    def outer(t):
+        handed.append(is_activation(t) and t.is_floating_point())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(outer, lambda t: t), \
+            ActivationQuantizer(8, 32, stochastic=False):
+        torch.manual_seed(1)
+        out = net(x)
+    out.sum().backward()
+    assert handed and not any(handed)
+    for (name, a), (_, b) in zip(ref.named_parameters(), net.named_parameters()):
+        if "c_attn.weight" in name:
+            base = a.grad.norm()
+            assert (b.grad - a.grad).norm() < 0.05 * base, name
+    assert base is not None
+
+
+# ---------------------------------------------------------------- prune: timm's Linear
+
+
+def _mlp_with_timm_head():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         timm_layers.Linear(64, 10))
+
+
+@pytest.mark.parametrize("prune_head,pruned", [(False, ["0", "2"]), (True, ["0", "2", "4"])])
+def test_prune_counts_timm_linear_as_a_linear_and_as_the_head(prune_head, pruned):
+    """timm's Linear (its classifier heads) is F.linear: a layer to prune, and the last linear
+    is the head that prune leaves dense unless prune_head."""
+    from memtrain.methods.prune import PruneMethod
+
+    method = PruneMethod(sparsity=0.5, block_size=16, prune_head=prune_head)
+    method.wrap(_mlp_with_timm_head())
+    assert method.pruned == pruned
+
+
+def test_prune_at_sparsity_0_on_timm_linear_is_the_baseline_bitwise():
+    from memtrain.methods.prune import PruneMethod
+
+    ref = _mlp_with_timm_head()
+    net = PruneMethod(sparsity=0.0, block_size=16, prune_head=True).wrap(copy.deepcopy(ref))
+    x = torch.randn(64, 32)
+    for mdl in (ref, net):
+        mdl(x).square().sum().backward()
+    for a, b in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(a.grad, b.grad)
