@@ -13,6 +13,9 @@ from pathlib import Path
 
 from conftest import ROOT
 
+from tools import architecture
+from tools.architecture import is_main_block  # the same walk as the docs' module map
+
 # where each package's files are (kernels/ installs as memtrain.kernels; benchmarks/ and tools/
 # are not installed: they run from a checkout)
 SOURCES = {"memtrain": ROOT / "memtrain", "memtrain.kernels": ROOT / "kernels",
@@ -25,25 +28,13 @@ TOOLS = ("benchmarks", "tools")  # beside the package, never part of it
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
-    for prefix, folder in SOURCES.items():
-        for f in folder.rglob("*.py"):
-            parts = list(f.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            out[".".join([prefix, *parts])] = f
-    return out
-
-
-def _is_main_block(node: ast.AST) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+    return architecture.modules(ROOT, {k: v.relative_to(ROOT) for k, v in SOURCES.items()})
 
 
 def _imports(path: Path, module: str, is_pkg: bool) -> set[str]:
     """Absolute names of everything the file imports, the `__main__` block left out."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    tree.body = [n for n in tree.body if not _is_main_block(n)]
+    tree.body = [n for n in tree.body if not is_main_block(n)]
     base = module if is_pkg else module.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):

@@ -27,10 +27,11 @@ SOURCES = {"memtrain": Path("memtrain"), "memtrain.kernels": Path("kernels")}
 DEPTH = 2  # memtrain.<package>
 
 
-def modules(root: Path = ROOT) -> dict[str, Path]:
-    """Dotted module name -> file, for every module of memtrain/ and kernels/."""
+def modules(root: Path = ROOT, sources: dict[str, Path] = SOURCES) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under `sources` (dotted prefix -> folder
+    relative to `root`; by default memtrain/ and kernels/)."""
     out = {}
-    for prefix, folder in SOURCES.items():
+    for prefix, folder in sources.items():
         for f in sorted((root / folder).rglob("*.py")):
             parts = list(f.relative_to(root / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -39,7 +40,7 @@ def modules(root: Path = ROOT) -> dict[str, Path]:
     return out
 
 
-def _is_main_block(node: ast.AST) -> bool:
+def is_main_block(node: ast.AST) -> bool:
     return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
             and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
 
@@ -47,7 +48,7 @@ def _is_main_block(node: ast.AST) -> bool:
 def imports(path: Path, module: str) -> set[str]:
     """Absolute names of everything a file imports (`from pkg import name` names pkg.name too)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    tree.body = [n for n in tree.body if not _is_main_block(n)]
+    tree.body = [n for n in tree.body if not is_main_block(n)]
     base = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
