@@ -57,8 +57,12 @@ def _base(model: str) -> tuple[str, ...]:
 
 @functools.cache
 def composed(selection: tuple[str, ...]) -> DictConfig:
-    cfg, _ = loader.compose(list(selection))
-    return cfg
+    """The config `loader.compose` gives for a selection, without its checks: the selections
+    are valid (test_config composes and checks every option), and the cases are enumerated
+    at collection, where every worker composes each of them (with the checks, 20 s a worker)."""
+    with loader.session():
+        cfg = loader.hydra_compose("config", list(selection), shared=True)  # read only here
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
 
 
 def _leaves(node, prefix: str) -> list[str]:
