@@ -41,7 +41,7 @@ EOF
 
 missed=0
 break_one memtrain/memory/measure.py \
-  '            if key not in self._exclude and key[1] != 0:' \
+  '            if key not in self._exclude and key[1] != 0 and not self._is_parameter(t):' \
   '            if key[1] != 0:' \
   tests/test_measure.py "saved-bytes accounting (parameters and the batch excluded)"
 break_one memtrain/run/resume.py \

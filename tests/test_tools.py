@@ -71,3 +71,18 @@ def test_each_benchmark_and_tool_answers_help(capsys):
         if e.value.code != 0 or not out.startswith("usage:"):
             failed.append(f"{name}: exit {e.value.code}, {out[:80]!r}")
     assert failed == [], failed
+
+
+def test_every_deliberate_break_finds_its_line():
+    """scripts/check-breaks.sh breaks each core claim by replacing one exact line of the code:
+    each line is still there, once (a refactor that moves it would leave the script unable to
+    break anything, and it found out only when run)."""
+    import shlex
+
+    text = (ROOT / "scripts" / "check-breaks.sh").read_text()
+    calls = [[w for w in shlex.split(c) if w != "\n"]  # the lines' continuations
+             for c in re.findall(r"^break_one (.+?)(?=\n\S)", text, flags=re.M | re.S)]
+    assert len(calls) == 5, calls
+    for path, old, _new, test, _claim in calls:
+        assert (ROOT / path).read_text().count(old) == 1, (path, old)
+        assert (ROOT / test).exists(), test
