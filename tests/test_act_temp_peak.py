@@ -160,6 +160,7 @@ def _row_and_count(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     return summary, count
 
 
+@pytest.mark.slow
 def test_quantize_mlp_peak_equals_hand_count():
     """64 -> 256 -> 256 -> 10 at batch 128, 2 bits. The peak is in the middle Linear's backward,
     computing the gradient of its input: alive are that gradient (grad_r1, [128, 256] fp32),
@@ -186,6 +187,7 @@ def test_quantize_mlp_peak_equals_hand_count():
 
 @pytest.mark.parametrize("case", ["quantize-mlp", "pool-cnn", "none-mlp", "none-cnn",
                                   "quantize-cnn", "pool-conv+bn-cnn"])
+@pytest.mark.slow
 def test_peak_equals_allocator_count(case):
     """The row's columns equal the allocator's count on a second step, to the byte: quantize's
     dequantized copies (MLP and CNN) and pool's upsampled maps are in them, as everything else a
@@ -209,6 +211,7 @@ def test_peak_equals_allocator_count(case):
         assert row["mem_tracker_act_temp_bytes"] > row[ACT_PEAK]
 
 
+@pytest.mark.slow
 def test_estimate_predicts_the_complete_peak():
     """The GPU-free estimate (fake tensors, the same tracker) writes the same column."""
     def make():

@@ -8,6 +8,7 @@ import pytest
 from tools import architecture
 
 
+@pytest.mark.slow
 def test_the_committed_map_is_the_codes():
     text = (architecture.ROOT / architecture.PAGE).read_text(encoding="utf-8")
     assert architecture.with_map(text, architecture.render()) == text, \

@@ -153,6 +153,7 @@ def test_report_out_naming_a_file_exits_2(in_tmp, capsys):
     (["dataset.train_size=0"], "dataset.train_size must be >= 1, got 0"),
     (["trainer.max_steps=0"], "trainer.max_steps=0 runs the probes only, and none is asked"),
 ])
+@pytest.mark.slow
 def test_runs_that_would_measure_nothing_are_errors(in_tmp, overrides, match):
     """Refused before api.run writes anything: no run folder, no row a report would pick up."""
     row = None
@@ -161,6 +162,7 @@ def test_runs_that_would_measure_nothing_are_errors(in_tmp, overrides, match):
     assert row is None and list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_bad_value_leaves_no_folder(in_tmp, cli_checks):
     """`memtrain trainer.batch_size=-4` from an empty folder: one line, exit 2, and no
     runs/<date>/<time>_.../summary.json (status error) for a later memtrain-report to pick up."""
@@ -188,6 +190,7 @@ def test_a_bad_value_leaves_no_folder_from_the_real_command(in_tmp):
       "hydra.sweeper.variants=['trainer.batch_size=0','method=pool']"], False),
     (["-m", "dataset.test_size=0,8"], False),
 ])
+@pytest.mark.slow
 def test_a_sweep_is_refused_when_every_job_would_be(in_tmp, monkeypatch, capsys, args, refused):
     """Before launch (exit 2, no folder) when each job's values are bad; a value bad for some
     jobs only reaches Hydra, whose jobs record their own rows."""
@@ -215,6 +218,7 @@ def test_a_sweep_is_refused_when_every_job_would_be(in_tmp, monkeypatch, capsys,
     assert list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_and_partial_files_fall_back_to_a_fresh_start(in_tmp):
     out = in_tmp / "r"
     out.mkdir()
@@ -228,6 +232,7 @@ def test_corrupt_checkpoint_and_partial_files_fall_back_to_a_fresh_start(in_tmp)
     assert resume.clean_partial(out) == []
 
 
+@pytest.mark.slow
 def test_a_64_bit_seed_runs(in_tmp):
     big = 2**63 - 1
     row = api.run([*TINY, f"trainer.seed={big}", f"dataset.seed={big}"], out_dir=in_tmp / "r")
@@ -263,6 +268,7 @@ def test_a_preset_with_a_python_tag_is_one_line(in_tmp, cli_checks):
 
 
 @pytest.mark.parametrize("multirun", [False, True])
+@pytest.mark.slow
 def test_a_default_output_folder_that_cannot_be_made_is_one_line(in_tmp, cli_checks, multirun):
     (in_tmp / "runs").write_text("a file where the runs folder goes")
     p = cli_checks(*(["-m"] if multirun else []), *TINY)
@@ -272,6 +278,7 @@ def test_a_default_output_folder_that_cannot_be_made_is_one_line(in_tmp, cli_che
     assert ("hydra.sweep.dir=PATH" if multirun else "hydra.run.dir=PATH") in line
 
 
+@pytest.mark.slow
 def test_slurm_without_slurm_is_one_line(in_tmp, cli_checks, monkeypatch):
     monkeypatch.setenv("PATH", str(in_tmp))  # no sbatch here
     p = cli_checks("-m", "hydra/launcher=slurm", *TINY, "hydra.sweep.dir=sw")
@@ -389,6 +396,7 @@ def test_a_full_disk_is_named_with_the_file(tmp_path, monkeypatch, failure):
     (["method=checkpoint+quantize", "method.checkpoint.dry_run=true"],
      "with method.checkpoint.dry_run=true would record no step"),
 ])
+@pytest.mark.slow
 def test_a_timeline_that_would_not_be_recorded_is_refused(in_tmp, cli_checks, asked, reason):
     """trainer.memory_timeline=true where no accounting step would run ended ok with
     `memory_timeline: True` and no timeline: one line before anything runs instead."""

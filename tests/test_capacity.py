@@ -96,6 +96,7 @@ def test_find_max_batch_on_cpu_uses_the_estimate_under_the_cap(in_tmp):
     assert big["mem_estimate_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_estimate_matches_the_saved_bytes_accounting(in_tmp):
     """On fake tensors, no data: activations within 10% of the real step's saved bytes."""
     args = ["trainer=smoke", "model=resnet18", "dataset.image_size=8", "trainer.batch_size=16",
@@ -120,6 +121,7 @@ def test_pool_estimate_and_real_steps_share_a_process(in_tmp):
     assert first["mem_estimate_bytes"] == again["mem_estimate_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_memory_snapshot_on_cpu_is_a_noted_no_op(in_tmp, caplog):
     caplog.set_level(logging.INFO)
     row = api.run([*TINY, "trainer.memory_snapshot=true"], out_dir=in_tmp / "r")

@@ -18,6 +18,7 @@ def _model(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", own_models())  # a registered chain each
+@pytest.mark.slow
 def test_units_compose_to_the_forward_and_both_methods_read_them(name):
     model, x = _model(name)
     chain = chain_of(model)

@@ -108,6 +108,7 @@ DROPOUT = {"gpt_nano": ["dataset=tokens", "dataset.seq_len=16", "dataset.train_s
 
 
 @pytest.mark.parametrize("model", sorted(DROPOUT))
+@pytest.mark.slow
 def test_recomputed_dropout_replays_its_mask(model):
     """Recomputation replays the forward's dropout masks (the RNG state is restored for the
     recomputed ops), so every strategy's gradients equal none's with model.dropout=0.1 (torch
@@ -242,6 +243,7 @@ def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extr
         assert s["mem_peak_act_bytes"] <= 0.5 * none["mem_peak_act_bytes"]
 
 
+@pytest.mark.slow
 def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, caplog):
     """A budget below the smallest feasible peak plans at that peak (the default 0.5
     did not fit mlp6): the warning names the peak, the row keeps the budget asked for and the
@@ -354,6 +356,7 @@ CKPT_RUN = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.thre
             "method=checkpoint", "method.strategy=budget", "method.budget_fraction=0.7"]
 
 
+@pytest.mark.slow
 def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
     from memtrain import api
 
@@ -365,6 +368,7 @@ def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
     assert set(state) == set(plain.state_dict())
 
 
+@pytest.mark.slow
 def test_compiled_model_keeps_the_plain_state_dict_keys():
     # No compilation here (torch.compile is lazy): the wrapper's keys and a round trip through it.
     from memtrain import api
@@ -424,6 +428,7 @@ def test_every_plan_keeps_the_plain_state_dict_keys():
     assert all(p.grad is not None for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     from memtrain import api
 
@@ -444,6 +449,7 @@ def test_resumed_budget_run_keeps_its_plan(tmp_path, monkeypatch):
     assert again["plan_granularity"] == part["plan_granularity"]
 
 
+@pytest.mark.slow
 def test_same_profile_gives_the_same_plan():
     """Block plans minimise FLOPs: clock noise between two profiles (timings distorted 5x) does
     not change them. Op plans minimise the profile's measured times (method.cost=time), so
@@ -523,6 +529,7 @@ def test_split_batchnorm_is_native_batchnorm(case):
 
 
 
+@pytest.mark.slow
 def test_tracked_peak_counts_a_recomputed_first_module():
     """A group that starts at resnet's stem recomputes conv1 (a leaf, the group's first module)
     in backward; the CPU tracker files recomputed tensors as activations only inside a module's
@@ -547,6 +554,7 @@ def test_tracked_peak_counts_a_recomputed_first_module():
     assert tracker.act_peak_bytes == pytest.approx(method.plan.peak, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_time_plan_false_skips_the_timing_and_its_columns(tmp_path):
     """`method.time_plan=false`: the plan is not timed before training, and the row has no
     measured overhead (nor its error) rather than a made-up one; the plan and its memory are

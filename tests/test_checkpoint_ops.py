@@ -78,6 +78,7 @@ def _resnet(size=32):
     return model
 
 
+@pytest.mark.slow
 def test_plan_policy_refuses_another_op_sequence():
     model = _resnet()
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
@@ -151,6 +152,7 @@ def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     assert method.plan.peak == pytest.approx(measured, rel=0.05)
 
 
+@pytest.mark.slow
 def test_dry_run_table_lists_ops_and_solve_time():
     model = _resnet()
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
@@ -165,6 +167,7 @@ def test_dry_run_table_lists_ops_and_solve_time():
     assert re.search(r"keep [^\n]*batch_norm_update_stats x", table)
 
 
+@pytest.mark.slow
 def test_a_sweep_profiles_once(tmp_path, monkeypatch):
     """Jobs of one sweep folder share one profile: a block job measures the segments, the first
     op job adds the ops, the next plans without profiling; one profile: a monotone frontier."""
@@ -191,6 +194,7 @@ def test_a_sweep_profiles_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["all", "none"])
+@pytest.mark.slow
 def test_any_keep_set_is_exact(which):
     """Every keepable op kept (BatchNorm outputs that relu_ rectifies in place included: cached,
     then recomputed through the idempotent relu_) or none kept: none's gradients exactly."""
@@ -219,6 +223,7 @@ def test_any_keep_set_is_exact(which):
         assert torch.equal(b, b_ref), name
 
 
+@pytest.mark.slow
 def test_op_plans_recompute_batchnorm_from_kept_statistics():
     """On resnet18 at a tight budget the op plan keeps every recomputed BatchNorm's statistics
     (tiny) and recomputes its normalisation (one elementwise pass) rather than the whole op.
@@ -245,6 +250,7 @@ def _least_peak(p, ops) -> int:
 
 
 @pytest.mark.parametrize("how", ["planned", "forced"])
+@pytest.mark.slow
 def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     """resnet18 at 64 px (ImageNet stem: ReLU -> max-pool): the stem's compaction (1-bit ReLU
     mask, uint8 max-pool offsets) is a measured choice; below the least peak without it the plan
@@ -295,6 +301,7 @@ def test_compacted_stem_is_exact_and_predicted(how, tmp_path):
     assert type(got.relu) is torch.nn.ReLU and type(got.maxpool) is torch.nn.MaxPool2d
 
 
+@pytest.mark.slow
 def test_frontier_table_names_the_compactions():
     """`python -m benchmarks.checkpoint --frontier`: one row per budget, the op plan's
     compacted segments in their column, the least peak with and without compaction."""

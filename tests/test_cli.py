@@ -58,6 +58,7 @@ def test_multirun_two_jobs(in_tmp):
     assert len(df) == 2 and not skipped
 
 
+@pytest.mark.slow
 def test_api_run_and_build(in_tmp):
     row = api.run(TINY, out_dir=in_tmp / "r")
     _check_summary(in_tmp / "r" / "summary.json")
@@ -86,6 +87,7 @@ def test_report_loads_nested_runs_and_skips_corrupt(in_tmp, capsys):
     assert len(df) == 2 and set(df["trainer.seed"]) == {0, 1}
 
 
+@pytest.mark.slow
 def test_failing_run_records_status_error(in_tmp):
     import pytest
 

@@ -115,6 +115,7 @@ def test_unknown_option_is_one_line_error(in_tmp, cli_checks, override, expected
      "trainer.precision must be one of fp32, bf16, fp16, bf16-true, got 'fp8'"),
     ("trainer.epochs=0", "trainer.epochs must be in [1, inf], got 0"),
 ])
+@pytest.mark.slow
 def test_bad_trainer_value_is_one_line_error(in_tmp, override, expected):
     """The trainer's ranges (schema.Trainer) are checked before api.run writes anything (the
     job's own check, runner.check, run by loader.check_overrides): no run folder; the same
@@ -134,6 +135,7 @@ def _one_line_exit_2(p, expected: str) -> None:
     assert len(err.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_missing_dataset_folder_names_the_path(in_tmp):
     """In process (the job's ConfigError; exit 2 and one line from the real command:
     test_validate.py::test_cli_exits_2_with_one_line holds that path)."""
@@ -145,6 +147,7 @@ def test_missing_dataset_folder_names_the_path(in_tmp):
     assert "dataset.download=true" in msg and "\n" not in msg, msg
 
 
+@pytest.mark.slow
 def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_path, monkeypatch):
     """loader.hydra_compose caches a composition within a process (each api.run composes ~7
     times): an edited preset, a new preset file, another folder (hydra.runtime.cwd) or an edited

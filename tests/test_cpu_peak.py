@@ -132,6 +132,7 @@ def test_cpu_peak_is_a_plain_steps_allocator_peak(model, method):
         assert row[ACT_TEMP_PEAK] > row["mem_tracker_act_temp_bytes"]
 
 
+@pytest.mark.slow
 def test_a_runs_row_has_the_allocators_peak(mlp6_row):
     """Through the runner: the row says where its peak came from and its breakdown adds up."""
     row = mlp6_row

@@ -143,6 +143,7 @@ def test_a_small_vocabulary_keeps_its_chain_and_frees_each_permutation(monkeypat
     assert len(made) == 300 and alive == [0]
 
 
+@pytest.mark.slow
 def test_data_that_cannot_fit_is_refused_by_its_keys_before_anything(in_tmp, monkeypatch):
     """The memory a dataset's options ask for is counted before it is built: past this
     machine's memory, one line naming the keys, no folder, nothing drawn."""
@@ -158,6 +159,7 @@ def test_data_that_cannot_fit_is_refused_by_its_keys_before_anything(in_tmp, mon
     assert list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_data_is_built_ends_the_run_interrupted(in_tmp, monkeypatch):
     """A stop signal before the first step ends the run at once: a row with status
     interrupted, no step done, not a build that goes on until the kernel kills it."""

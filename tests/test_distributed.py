@@ -87,6 +87,7 @@ def _steps(strategy: str, optim: str, ranks: int = 2) -> dict:
 
 @pytest.mark.compat
 @pytest.mark.parametrize("optim,k", [("sgd", 4), ("adamw", 8)])
+@pytest.mark.slow
 def test_model_state_per_rank_follows_zero(optim, k):
     """Rajbhandari et al.'s accounting, fp32: parameters (4 bytes each) + gradients (4) +
     optimizer state (K: SGD's momentum 4, AdamW's two moments 8), divided by N under stage 3
@@ -289,6 +290,7 @@ def test_a_slurm_task_of_several_is_a_rank(monkeypatch):
     assert as_rank(["method=none"]) == ["method=none"]  # rank 0 writes what a job writes
 
 
+@pytest.mark.slow
 def test_bad_launches_are_one_line(in_tmp, monkeypatch):
     """What cannot run refuses before anything is built, in one line naming the fix."""
     with pytest.raises(ConfigError, match="trainer.strategy=ddp or fsdp|strategy=single"):

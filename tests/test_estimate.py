@@ -25,6 +25,7 @@ SMALL = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=32",
 # variant) is tests/test_registry.py's, on the walker's cases.
 
 
+@pytest.mark.slow
 def test_the_estimate_sees_checkpoints_plan_not_the_baseline(in_tmp):
     """The plan is profiled and applied on the fake batch: fewer activation bytes than none."""
     base = ["model=resnet18", *SMALL, "trainer.max_steps=0"]
@@ -49,6 +50,7 @@ def test_probe_steps_of_synthetic_are_its_phases():
     assert steps[1].x.shape[1:] == steps[0].module(steps[0].x).shape[1:]
 
 
+@pytest.mark.slow
 def test_prune_estimate_uses_the_configured_sparsity():
     """The kept blocks are a shape: ceil((1 - s) n) blocks of b x b values plus their int32 block
     rows and column pointers, per pruned layer (mlp6's hidden layers; the first one's input is
@@ -89,6 +91,7 @@ def test_find_max_batch_on_the_cpu_without_a_cap_is_refused_up_front():
     probes.check(Trainer(device="cpu"))
 
 
+@pytest.mark.slow
 def test_each_probe_step_is_logged(in_tmp, caplog):
     caplog.set_level(logging.INFO, logger="memtrain")
     base = ["model=mlp6", "method=prune", "method.block_size=16", *SMALL, "trainer.max_steps=0"]

@@ -21,6 +21,7 @@ TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=
     ("local", "LocalLauncher", "timeout_min", 240),
     ("parallel", "JoblibLauncher", "n_jobs", 2),
 ])
+@pytest.mark.slow
 def test_launcher_presets_compose(monkeypatch, launcher, target, key, value):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -75,6 +75,7 @@ def test_metrics_csv_is_valid_while_training_and_when_killed(in_tmp):
     assert loss == list(range(len(loss)))  # every step, in order (log_every=1)
 
 
+@pytest.mark.slow
 def test_eval_every_steps_gives_curves_and_changes_no_training(in_tmp):
     base = api.run([*TINY, "trainer.max_steps=20"], out_dir=in_tmp / "a")
     every = api.run([*TINY, "trainer.max_steps=20", "trainer.eval_every_steps=5"],
@@ -89,6 +90,7 @@ def test_eval_every_steps_gives_curves_and_changes_no_training(in_tmp):
     assert base["run_id"] == every["run_id"]  # how often it is evaluated is not what it is
 
 
+@pytest.mark.slow
 def test_tensorboard_has_the_metric_rows_and_the_runs_hparams(in_tmp):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -128,6 +130,7 @@ def test_tensorboard_has_the_metric_rows_and_the_runs_hparams(in_tmp):
         assert acc.Scalars(tag)[-1].value == pytest.approx(float(row[column]), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_metrics_csv_holds_memory_and_throughput_consistent_with_the_row(in_tmp):
     """Every logged step (log_every=1) carries the series; each step's samples/s is the
     batch over that step's time, so the row's throughput (batch / the median step time) is

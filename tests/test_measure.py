@@ -57,6 +57,7 @@ def test_parameters_and_their_views_are_excluded():
     assert counter.bytes == 3 * 6 * F32  # only x; the weight (saved as a view) is excluded
 
 
+@pytest.mark.slow
 def test_tracker_activation_peak_close_to_saved_bytes_for_plain_model():
     import torchvision
 
@@ -164,6 +165,7 @@ class Cyclic(nn.Module):
         return torch.relu(x)
 
 
+@pytest.mark.slow
 def test_tracked_peak_holds_cycle_garbage_to_the_steps_end_whatever_the_collector():
     import gc
 

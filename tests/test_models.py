@@ -29,6 +29,7 @@ TOKENS = ["dataset=tokens", "dataset.seq_len=16", "dataset.vocab_size=50", "data
 @pytest.mark.parametrize("model,shape", [
     (m, s) for m in conf_options("model") for s in (["tokens"] if language_model(m) else
                                                      sorted(SHAPES))])
+@pytest.mark.slow
 def test_model_forward_backward_every_param_gets_grad(model, shape, user_factory):
     cfg, _ = api.compose([f"model={model}", *SHAPES.get(shape, TOKENS)])
     patch, size = cfg.model.get("patch_size"), cfg.dataset.get("image_size")

@@ -132,6 +132,7 @@ def test_a_name_or_key_that_does_not_exist_is_one_line(in_tmp, cli_checks, args,
     assert not (in_tmp / "runs").exists()
 
 
+@pytest.mark.slow
 def test_without_transformers_model_hf_says_how_to_install(in_tmp, cli_checks, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     p = cli_checks("model=hf")
@@ -141,6 +142,7 @@ def test_without_transformers_model_hf_says_how_to_install(in_tmp, cli_checks, m
         hf.hf_model(64, (16,), "llama", {})
 
 
+@pytest.mark.slow
 def test_an_image_size_the_architecture_cannot_take_is_refused():
     with pytest.raises(ConfigError, match="model.name=convnext_atto cannot take 16x16 images: "
                                           ".*made for 224x224 .dataset.image_size=224"):

@@ -135,6 +135,7 @@ def test_on_the_cpu_the_run_is_one_line_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("model", conf_options("model"))
+@pytest.mark.slow
 def test_every_model_trains_the_same_with_offload(model, user_factory):
     """Registry-wide: forward and backward of every model with its saved tensors through the
     offloader (host copies on the CPU) give none's gradients, bit for bit."""

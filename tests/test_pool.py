@@ -41,6 +41,7 @@ STEMS = {"small": (16, "model.small_input=true"), "imagenet": (32, "model.small_
     ("imagenet", ["method.relu_mask=bool", "method.pool_type=max", "method.targets=conv+bn"]),
     ("imagenet", []),
 ])
+@pytest.mark.slow
 def test_kernel_size_1_gives_the_baseline_gradients_exactly(stem, opts):
     size, stem_opt = STEMS[stem]
     net0, x, y = _build("resnet18", size, "method=none", stem_opt)
@@ -51,6 +52,7 @@ def test_kernel_size_1_gives_the_baseline_gradients_exactly(stem, opts):
     assert not diff, diff
 
 
+@pytest.mark.slow
 def test_kernel_size_2_changes_only_conv_weight_gradients():
     """targets=conv: grad_input stays exact everywhere, so BN and fc gradients are the
     baseline's; conv weights get the approximate gradient (min_size=1: every map pooled), but
@@ -88,6 +90,7 @@ def _saved_storages(net, x):
 
 
 @pytest.mark.parametrize("model", ["resnet18", "resnet50"])
+@pytest.mark.slow
 def test_relu_outputs_are_released_only_with_masks(model):
     """The pitfall: nothing may keep a full-size ReLU output (the ReLU, the next conv, the
     downsample conv, the residual add, the max-pool), else pooling frees nothing. The one
@@ -123,6 +126,7 @@ LIMITS = {("resnet18", 224): {"conv": 0.80, "conv+bn": 0.45},
 
 
 @pytest.mark.parametrize("model,size", [k for k in LIMITS if k != ("resnet50", 224)])
+@pytest.mark.slow
 def test_saved_bytes_ratio_against_none(model, size):
     ratios = _ratios(model, size, ("conv", "conv+bn"))
     for t, limit in LIMITS[model, size].items():
@@ -188,6 +192,7 @@ def test_bad_options_are_config_errors(bad):
         PoolMethod(**bad)
 
 
+@pytest.mark.slow
 def test_bad_option_of_a_run_is_one_line(in_tmp):
     """Through a run (in process; a ConfigError raised in the job is exit 2 and one line from
     the real command: test_validate.py::test_cli_exits_2_with_one_line holds that path)."""
@@ -238,6 +243,7 @@ def test_training_converges_like_none_at_equal_epochs():
     assert acc["pool"] >= acc["none"] - 0.03, acc
 
 
+@pytest.mark.slow
 def test_pool_study_variants_compose_to_the_intended_methods():
     import yaml
     from conftest import CONF
@@ -304,6 +310,7 @@ def test_compression_temporaries_do_not_set_the_activation_peak():
     assert abs(a1 / a0 - s1 / s0) <= 0.1, (s1 / s0, a1 / a0)
 
 
+@pytest.mark.slow
 def test_pool_on_a_model_without_convolutions_says_so(caplog):
     with caplog.at_level("WARNING", logger="memtrain.methods.pool"):
         api.build(["model=mlp6", "method=pool", "dataset.image_size=8"])

@@ -123,6 +123,7 @@ def test_sparsity_zero_trains_bitwise_like_none(model):
     (["model=efficientnet_b0"], "conv1x1", 64),  # expand, project, squeeze-excitation, head conv
     (["model=resnet50"], "conv1x1", 36),  # conv1, conv3 of 16 bottlenecks + 4 downsampling
 ], ids=["mlp6", "resmlp12", "efficientnet_b0", "resnet50"])
+@pytest.mark.slow
 def test_models_forward_exactly_and_every_parameter_gets_a_gradient(model, layers, count):
     over = [*model, "dataset.image_size=16", "dataset.train_size=8"]
     data, net0, _ = api.build(over)
@@ -162,6 +163,7 @@ def _saved(net, x, autocast=False):
         return saved_bytes(net, x)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_keeps_bf16_blocks_and_saves_less():
     over = [*SMALL["resmlp12"], *TINY]
     data, net0, _ = api.build(over)
@@ -255,6 +257,7 @@ def test_mlp6_saved_bytes_and_activation_peak_fall_below_none(tmp_path):
     assert row["mem_act_saved_bytes"] < 0.7 * base["mem_act_saved_bytes"]
 
 
+@pytest.mark.slow
 def test_resnet18_prunes_nothing_is_a_one_line_error_even_with_the_head(tmp_path):
     """resnet18's 1x1 convs (downsampling) read the block input its 3x3 conv keeps anyway: the
     run would be none's. With prune_head the classifier's input could be freed, but it is alive

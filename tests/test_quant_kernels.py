@@ -93,6 +93,7 @@ def test_triton_stochastic_rounding_picks_a_neighbouring_level(bits):
 
 
 @pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.slow
 def test_stochastic_rounding_is_unbiased_and_nearest_is_not(bits):
     """The mean of many stochastic round trips approaches x (error ~ step / sqrt(trials));
     nearest rounding keeps its deterministic error whatever the number of trials."""
@@ -153,6 +154,7 @@ def test_per_channel_quantize_and_dequantize_equal_the_oracle(impl, rounding, dt
 
 
 @pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.slow
 def test_per_channel_steps_follow_each_channel_and_stay_unbiased(bits):
     """With channels every element's error is below its own channel's step (range / L), where
     plain groups give the small channel its large neighbour's step; stochastic rounding stays

@@ -57,6 +57,7 @@ def test_bad_options_are_one_line_errors(bad, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_bad_option_of_a_run_is_one_line(in_tmp):
     """Through a run (in process; a ConfigError raised in the job is exit 2 and one line from
     the real command: test_validate.py::test_cli_exits_2_with_one_line holds that path)."""
@@ -87,6 +88,7 @@ def test_forward_is_exact_and_gradients_approach_the_baseline_with_bits(model, e
     assert cos[8] > 0.99 and cos[8] > cos[2], cos  # one step at init, batch 4: 2 bits is noisy
 
 
+@pytest.mark.slow
 def test_only_activations_are_quantized_under_autocast():
     """Parameters, autocast's bf16 weight copies, the batch and BatchNorm's statistics stay as
     they are; every quantized tensor is an activation (batch dimension first)."""
@@ -215,6 +217,7 @@ def _weight_grad(bits: int, rounding: str, seed: int, x: torch.Tensor, net: nn.M
     return net[2].weight.grad.clone()
 
 
+@pytest.mark.slow
 def test_weight_gradient_is_unbiased_with_stochastic_rounding():
     """The mean of the last layer's weight gradient over many seeds approaches the exact
     gradient (its error shrinks like 1/sqrt(seeds)); nearest rounding keeps its bias."""

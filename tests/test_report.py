@@ -176,6 +176,7 @@ def study(tmp_path_factory):
     return root, runs, settings
 
 
+@pytest.mark.slow
 def test_figures_plot_the_table(study):
     root, runs, settings = study
     mem = style.memory_metric(runs)  # the headline ratio, on the CPU as on CUDA
@@ -259,6 +260,7 @@ def test_report_writes_every_figure_and_marks_failures(study, tmp_path):
     assert len(csv) == len(pq) == 2 * 8 * 2 and "mem_peak_rel" in pq
 
 
+@pytest.mark.slow
 def test_corrupt_and_missing_summaries_are_skipped(small, capsys):
     (small / "bad").mkdir()
     (small / "bad" / "summary.json").write_text("{not json")
@@ -286,6 +288,7 @@ def test_cli_errors_and_mixed_types(tmp_path, capsys):
     assert not (r / "figures").exists()
 
 
+@pytest.mark.slow
 def test_report_never_imports_torch():
     code = ("import sys, memtrain.report.tables, memtrain.report.plots, memtrain.report.cli, "
             "memtrain.report.build, memtrain.report.markdown, memtrain.report.style, "
@@ -329,6 +332,7 @@ def test_multirun_leaves_report_in_sweep_folder(in_tmp):
     assert " pruned" not in p.stdout + p.stderr
 
 
+@pytest.mark.slow
 def test_budget_figure_draws_one_series_per_strategy(study):
     _, _, settings = study
     ck = settings["method"] == "checkpoint"
@@ -359,6 +363,7 @@ def test_budget_figure_draws_one_series_per_strategy(study):
     plots.plt.close(bud.fig)
 
 
+@pytest.mark.slow
 def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
     """`trainer.estimate=true trainer.max_steps=0` rows hold predictions only: the report gives
     them their own table (predicted peak, activation peak and saved bytes against none's
@@ -400,6 +405,7 @@ def test_an_estimate_only_sweep_has_its_table_and_figure(tmp_path):
     assert "budget: not drawn (no measured method=checkpoint run" in md
 
 
+@pytest.mark.slow
 def test_accuracy_stays_in_its_range_chance_is_drawn_and_not_learning_is_flagged(tmp_path):
     """Error bars stop at 0% and 100%; the chance level (1 / classes) is a line; a setting with
     a run that did not learn (run.learned) is hollow in the figure and said in the table."""
@@ -435,6 +441,7 @@ def test_a_run_that_did_not_learn_says_why():
     assert "learned" not in classifier(float("nan"), 0.1, 10, 100)  # never evaluated
 
 
+@pytest.mark.slow
 def test_the_cost_figure_comes_first_and_answers_the_question(tmp_path):
     """Memory relative to none on x; accuracy change (points) and step-time overhead (%) on two
     aligned rows; seeds as error bars, an overhead's stopped at -100% (no step takes less than

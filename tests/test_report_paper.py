@@ -50,6 +50,7 @@ def test_default_names_are_short():
     assert n.panel("mine", "data") == "mine / data"  # unknown names are kept
 
 
+@pytest.mark.slow
 def test_names_file_and_label_flag_rename_settings(tmp_path, capsys):
     r = tmp_path / "runs"
     for k in (1, 2, 4):
@@ -130,6 +131,7 @@ def test_multi_phase_throughput_is_end_to_end(tmp_path):
     assert by.loc["n", "throughput_e2e_samples_s"] == 1280.0 and by.loc["n", "n_phases"] == 1
 
 
+@pytest.mark.slow
 def test_noisy_timing_is_flagged_in_table_figure_and_report(tmp_path):
     r = tmp_path / "runs"
     write_run(r / "n", step_time=0.1, extra={"step_time_s_p90": 0.12})
@@ -311,6 +313,7 @@ def test_failures_figure_is_legible_and_gives_the_reason(tmp_path):
     plots.plt.close(f.fig)
 
 
+@pytest.mark.slow
 def test_report_md_precision_units_and_reasons(tmp_path):
     r = tmp_path / "runs"
     write_run(r / "n0", seed=0, peak=3 * 2**30, throughput=1000.0, test_acc=0.9)
@@ -333,6 +336,7 @@ def test_report_md_precision_units_and_reasons(tmp_path):
     assert "Traceback" not in md
 
 
+@pytest.mark.slow
 def test_slide_look_is_larger_than_paper(tmp_path):
     r = tmp_path / "runs"
     write_run(r / "n")
@@ -352,6 +356,7 @@ def test_slide_look_is_larger_than_paper(tmp_path):
         make_report([r], style="poster")
 
 
+@pytest.mark.slow
 def test_callback_passes_style_and_names(tmp_path):
     from omegaconf import OmegaConf
 
@@ -367,6 +372,7 @@ def test_callback_passes_style_and_names(tmp_path):
     assert "## RN / CIFAR-10" in (r / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_notes_sit_under_the_panels_and_legend_hiding_no_data(tmp_path):
     r = tmp_path / "runs"
     for model in ("resnet18", "resmlp12"):

@@ -50,6 +50,7 @@ def _texts(fig) -> list[str]:
     return [t.replace("\n", ", ") for t in out if t]  # a cell's 'ok 2/3\noom 1/3' too
 
 
+@pytest.mark.slow
 def test_every_panel_title_names_model_and_dataset(figures):
     panels = {names.DEFAULT.panel(m, "cifar10") for m in MODELS}
     assert panels == {f"{n} / CIFAR-10" for n in MODELS.values()}
@@ -122,6 +123,7 @@ def test_failure_figure_gives_every_failed_setting_its_reason(study, figures):
     (("cuda", "cuda"), "CUDA"),
     (("cuda", "tracker"), "mixed"),
 ])
+@pytest.mark.slow
 def test_report_md_names_where_the_peaks_came_from(tmp_path, sources, said):
     r = tmp_path / "runs"
     write_run(r / "n", source=sources[0], peak=2 * 2**30)
@@ -159,6 +161,7 @@ def test_report_md_leads_with_the_headline_ratio_reserved_beside_it(tmp_path):
     assert lines[ratio + 1].startswith("- Detail: `reserved / none`: `mem_peak_reserved_bytes`")
 
 
+@pytest.mark.slow
 def test_seeds_timed_under_different_load_are_flagged_noisy(tmp_path):
     """Each run steady (p90 = 1.1 x median) but none's two seeds 2x apart: the load changed
     between runs, so its times are flagged in the table, report.md and the budget's cost panel;
@@ -231,6 +234,7 @@ def _readable(made: list) -> None:
         assert p.caption, p.name  # what the axes mean, in full
 
 
+@pytest.mark.slow
 def test_every_figure_renders_with_no_overlapping_text_and_no_offset(figures, more):
     """Every report figure: no text over another (a panel's axis label over the next panel, a
     legend, a tick), no offset or exponent above an axis (float noise of 1e-17 drew ticks 0-2.5

@@ -139,6 +139,7 @@ def test_setting_names_come_from_conf(method, options, name):
     assert results_tables.setting(row) == name
 
 
+@pytest.mark.slow
 def test_the_committed_cpu_view_comes_out_the_same(tmp_path):
     """docs/results/2026-11-23_cpu/: its rows (summary.csv, the declared columns: what the runs
     wrote) give again every table of its results.md that rows make, and its headlines."""

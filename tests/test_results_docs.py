@@ -38,6 +38,7 @@ def absolute_paths(root: Path) -> list[str]:
     return hits
 
 
+@pytest.mark.slow
 def test_every_generated_block_equals_its_csvs():
     assert docs.update(ROOT, check=True) == [], \
         "run `make results-docs` and commit: these blocks differ from their CSVs"
@@ -46,6 +47,7 @@ def test_every_generated_block_equals_its_csvs():
 PARTS = ("device ", "; steps ", "command `")
 
 
+@pytest.mark.slow
 def test_every_block_has_its_markers_and_names_its_source():
     """Each block opens with its provenance line; a block drawn from several sources opens with
     a line saying so, and lists each source's provenance line under it."""
@@ -69,6 +71,7 @@ def test_every_block_has_its_markers_and_names_its_source():
             assert re.search(r"seeds? [0-9-]+|no seed", line), line
 
 
+@pytest.mark.slow
 def test_every_block_holds_data_only():
     """A block is its provenance line, tables and figure links (tools.docs.DATA_LINE): every
     sentence that reads the data is the page's, around the block."""
@@ -83,6 +86,7 @@ def test_a_sentence_in_a_block_is_found():
     assert docs.not_data(text) == ["The peak is 0.5x of none's."]
 
 
+@pytest.mark.slow
 def test_a_block_is_found_by_name_wherever_it_sits(tmp_path):
     """A block moved to another page is written there; one name on two pages, or a marker
     no block fills, is an error naming them; README.md may quote a page's block."""
@@ -114,6 +118,7 @@ def _copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_a_changed_csv_cell_is_a_difference_and_the_rewrite_restores_it(tmp_path):
     root = _copy(tmp_path)
     csv = root / docs.DATA / "overhead_cpu.csv"
@@ -129,6 +134,7 @@ def test_a_changed_csv_cell_is_a_difference_and_the_rewrite_restores_it(tmp_path
     assert docs.update(root, check=True) == []
 
 
+@pytest.mark.slow
 def test_a_hand_edit_inside_a_block_is_a_difference(tmp_path):
     root = _copy(tmp_path)
     doc = root / "docs/results/README.md"

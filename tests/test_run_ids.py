@@ -50,6 +50,7 @@ def current(selection_list: list[list[str]]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_run_ids_of_existing_configs_are_unchanged():
     frozen = json.loads(FROZEN.read_text())
     now = current(selections())

@@ -116,6 +116,7 @@ def test_logging_may_only_use_memtrains_handlers(in_tmp, cli_checks, overrides, 
     assert list(in_tmp.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_logging_preset_is_checked_and_memtrains_own_pass(in_tmp, cli_checks):
     """A preset of the user's (hydra/job_logging=<name> under --config-dir) is held to the same
     rule; Hydra's presets memtrain uses and a second .log file in the run folder pass."""
@@ -194,6 +195,7 @@ def test_the_runner_refuses_too(tmp_path):
         {"_target_": "memtrain.methods.none.NoneMethod"}))).__name__ == "NoneMethod"
 
 
+@pytest.mark.slow
 def test_every_built_in_target_is_trusted():
     """The conf tree's own targets pass the rule they are held to (each in its slot)."""
     from conftest import conf_options

@@ -52,6 +52,7 @@ def test_impossible_stacks_are_one_line(members, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_member_option_is_checked_like_any_option():
     with pytest.raises(ConfigError, match=r"^method.quantize.bits must be one of 2, 4, 8, got 3$"):
         api.compose(["method=checkpoint+quantize", "method.quantize.bits=3", "model=mlp6",
@@ -83,6 +84,7 @@ def test_offload_outside_quantize_sees_the_packed_buffers():
     assert seen and set(seen) == {torch.uint8}
 
 
+@pytest.mark.slow
 def test_the_row_names_the_stack_and_the_report_labels_it(tmp_path):
     row = api.run(["model=mlp6", "method=checkpoint+quantize", "method.checkpoint.strategy=uniform",
                    "method.quantize.bits=8", *TINY], out_dir=tmp_path / "r")
@@ -203,6 +205,7 @@ def test_a_stack_plan_is_held_to_its_measured_peak():
     assert cols["plan_measured_peak_bytes"] == pytest.approx(tracker.act_peak_bytes, rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_stack_replans_while_measured_over_budget(monkeypatch, caplog):
     """The re-planning loop (a tracked step costs seconds under quantize's torch path, so the
     measurement is replaced here by the model's peak plus a fixed excess): each measured excess

@@ -51,6 +51,7 @@ def _logged_steps(run) -> list[int]:
     return rows[(rows["split"] == "train") & (rows["name"] == "loss")]["step"].tolist()
 
 
+@pytest.mark.slow
 def test_a_failure_after_training_keeps_the_metrics(in_tmp, monkeypatch):
     """Bad input found after the loop (a ConfigError, exit 2 from the command) is the row's
     error, and the row keeps every metric the run logged: the training rows and the
@@ -83,6 +84,7 @@ def _assert_same_weights(a, b):
         assert torch.equal(wa[k], wb[k]), k
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_equals_uninterrupted(in_tmp):
     args = [*TINY, "trainer.max_steps=8", "trainer.save_weights=true"]
     full = api.run(args, out_dir=in_tmp / "full")
@@ -128,6 +130,7 @@ def test_hang_waits_for_the_stop_signal_then_resumes_past_it(in_tmp, monkeypatch
     assert row["status"] == "error" and "no stop signal in 0.2 s" in row["error"]
 
 
+@pytest.mark.slow
 def test_resume_finds_the_checkpoint_in_another_folder(in_tmp):
     args = [*TINY, "trainer.max_steps=6", "trainer.fault=sigterm", "trainer.fault_step=2"]
     assert api.run(args, out_dir=in_tmp / "runs" / "a")["status"] == "interrupted"
@@ -203,6 +206,7 @@ def test_real_sigterm_to_a_subprocess_then_resume(in_tmp):
     _assert_same_weights(in_tmp / "full" / "weights.pt", run / "weights.pt")
 
 
+@pytest.mark.slow
 def test_skip_done_in_process(in_tmp):
     first = api.run(TINY, out_dir=in_tmp / "sweep" / "0")
     again = api.run([*TINY, "trainer.skip_done=true"], out_dir=in_tmp / "sweep" / "1")

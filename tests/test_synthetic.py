@@ -137,6 +137,7 @@ def test_bad_options_are_config_errors(kwargs, msg):
 
 @pytest.mark.parametrize("asked", ["trainer.memory_timeline=true", "trainer.memory_snapshot=true",
                                    "trainer.save_every=10"])
+@pytest.mark.slow
 def test_parallel_refuses_what_its_workers_would_leave_undone(in_tmp, cli_checks, asked):
     """The partitions' worker processes see no timeline, snapshot, checkpoint or live logger of
     the run: asked for with method.parallel=true it is one line (exit 2) before anything runs,
@@ -159,6 +160,7 @@ def test_parallel_refuses_what_its_workers_would_leave_undone(in_tmp, cli_checks
         runner.check(cfg)
 
 
+@pytest.mark.slow
 def test_bad_cuts_and_epochs_fail_at_run_time(in_tmp):
     with pytest.raises(ConfigError, match=r"strictly increasing unit indices in \[1, 6\]"):
         api.build([*SYN, "method.cuts=[7]"])
@@ -178,6 +180,7 @@ def test_bad_cuts_and_epochs_fail_at_run_time(in_tmp):
 # ---------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_composed_model_predicts_argmax_right_of_left(one_thread):
     data, model, method, opt, sched, kw = _fit([*SYN, "method.partitions=3"])
     result = method.fit(model, data, opt, sched, **kw)
@@ -197,6 +200,7 @@ def test_composed_model_predicts_argmax_right_of_left(one_thread):
     assert result.summary["steps"] == 3 * 4  # three partitions of trainer.max_steps=4 each
 
 
+@pytest.mark.slow
 def test_synthetic_input_partitions_are_independent(one_thread):
     over = [*SYN, "method.right_input=synthetic", "method.partitions=3", "trainer.max_steps=6"]
     data, model, method, opt, sched, kw = _fit(over)
@@ -260,6 +264,7 @@ def test_each_partition_is_smaller_than_the_whole_model(in_tmp, one_thread, mode
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("right_input", ["synthetic", "left"])
+@pytest.mark.slow
 def test_peak_counts_every_partition_resident_on_the_device(in_tmp, one_thread, monkeypatch,
                                                             device, right_input):
     # Automatic cuts profile the whole model on the device; whatever of it stays there during a
@@ -338,6 +343,7 @@ def test_label_loss_is_mse_without_batch_sized_temporaries():
     assert tracker.act_peak_bytes <= h.numel() * 4 * (1 + 1 / 8), tracker.act_peak_bytes
 
 
+@pytest.mark.slow
 def test_weights_load_into_the_plain_model_and_resume_keeps_the_cuts(in_tmp, one_thread,
                                                                      monkeypatch):
     args = [*SYN, "method.partitions=3", "trainer.threads=1", "trainer.max_steps=6",

@@ -56,12 +56,14 @@ def test_each_option_has_its_effect():
     assert step_lrs == pytest.approx([0.1 * 0.1 ** (i + 1) for i in range(4)])
 
 
+@pytest.mark.slow
 def test_step_bookkeeping_short_run_still_accounts_and_times(in_tmp):
     row = api.run(TINY + ["trainer.max_steps=3", "trainer.warmup_steps=5"], out_dir=in_tmp / "r")
     assert row["steps"] == 3 and row["warmup_steps_used"] == 1
     assert row["mem_act_saved_bytes"] > 0 and row["throughput_samples_s"] > 0
 
 
+@pytest.mark.slow
 def test_epochs_and_eval_metrics(in_tmp):
     row = api.run(["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.max_steps=null",
                    "trainer.epochs=2", "dataset.train_size=64", "trainer.batch_size=16"],

@@ -78,6 +78,7 @@ def test_fp32_and_no_dropout_follow_the_same_count():
 
 
 @pytest.mark.compat  # torch's kernels decide what is saved
+@pytest.mark.slow
 def test_sdpa_drops_the_quadratic_term():
     """torch's fused attention keeps no s x s scores: a layer's bytes grow linearly in s."""
     per = [layer_bytes(s, dropout=0.0, attention="sdpa") for s in (128, 256, 512)]

@@ -65,6 +65,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("overrides,expected", BAD, ids=[" ".join(b[0]) for b in BAD])
+@pytest.mark.slow
 def test_malformed_override_is_one_line(in_tmp, overrides, expected):
     args = [*TINY, *overrides]
     with pytest.raises(ConfigError) as e:

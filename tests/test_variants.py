@@ -56,6 +56,7 @@ def test_a_bad_variant_is_one_line_before_any_job(in_tmp):
     assert not (in_tmp / "sw").exists()
 
 
+@pytest.mark.slow
 def test_variants_on_the_command_line_are_checked():
     from memtrain.config import loader
     from memtrain.errors import ConfigError

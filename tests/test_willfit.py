@@ -248,6 +248,7 @@ def test_overhead_and_error_come_from_the_rows_of_the_same_setting():
     (["card=l4", "ranks=1"], "ranks must be a whole number >= 2"),
     (["card=l4", "ranks=3", "trainer.batch_size=16"], "not a multiple of ranks=3"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2_and_nothing_written(in_tmp, capsys, args, says):
     with pytest.raises(SystemExit) as e:
         willfit.main([*TINY, *args, f"out={in_tmp / 'out'}"])
