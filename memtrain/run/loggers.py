@@ -3,10 +3,11 @@
 The loop calls, for every `train.train` call (a run, or one phase of a multi-phase method):
 `start(total_steps, prefix)` once, `step(...)` after every step, `metrics(rows)` for each group of
 metric rows as they are made (the same rows metrics.csv gets: step, epoch, split, name, value;
-names carry the phase's prefix), and `end()` once, also when the run fails. A logger is any
-object with these four methods; the runner builds the list from the trainer options (`build`)
-and, once the run's row is final (any status), calls `close(row)` on those that have it
-(TensorBoard's hparams and W&B's summary take the row's final metrics there).
+names carry the phase's prefix), and `end()` once, also when the run fails. A logger subclasses
+`Logger`, whose four hooks do nothing, and overrides those it uses; the runner builds the list
+from the trainer options (`build`) and, once the run's row is final (any status), calls
+`close(row)` on those that have it (TensorBoard's hparams and W&B's summary take the row's final
+metrics there).
 Loggers never change what is measured: the loop's records are written by the runner either way
 (metrics.csv is rewritten whole, atomically, when the run ends).
 
@@ -25,7 +26,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -42,19 +43,23 @@ FINAL_METRICS = ("test_acc", "test_acc5", "test_loss", "train_loss", "learned",
                  columns.THROUGHPUT, columns.STEP_TIME, columns.ESTIMATE, columns.MAX_BATCH)
 
 
-class Logger(Protocol):
-    def start(self, total_steps: int, prefix: str) -> None: ...
+class Logger:
+    """What the loop tells its loggers; each hook here does nothing."""
+
+    def start(self, total_steps: int, prefix: str) -> None:
+        """Before the first step of a `train` call: its steps and its metrics' name prefix."""
 
     def step(self, step: int, epoch: int, loss: float, samples_s: float,
              memory: MemoryNow) -> None:
         """After step `step` (counted from 1) of `epoch`: its loss, the samples per second of
         the last timed step (NaN before the first one) and a function giving the memory
         series now (`measure.Measurement.memory_now`; called only by loggers that show it)."""
-        ...
 
-    def metrics(self, rows: list[dict[str, Any]]) -> None: ...
+    def metrics(self, rows: list[dict[str, Any]]) -> None:
+        """A group of metric rows as they are made (metrics.csv's rows)."""
 
-    def end(self) -> None: ...
+    def end(self) -> None:
+        """After the last step, also when the run fails."""
 
 
 def _size(n: float) -> str:
@@ -75,7 +80,7 @@ def memory_text(mem: Mapping[str, int], device: torch.device) -> str:
     return ", ".join(parts)
 
 
-class ProgressBar:
+class ProgressBar(Logger):
     """A tqdm bar per train() call with loss, samples/s and memory (`trainer.progress`, on a
     terminal only: `build` leaves it out when stderr is not a TTY)."""
 
@@ -98,9 +103,6 @@ class ProgressBar:
                                   f"mem {memory_text(memory(), self.device)}", refresh=False)
         self._bar.update()
 
-    def metrics(self, rows: list[dict[str, Any]]) -> None:
-        pass
-
     def end(self) -> None:
         if self._bar is not None:
             self._redirect.__exit__(None, None, None)
@@ -108,7 +110,7 @@ class ProgressBar:
             self._bar = None
 
 
-class ProgressLines:
+class ProgressLines(Logger):
     """One log line every `every` steps (and on the last): step, loss, samples/s and memory
     (`memory_text`: the peak, and the process's RSS, each named).
     Through logging, so it reaches memtrain.log and the console however they are redirected
@@ -129,14 +131,8 @@ class ProgressLines:
         log.info("%sstep %d/%d epoch %d loss %.4f samples/s %s mem %s", self.prefix, step,
                  self.total, epoch, loss, rate, memory_text(memory(), self.device))
 
-    def metrics(self, rows: list[dict[str, Any]]) -> None:
-        pass
 
-    def end(self) -> None:
-        pass
-
-
-class CsvLog:
+class CsvLog(Logger):
     """metrics.csv as training goes: rows appended and flushed as they are made, so a killed
     run leaves every row made so far, each line whole (the runner's final atomic write replaces
     the file with the complete records)."""
@@ -146,20 +142,10 @@ class CsvLog:
         with open(self.path, "w", newline="") as f:
             csv.writer(f, lineterminator="\n").writerow(METRIC_FIELDS)
 
-    def start(self, total_steps: int, prefix: str) -> None:
-        pass
-
-    def step(self, step: int, epoch: int, loss: float, samples_s: float,
-             memory: MemoryNow) -> None:
-        pass
-
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         with open(self.path, "a", newline="") as f:  # closed (so flushed) after every group
             csv.DictWriter(f, METRIC_FIELDS, extrasaction="ignore",
                            lineterminator="\n").writerows(rows)
-
-    def end(self) -> None:
-        pass
 
 
 def hparams_of(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -195,7 +181,7 @@ def _summary_writer():
     return SummaryWriter
 
 
-class TensorBoard:
+class TensorBoard(Logger):
     """The metric rows as TensorBoard scalars (`<split>/<name>` at their step, the names of
     metrics.csv: memory and samples/s among them) in `<run_dir>/tensorboard`; when the row is
     final (`close`), the run's hyperparameters (`hparams_of`) with its final metrics
@@ -205,13 +191,6 @@ class TensorBoard:
     def __init__(self, run_dir: Path):
         self.writer = _summary_writer()(log_dir=str(Path(run_dir) / "tensorboard"))
         self.last_step = 0
-
-    def start(self, total_steps: int, prefix: str) -> None:
-        pass
-
-    def step(self, step: int, epoch: int, loss: float, samples_s: float,
-             memory: MemoryNow) -> None:
-        pass
 
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         for r in rows:
@@ -246,7 +225,7 @@ def _wandb():
     return wandb
 
 
-class WandB:
+class WandB(Logger):
     """Weights & Biases, offline unless the user says otherwise: `WANDB_MODE` as set, else
     `offline` (the run lives in `<run_dir>/wandb/offline-run-*`, no network needed; `wandb sync`
     uploads it later). The run's config is the row's hyperparameters (`hparams_of`), each
@@ -269,10 +248,6 @@ class WandB:
     def start(self, total_steps: int, prefix: str) -> None:
         self.base, self.prefix = self.next_base, prefix
 
-    def step(self, step: int, epoch: int, loss: float, samples_s: float,
-             memory: MemoryNow) -> None:
-        pass
-
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         by_step: dict[int, dict[str, Any]] = {}
         for r in rows:
@@ -282,9 +257,6 @@ class WandB:
         for s, values in sorted(by_step.items()):
             self.run.log(values, step=self.base + s)
             self.next_base = max(self.next_base, self.base + s + 1)
-
-    def end(self) -> None:
-        pass
 
     def close(self, row: Mapping[str, Any] | None = None) -> None:
         if row is not None:

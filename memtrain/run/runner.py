@@ -257,26 +257,17 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], search_dir: Pa
     return _finish(run_dir, summary, metrics, error, world)
 
 
-class _Kept:
-    """A logger (loggers.Logger) that keeps every metric row the loop hands its loggers, as
-    it hands them: the loop's own records end with an exception that is not RunFailed (a
-    RuntimeError, a ConfigError found mid-run, another rank that left the group), and the row
-    of such a run keeps what it logged."""
+class _Kept(loggers.Logger):
+    """A logger that keeps every metric row the loop hands its loggers, as it hands them: the
+    loop's own records end with an exception that is not RunFailed (a RuntimeError, a
+    ConfigError found mid-run, another rank that left the group), and the row of such a run
+    keeps what it logged."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
 
-    def start(self, total_steps: int, prefix: str) -> None:
-        pass
-
-    def step(self, step, epoch, loss, samples_s, memory) -> None:
-        pass
-
     def metrics(self, rows: list[dict[str, Any]]) -> None:
         self.rows += rows
-
-    def end(self) -> None:
-        pass
 
 
 def _blame(summary: dict[str, Any], root: dict[str, Any] | None) -> None:
