@@ -205,3 +205,42 @@ def test_prune_at_sparsity_0_on_timm_linear_is_the_baseline_bitwise():
         mdl(x).square().sum().backward()
     for a, b in zip(ref.parameters(), net.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("mask", ["bits", "bool"])
+def test_masked_relu6_is_torchs_relu6_and_keeps_only_its_mask(inplace, mask):
+    """ReLU6 (MobileNetV2's) masked: output and gradient equal nn.ReLU6's at every value, the
+    bounds 0 and 6 and NaN included, and the backward keeps a mask only (1 bit or 1 byte an
+    element), not the output."""
+    x = torch.tensor([-1.0, 0.0, 1e-7, 3.0, 6.0 - 1e-6, 6.0, 7.5, float("nan")] * 16)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    ref, got = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = nn.ReLU6(inplace)(ref * 1)  # * 1: an in-place op needs a non-leaf input
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = MaskedReLU(inplace, mask, top=6.0).train()(got * 1)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0, equal_nan=True)
+    out_ref.backward(g), out.backward(g)
+    torch.testing.assert_close(got.grad, ref.grad, rtol=0, atol=0)
+    assert [t.dtype for t in kept] == [torch.uint8 if mask == "bits" else torch.bool]
+    assert kept[0].numel() == (x.numel() // 8 if mask == "bits" else x.numel())
+
+
+@pytest.mark.slow  # two MobileNetV2s built and stepped
+def test_pool_and_quantize_mask_every_relu6_of_torchvisions_mobilenet_v2():
+    """torchvision's MobileNetV2 has nn.ReLU6 only: pool and quantize each swap every one of
+    them (counted by hand) for a masked ReLU6, and the network still steps."""
+    from torchvision.models import mobilenet_v2
+
+    from memtrain.methods.quantize import QuantizeMethod
+
+    for method in (PoolMethod(kernel_size=2), QuantizeMethod(bits=8)):
+        net = mobilenet_v2(num_classes=10, width_mult=0.25)
+        relu6 = sum(type(m) is nn.ReLU6 for m in net.modules())
+        assert relu6 == 35  # the stem, the last conv, 1 in the first block, 2 in each of 16
+        net = method.wrap(net).train()
+        masked = [m for m in net.modules() if isinstance(m, MaskedReLU)]
+        assert len(masked) == relu6 and all(m.top == 6.0 for m in masked)
+        assert not any(type(m) is nn.ReLU6 for m in net.modules())
+        net(torch.randn(2, 3, 32, 32)).sum().backward()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
-from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
+from memtrain.methods.common.compact import RELUS, CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.swap import is_timm_bn_act, is_timm_conv2d_same, recast, swap_modules
 from memtrain.models.chain import registered
 
@@ -81,7 +81,7 @@ class PoolMethod:
         stem = _stem_convs(model)
         convs = swap_modules(model, lambda _, m: _conv_class(m) is not None,
                              lambda _, m: recast(m, _conv_class(m), mode=self.mode, **pooling))
-        relus = any(type(m) in (nn.ReLU, nn.MaxPool2d) for m in model.modules())
+        relus = any(type(m) in (*RELUS, nn.MaxPool2d) for m in model.modules())
         bns = self.targets == "conv+bn" and any(_bn_class(m) for m in model.modules())
         input_only = not convs or (set(convs) <= stem and not self.compress_input)
         if not relus and not bns and input_only:
@@ -99,8 +99,8 @@ class PoolMethod:
             swap_modules(model, lambda _, m: _bn_class(m) is not None,
                          lambda _, m: recast(m, _bn_class(m), **pooling))
         if self.relu_mask != "none":
-            swap_modules(model, lambda _, m: type(m) is nn.ReLU,
-                         lambda _, m: MaskedReLU(m.inplace, self.relu_mask))
+            swap_modules(model, lambda _, m: type(m) in RELUS,
+                         lambda _, m: MaskedReLU.of(m, self.relu_mask))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
                      lambda _, m: recast(m, CompactMaxPool2d))
         return model

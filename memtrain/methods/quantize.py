@@ -46,7 +46,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice
 from memtrain.kernels import quant
 from memtrain.methods.common.activations import is_activation, memory_order, without_overlap
-from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLU
+from memtrain.methods.common.compact import RELUS, CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.hooks import ChainedHooks, around_forward, recomputed_input
 from memtrain.methods.common.swap import recast, swap_modules
 
@@ -178,8 +178,8 @@ class QuantizeMethod:
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.relu_mask == "bits":
-            swap_modules(model, lambda _, m: type(m) is nn.ReLU,
-                         lambda _, m: MaskedReLU(m.inplace, "bits"))
+            swap_modules(model, lambda _, m: type(m) in RELUS,
+                         lambda _, m: MaskedReLU.of(m, "bits"))
         swap_modules(model, lambda _, m: type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m),
                      lambda _, m: recast(m, CompactMaxPool2d))
         return around_forward(model, self.hooks)

@@ -22,16 +22,22 @@ from memtrain.kernels import bitmask
 
 class MaskedReLUFn(torch.autograd.Function):
     """ReLU whose backward keeps only where the output is positive: 1 bit per element packed
-    into bytes (`mask="bits"`) or a bool tensor (`mask="bool"`)."""
+    into bytes (`mask="bits"`) or a bool tensor (`mask="bool"`). With `top` (ReLU6: 6), the
+    output is clamped to [0, top] and the mask is where it lies strictly inside, where
+    torch's ReLU6 passes the gradient: one bit still."""
 
     @staticmethod
-    def forward(ctx, x, inplace, mask):
+    def forward(ctx, x, inplace, mask, top=None):
         if inplace:
-            out = x.relu_()
+            out = x.relu_() if top is None else x.clamp_(0, top)
             ctx.mark_dirty(x)
         else:
-            out = torch.relu(x)
-        kept = bitmask.pack(out) if mask == "bits" else out > 0
+            out = torch.relu(x) if top is None else x.clamp(0, top)
+        if top is None:
+            kept = bitmask.pack(out) if mask == "bits" else out > 0
+        else:
+            inside = (out > 0).logical_and_(out < top)
+            kept = bitmask.pack(inside.view(torch.uint8)) if mask == "bits" else inside
         ctx.mask = mask
         ctx.save_for_backward(kept)
         return out
@@ -40,8 +46,8 @@ class MaskedReLUFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         (kept,) = ctx.saved_tensors
         if ctx.mask == "bits":
-            return bitmask.masked_grad(grad_out, kept), None, None
-        return torch.where(kept, grad_out, grad_out.new_zeros(())), None, None
+            return bitmask.masked_grad(grad_out, kept), None, None, None
+        return torch.where(kept, grad_out, grad_out.new_zeros(())), None, None, None
 
 
 # ---------------------------------------------------------------- max-pool
@@ -124,20 +130,32 @@ def _window_origin(out_hw, stride, padding, device):
 
 
 class MaskedReLU(nn.Module):
-    """ReLU that keeps a packed 1-bit (`bits`) or bool mask for backward, not its output.
-    Stateless, so one instance may be called many times (torchvision's blocks do)."""
+    """ReLU (or with `top=6.0`, ReLU6) that keeps a packed 1-bit (`bits`) or bool mask for
+    backward, not its output. Stateless, so one instance may be called many times
+    (torchvision's blocks do)."""
 
-    def __init__(self, inplace: bool = False, mask: str = "bits"):
+    def __init__(self, inplace: bool = False, mask: str = "bits", top: float | None = None):
         super().__init__()
-        self.inplace, self.mask = inplace, mask
+        self.inplace, self.mask, self.top = inplace, mask, top
+
+    @classmethod
+    def of(cls, m: nn.Module, mask: str = "bits") -> MaskedReLU:
+        """The masked form of an nn.ReLU or nn.ReLU6 (`RELUS`)."""
+        return cls(m.inplace, mask, 6.0 if type(m) is nn.ReLU6 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and x.requires_grad:
-            return MaskedReLUFn.apply(x, self.inplace, self.mask)
-        return F.relu(x, inplace=self.inplace)
+            return MaskedReLUFn.apply(x, self.inplace, self.mask, self.top)
+        if self.top is None:
+            return F.relu(x, inplace=self.inplace)
+        return F.hardtanh(x, 0.0, self.top, inplace=self.inplace)
 
     def extra_repr(self) -> str:
-        return f"inplace={self.inplace}, mask={self.mask}"
+        top = "" if self.top is None else f", top={self.top}"
+        return f"inplace={self.inplace}, mask={self.mask}{top}"
+
+
+RELUS = (nn.ReLU, nn.ReLU6)  # the activations MaskedReLU replaces exactly (classes, not subclasses)
 
 
 class CompactMaxPool2d(nn.MaxPool2d):
