@@ -242,7 +242,7 @@ def budget_rows(model_name: str, size: int, batch: int, profile_batch: int,
                 continue
             row |= {f"{key}_peak": pl.peak / p.baseline_peak, f"{key}_overhead": pl.overhead,
                     f"{key}_solve_s": pl.extra["solve_s"]}
-            if by_op:  # the segments compacted (checkpoint/compact.py: lossless masks, offsets)
+            if by_op:  # the segments compacted (checkpoint/compaction.py: lossless masks, offsets)
                 row["op_compacts"] = ", ".join(p.names[i] for i in pl.extra["compact"]) or "-"
         rows.append(row | head)
         print(row, flush=True)

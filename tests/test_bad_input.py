@@ -12,7 +12,7 @@ from conftest import job_dir, run_memtrain
 from memtrain import api, data, imagefolder
 from memtrain.config import loader
 from memtrain.errors import ConfigError
-from memtrain.report import cli as report_cli
+from memtrain.report import command as report_cli
 from memtrain.run import resume
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]

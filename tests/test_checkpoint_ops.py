@@ -43,7 +43,7 @@ def _random_instance(rng: random.Random, n: int) -> tuple[planner.Profile, oppla
                         [rng.random() < 0.5 for _ in range(n)], [0.0] * n,
                         tail=rng.randint(0, 8) * kib, step_time=3.0 * n,
                         transient=[rng.randint(1, 96) * kib for _ in range(n)])
-    # lossless compaction choices (checkpoint/compact.py) on up to two segments
+    # lossless compaction choices (checkpoint/compaction.py) on up to two segments
     compact = [Compact(i, rng.randint(1, max(1, inner[i] // kib)) * kib, rng.uniform(0.01, 0.5),
                        rng.uniform(0.01, 0.5), "relu x1", rng.randint(1, 96) * kib)
                for i in rng.sample(range(n), rng.randint(0, 2))]

@@ -71,7 +71,7 @@ def test_api_run_and_build(in_tmp):
 
 @pytest.mark.slow
 def test_report_loads_nested_runs_and_skips_corrupt(in_tmp, capsys):
-    from memtrain.report.cli import main as report_main
+    from memtrain.report.command import main as report_main
 
     api.run(TINY, out_dir=in_tmp / "study" / "a" / "0")
     api.run([*TINY, "trainer.seed=1"], out_dir=in_tmp / "study" / "b" / "nested" / "1")

@@ -236,19 +236,19 @@ def test_from_a_package_imports_its_init(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from memtrain.methods.checkpoint import ops\n"
                  "import memtrain.methods.checkpoint.plan as planner\n")
-    deps = _imports(f, "memtrain.methods.checkpoint.compact", False)
+    deps = _imports(f, "memtrain.methods.checkpoint.compaction", False)
     assert {"memtrain.methods.checkpoint", "memtrain.methods.checkpoint.ops",
             "memtrain.methods.checkpoint.plan"} <= deps
     assert _cycle({"memtrain.methods.checkpoint": {"memtrain.methods.checkpoint.method"},
-                   "memtrain.methods.checkpoint.method": {"memtrain.methods.checkpoint.compact"},
-                   "memtrain.methods.checkpoint.compact": deps}) is not None
+                   "memtrain.methods.checkpoint.method": {"memtrain.methods.checkpoint.compaction"},
+                   "memtrain.methods.checkpoint.compaction": deps}) is not None
 
 
 def test_the_checker_sees_a_method_import():
     """One method importing another is found; a method's own modules and common/ are not."""
     edges = {"memtrain.methods.quantize": {"memtrain.methods.pool",
                                            "memtrain.methods.common.compact"},
-             "memtrain.methods.checkpoint.compact": {"memtrain.methods.checkpoint.plan",
+             "memtrain.methods.checkpoint.compaction": {"memtrain.methods.checkpoint.plan",
                                                      "memtrain.methods.common.compact"},
              "memtrain.methods.stack": {"memtrain.methods.synthetic"}}
     assert _method_imports(edges) == [

@@ -15,7 +15,7 @@ from report_fixtures import MiB, fabricate_study, write_run
 
 from memtrain.report import plots, style, tables
 from memtrain.report.build import analyse, make_report
-from memtrain.report.cli import main as report_main
+from memtrain.report.command import main as report_main
 from memtrain.report.names import DEFAULT as NAMES
 
 FIGURES = ("cost", "tradeoff", "breakdown", "throughput", "curves", "budget", "failures")
@@ -290,7 +290,7 @@ def test_cli_errors_and_mixed_types(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_report_never_imports_torch():
-    code = ("import sys, memtrain.report.tables, memtrain.report.plots, memtrain.report.cli, "
+    code = ("import sys, memtrain.report.tables, memtrain.report.plots, memtrain.report.command, "
             "memtrain.report.build, memtrain.report.markdown, memtrain.report.style, "
             "memtrain.report.callback; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -10,7 +10,7 @@ import pytest
 from report_fixtures import MiB, write_run
 
 from memtrain.report.build import make_report
-from memtrain.report.cli import main as report_main
+from memtrain.report.command import main as report_main
 
 
 def _sweep(folder, none_peak, pool_peak, acc_drop, status="ok", error=None):

@@ -13,7 +13,7 @@ from report_fixtures import MiB, write_run
 
 from memtrain.report import derive, names, plots, style, tables
 from memtrain.report.build import analyse, make_report
-from memtrain.report.cli import main as report_main
+from memtrain.report.command import main as report_main
 
 PANEL = names.DEFAULT.panel("resnet18", "cifar10")
 

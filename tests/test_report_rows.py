@@ -10,7 +10,7 @@ from report_fixtures import MiB, write_run
 
 from memtrain.report import tables
 from memtrain.report.build import analyse, make_report
-from memtrain.report.cli import main as report_main
+from memtrain.report.command import main as report_main
 
 
 def _edit(folder, **values):

@@ -129,7 +129,7 @@ def test_a_logging_preset_is_checked_and_memtrains_own_pass(in_tmp, cli_checks):
         "version: 1\nhandlers:\n  c:\n    class: logging.StreamHandler\n"
         "    .:\n      baseFilename: /tmp/evil.log\nroot:\n  handlers: [c]\n")
     (folder / "filter.yaml").write_text(  # a filter's factory may be any callable
-        "version: 1\nfilters:\n  f:\n    (): memtrain.report.cli.main\n"
+        "version: 1\nfilters:\n  f:\n    (): memtrain.report.command.main\n"
         "root:\n  filters: [f]\n")
     for name, key in (("evil", "handlers.f.filename"), ("props", "handlers.c.."),
                       ("filter", "filters.f.()")):

@@ -40,7 +40,7 @@ def report(dirs: list[Path], out: Path, env: dict,
     copy of summary.csv (binary; the view is committed), or only figure `only` as
     `out/<only>.png`; returns a status line and the PNGs."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "memtrain.report.cli", *map(str, dirs), "--out", tmp,
+        argv = [sys.executable, "-m", "memtrain.report.command", *map(str, dirs), "--out", tmp,
                 "--format", "png", "--match", MATCH]
         try:
             p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)

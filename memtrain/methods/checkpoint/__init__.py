@@ -4,7 +4,7 @@ The package re-exports `CheckpointMethod` under the name conf/method/checkpoint.
 holds (hashed into every run_id). Its modules, each importing only those listed before it:
 `segments` (the model's segments, the `CheckpointGroup` wrapper, the BatchNorm shield), `plan`
 (profiler, peak model, 0-1 program), `ops` (operator granularity, the compaction choices' record
-`Compact`), `compact` (measures the lossless compaction choices), `batchnorm` (BatchNorm as two
+`Compact`), `compaction` (measures the lossless compaction choices), `batchnorm` (BatchNorm as two
 ops), `cache` (one profile per sweep), `method`. They import each other by full module name,
 never from this package (which imports `method`).
 """

@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 import memtrain.methods.checkpoint.batchnorm as batchnorm
 import memtrain.methods.checkpoint.cache as cache
-import memtrain.methods.checkpoint.compact as compaction
+import memtrain.methods.checkpoint.compaction as compaction
 import memtrain.methods.checkpoint.native as native
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
