@@ -244,3 +244,70 @@ def test_pool_and_quantize_mask_every_relu6_of_torchvisions_mobilenet_v2():
         assert len(masked) == relu6 and all(m.top == 6.0 for m in masked)
         assert not any(type(m) is nn.ReLU6 for m in net.modules())
         net(torch.randn(2, 3, 32, 32)).sum().backward()
+
+
+def _masks_kept(net, x):
+    """The dtypes and sizes of what `net`'s backward keeps, in order (parameters left out)."""
+    params = {p.data_ptr() for p in net.parameters()}
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = net(x)
+    return out, [(t.dtype, t.numel()) for t in kept if t.data_ptr() not in params]
+
+
+def test_prune_masks_a_relu6_that_only_a_pruned_layer_keeps_with_its_exact_gradient():
+    """prune on Linear -> ReLU6 -> Linear -> head: the ReLU6's output is kept only by the 2nd
+    Linear, so it keeps a 1-bit mask of 0 < x < 6 (the blocks replace its output) and the
+    gradient reaching the first layer equals nn.ReLU6's, with inputs past 6 in the batch."""
+    from memtrain.methods.prune import PruneMethod, PruneReLU6
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), nn.ReLU6(), nn.Linear(64, 64), nn.Linear(64, 2))
+    x = 20 * torch.randn(64, 64)
+    assert (ref[1](ref[0](x)) == 6).float().mean() > 0.2  # the upper bound is reached
+    method = PruneMethod(0.5, 16)
+    net = method.wrap(copy.deepcopy(ref)).train()
+    assert type(net[1]) is PruneReLU6
+    assert method.plan(net, x) == {"prune_layer_calls": 1, "prune_relu_masked": 1}
+    out, kept = _masks_kept(net, x)
+    ref_out, ref_kept = _masks_kept(ref, x)
+    # none keeps x, the ReLU6's input (hardtanh's backward reads it), its output (the 2nd
+    # Linear's input) and the head's input; prune keeps the 1-bit mask and the 2nd Linear's
+    # blocks in place of the middle two
+    dense = (torch.float32, 64 * 64)
+    assert ref_kept.count(dense) == 4 and kept.count(dense) == 2
+    assert (torch.uint8, 64 * 64 // 8) in kept
+    assert torch.equal(out, ref_out)
+    out.square().sum().backward(), ref_out.square().sum().backward()
+    torch.testing.assert_close(net[0].weight.grad, ref[0].weight.grad)
+
+
+def test_checkpoint_compaction_swaps_relu6_for_a_masked_one_and_back():
+    """checkpoint's compaction choices take nn.ReLU6 as they take nn.ReLU: the compacted module
+    keeps a 1-bit mask (not its output), its output and gradient are nn.ReLU6's exactly, the
+    choice is named relu6, and undoing the swap gives the module its class back."""
+    from memtrain.methods.checkpoint import compaction
+    from memtrain.models.chain import Segment
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU6(), nn.MaxPool2d(2), nn.Flatten(),
+                        nn.Linear(8 * 7 * 7, 2)).train()
+    segments = [Segment("net.0", net, ("0", "1", "2")), Segment("net.3", net, ("3", "4"))]
+    cands = compaction.candidates(segments)
+    assert [[type(m) for m in ms] for ms in cands] == [[nn.ReLU6, nn.MaxPool2d], []]
+    assert compaction._kinds(cands[0]) == "max_pool2d x1, relu6 x1"
+    x = 4 * torch.randn(4, 3, 16, 16)
+    ref = copy.deepcopy(net)
+    with compaction.compacted(cands[0]):  # the stem's pattern: ReLU6 -> max-pool, both
+        assert type(net[1]) is compaction.MaskedReLU6
+        out, kept = _masks_kept(net, x)
+        ref_out, ref_kept = _masks_kept(ref, x)
+        assert torch.equal(out, ref_out)
+        # plain: the ReLU6's input (hardtanh's backward reads it) and its output (the
+        # max-pool's input); compacted: neither, a 1-bit mask instead
+        plane = (torch.float32, 4 * 8 * 14 * 14)
+        assert ref_kept.count(plane) == 2 and plane not in kept
+        assert (torch.uint8, 4 * 8 * 14 * 14 // 8) in kept
+        out.sum().backward(), ref_out.sum().backward()
+        torch.testing.assert_close(net[0].weight.grad, ref[0].weight.grad, rtol=0, atol=0)
+    assert type(net[1]) is nn.ReLU6

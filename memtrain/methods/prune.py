@@ -280,24 +280,40 @@ class PrunedConv1x1(_PrunedLayer, nn.Conv2d):
         return super().forward(x) if out is None else out
 
 
-class PruneReLU(_Planned, nn.ReLU):
-    """nn.ReLU whose planned calls keep a 1-bit (or bool) mask instead of their output
-    (common/compact.py's MaskedReLUFn, exact): a call is planned so when only pruned layers
-    save its output, which the blocks then replace (`method.relu_mask`). Other calls are
-    nn.ReLU's own (their output is kept for another op's backward anyway, so a mask would add)."""
+class _PruneMask(_Planned):
+    """An nn.ReLU or nn.ReLU6 whose planned calls keep a 1-bit (or bool) mask instead of their
+    output (common/compact.py's MaskedReLUFn, exact): a call is planned so when only pruned
+    layers save its output, which the blocks then replace (`method.relu_mask`). Other calls are
+    torch's own (their output is kept for another op's backward anyway, so a mask would add)."""
 
     relu_mask: str = "bits"
+    top: float | None = None  # ReLU6's upper bound, where the gradient stops too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         planned = self._planned() or self.log is not None
         if planned and self.training and torch.is_grad_enabled() and x.requires_grad:
             start = len(self.tape) if self.log is not None else 0
-            out = MaskedReLUFn.apply(x, self.inplace, self.relu_mask)
+            out = MaskedReLUFn.apply(x, self.inplace, self.relu_mask, self.top)
             if self.log is not None:
                 self.log.append(_ReLUCall(_storage(out), start, len(self.tape),
                                           out.untyped_storage().nbytes()))
             return out
         return super().forward(x)
+
+
+class PruneReLU(_PruneMask, nn.ReLU):
+    """nn.ReLU masked where planned (the class of a swapped module, in place)."""
+
+
+class PruneReLU6(_PruneMask, nn.ReLU6):
+    """nn.ReLU6 (MobileNetV2's) masked where planned: the mask marks 0 < x < 6."""
+
+    @property
+    def top(self) -> float:
+        return self.max_val
+
+
+_MASKED = {nn.ReLU: PruneReLU, nn.ReLU6: PruneReLU6}
 
 
 def is_conv1x1(mod: nn.Module) -> bool:
@@ -325,10 +341,11 @@ class PruneMethod:
             outputs); off by default since the blocks then add memory; on for accuracy studies.
         compress_input: also prune a layer's input that is the batch (needs no gradient: data
             from outside the graph, alive for the whole step); off by default, as prune_shared.
-        relu_mask: bits (1 bit per element, packed), bool, or none: how an nn.ReLU call whose
-            output only pruned layers save keeps what its backward needs. A ReLU keeps its
-            output for backward, so without a mask the layers after ReLUs (mlp6's hidden layers,
-            a bottleneck's 1x1 convs) could free nothing: their inputs stay dense (none).
+        relu_mask: bits (1 bit per element, packed), bool, or none: how an nn.ReLU (or ReLU6)
+            call whose output only pruned layers save keeps what its backward needs. A ReLU
+            keeps its output for backward, so without a mask the layers after ReLUs (mlp6's
+            hidden layers, a bottleneck's 1x1 convs) could free nothing: their inputs stay
+            dense (none).
 
     `prepare` (before the first step, on the run's first batch) probes one forward and plans
     every call: a layer prunes its input only when no other op saves that storage for backward,
@@ -389,8 +406,8 @@ class PruneMethod:
                               f"method.prune_head=true)")
         if self.relu_mask != "none":
             for mod in model.modules():
-                if type(mod) is nn.ReLU:
-                    mod.__class__, mod.relu_mask = PruneReLU, self.relu_mask
+                if type(mod) in _MASKED:
+                    mod.__class__, mod.relu_mask = _MASKED[type(mod)], self.relu_mask
         self.planned = [m for m in model.modules() if isinstance(m, _Planned)]
         model.register_forward_pre_hook(self._restart)
         return model
@@ -460,7 +477,7 @@ class PruneMethod:
                         users[call.key].append(call.alone)
         free = {key for key, alone in users.items() if saves[key] == len(alone) and all(alone)}
         calls = [c for m, log in logs.items() if isinstance(m, _PrunedLayer) for c in log]
-        relus = [c for m, log in logs.items() if isinstance(m, PruneReLU) for c in log]
+        relus = [c for m, log in logs.items() if isinstance(m, _PruneMask) for c in log]
         outside = {_storage(t) for t in (x, *model.parameters(), *model.buffers())}
         kept = _below_the_peak(calls, relus, tape, free, outside)
         for mod, log in logs.items():
@@ -469,7 +486,7 @@ class PruneMethod:
             else:
                 mod.plan = tuple(c.key in kept for c in log)
         layers = sum(sum(m.plan) for m in self.planned if isinstance(m, _PrunedLayer))
-        masked = sum(sum(m.plan) for m in self.planned if isinstance(m, PruneReLU))
+        masked = sum(sum(m.plan) for m in self.planned if isinstance(m, _PruneMask))
         if not layers and not self.spec.prune_shared:
             peaked = len(free) + sum(c.copies and c.alone for c in calls)
             if peaked:  # there were inputs to free, but each would raise the peak

@@ -1,9 +1,9 @@
 """Lossless local savings as choices of an operator-level checkpoint plan (MONeT's operator
-selection; Gist's binarised ReLU -> max-pool): in a compacted segment every nn.ReLU keeps a
-1-bit mask of where its output is positive (`MaskedReLUFn`, methods/common/compact.py) instead
-of its output, and every nn.MaxPool2d keeps uint8 window offsets (`CompactMaxPool2dFn`, there
-too) instead of its input and int64 indices. Both backwards are exact; ReLUs stay in place
-where they were.
+selection; Gist's binarised ReLU -> max-pool): in a compacted segment every nn.ReLU (and
+ReLU6) keeps a 1-bit mask of where its gradient passes (`MaskedReLUFn`,
+methods/common/compact.py) instead of its output, and every nn.MaxPool2d keeps uint8 window
+offsets (`CompactMaxPool2dFn`, there too) instead of its input and int64 indices. Both
+backwards are exact; ReLUs stay in place where they were.
 
 A mask frees a ReLU's output only where nothing else keeps it. In ResNet's stem (ReLU ->
 max-pool, both compacted) nothing does; a ReLU feeding a convolution or a linear layer is still
@@ -49,17 +49,28 @@ class MaskedReLU(nn.ReLU):
         return super().forward(x)
 
 
-SWAPS = {nn.ReLU: MaskedReLU, nn.MaxPool2d: CompactMaxPool2d}
+class MaskedReLU6(nn.ReLU6):
+    """nn.ReLU6 whose backward keeps a packed 1-bit mask of 0 < x < 6; a compacted ReLU6."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and x.requires_grad:
+            return MaskedReLUFn.apply(x, self.inplace, "bits", self.max_val)
+        return super().forward(x)
+
+
+SWAPS = {nn.ReLU: MaskedReLU, nn.ReLU6: MaskedReLU6, nn.MaxPool2d: CompactMaxPool2d}
+_KINDS = {MaskedReLU: "relu", MaskedReLU6: "relu6", nn.ReLU: "relu", nn.ReLU6: "relu6"}
 
 
 def _compactable(m: nn.Module) -> bool:
-    return type(m) is nn.ReLU or (type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m))
+    return type(m) in (nn.ReLU, nn.ReLU6) or (type(m) is nn.MaxPool2d
+                                              and CompactMaxPool2d.fits(m))
 
 
 def candidates(segments: list[Segment]) -> list[list[nn.Module]]:
-    """Per segment, the modules compaction would swap: plain nn.ReLU and fitting nn.MaxPool2d
-    in the segment's module trees, except a module that two segments share (compacting it for
-    a kept one would change the other's forward)."""
+    """Per segment, the modules compaction would swap: plain nn.ReLU and nn.ReLU6, and fitting
+    nn.MaxPool2d in the segment's module trees, except a module that two segments share
+    (compacting it for a kept one would change the other's forward)."""
     per = [[m for top in s.modules() for m in top.modules() if _compactable(m)]
            for s in segments]
     uses = Counter(id(m) for ms in per for m in {id(m): m for m in ms}.values())
@@ -89,7 +100,7 @@ def compacted(modules: list[nn.Module]) -> Iterator[None]:
 
 
 def _kinds(modules: list[nn.Module]) -> str:
-    names = Counter("relu" if isinstance(m, nn.ReLU) else "max_pool2d" for m in modules)
+    names = Counter(_KINDS.get(type(m), "max_pool2d") for m in modules)
     return ", ".join(f"{k} x{v}" for k, v in sorted(names.items()))
 
 

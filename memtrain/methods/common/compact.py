@@ -141,7 +141,7 @@ class MaskedReLU(nn.Module):
     @classmethod
     def of(cls, m: nn.Module, mask: str = "bits") -> MaskedReLU:
         """The masked form of an nn.ReLU or nn.ReLU6 (`RELUS`)."""
-        return cls(m.inplace, mask, 6.0 if type(m) is nn.ReLU6 else None)
+        return cls(m.inplace, mask, float(m.max_val) if type(m) is nn.ReLU6 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and x.requires_grad:
