@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
+from memtrain.config.schema import OPTIMIZERS, SCHEDULES
 from memtrain.errors import ConfigError, check_choice, check_range
 
-SCHEDULES = ("cosine", "step", "constant")
 FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -27,7 +27,7 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.1, moment
                     weight_decay: float = 5e-4, nesterov: bool = True,
                     betas: tuple[float, float] = (0.9, 0.999),
                     **_schedule) -> torch.optim.Optimizer:
-    check_choice("optim.name", name, ("sgd", "adamw"))
+    check_choice("optim.name", name, OPTIMIZERS)
     # the parameters are fp32 at most: a factor past fp32's range overflows in the first step
     check_range("optim.lr", lr, 0, FP32_MAX, lo_open=True)
     check_range("optim.weight_decay", weight_decay, 0, FP32_MAX)

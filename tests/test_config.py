@@ -80,6 +80,30 @@ def _targets(node) -> set[str]:
     return set()
 
 
+def test_the_optim_schema_is_what_the_builders_take():
+    """schema.Optim (what the config layer checks an optim node against) lists exactly the
+    keyword arguments of build_optimizer and build_scheduler, with their types and defaults
+    (each builder takes the other's keys through **kwargs), and each conf/optim file sets only
+    those keys."""
+    import inspect
+    import typing
+
+    from memtrain.config.schema import Optim
+
+    fields = {f.name: f for f in dataclasses.fields(Optim)}
+    taken = {}
+    for fn in (build_optimizer, build_scheduler):
+        hints = typing.get_type_hints(fn)
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind is p.KEYWORD_ONLY or p.default is p.empty or p.kind is p.VAR_KEYWORD:
+                continue  # the model, the optimizer, the step count, the other's **kwargs
+            taken[p.name] = (hints[p.name], p.default)
+    assert {k: (typing.get_type_hints(Optim)[k], f.default if f.default is not dataclasses.MISSING
+                else f.default_factory()) for k, f in fields.items()} == taken
+    for path in sorted((CONF / "optim").glob("*.yaml")):
+        assert set(yaml.safe_load(path.read_text())) <= set(fields), path.name
+
+
 def test_every_target_in_conf_resolves():
     """Every `_target_` in conf/ (methods, models, datasets, Hydra plugins and callbacks) names
     something importable. The strings are hashed into each run's run_id, so code that moves

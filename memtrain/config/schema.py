@@ -1,13 +1,13 @@
 """The type of every option in conf/, and the one rule that checks a value against it.
 
 A key's type is its builder's type hint: the `_target_`'s keyword argument (datasets, models,
-methods), the optimizer and schedule builders' (optim), the `Trainer` dataclass below (trainer).
-A key without a hint takes the type of its default in conf/. The rule: an integer option takes
-integers (not 2.5, not true), a number takes a finite number (NaN and inf are bad input, never a
-training result), true/false a bool, a list a list whose elements obey the same rule, and every
-integer fits torch's 64 bits. validate.py applies it to command-line overrides before Hydra
-composes; `check_config` applies it to the composed, resolved config of each job (presets,
-`${oc.env:...}` and the Python API included).
+methods), the `Optim` and `Trainer` dataclasses below (optim, trainer; tests keep them equal to
+the builders and the YAML). A key without a hint takes the type of its default in conf/. The
+rule: an integer option takes integers (not 2.5, not true), a number takes a finite number (NaN
+and inf are bad input, never a training result), true/false a bool, a list a list whose elements
+obey the same rule, and every integer fits torch's 64 bits. validate.py applies it to
+command-line overrides before Hydra composes; `check_config` applies it to the composed,
+resolved config of each job (presets, `${oc.env:...}` and the Python API included).
 """
 
 from __future__ import annotations
@@ -35,6 +35,28 @@ PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")  # train.autocast_factory, tr
 STRATEGIES = ("single", "ddp", "fsdp")  # distributed.py
 LOGGERS = ("csv", "tensorboard", "wandb")  # loggers.py
 FAULTS = ("oom", "nan", "error", "sigterm", "hang", "kill")  # faults.py
+OPTIMIZERS = ("sgd", "adamw")  # optim.build_optimizer
+SCHEDULES = ("cosine", "step", "constant")  # optim.build_scheduler
+
+
+@dataclasses.dataclass
+class Optim:
+    """The keys of the optim group, typed (conf/optim/*.yaml, whose files set the defaults of
+    each optimizer; these are build_optimizer's and build_scheduler's, which take exactly these
+    keys: a test keeps the three equal). The config layer checks a node against it without
+    importing the builders."""
+
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = True
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    step_every: int = 0
+    gamma: float = 0.1
+    min_lr_ratio: float = 0.0
 
 
 @dataclasses.dataclass
@@ -186,9 +208,7 @@ def hints(group: str, target: str | None) -> dict[str, Any]:
     if group == "trainer":
         return _hints_of(Trainer)
     if group == "optim":
-        from memtrain.optim import build_optimizer, build_scheduler
-
-        return {**_hints_of(build_scheduler), **_hints_of(build_optimizer)}
+        return _hints_of(Optim)
     if not target:
         return {}
     from hydra.utils import get_method
@@ -276,12 +296,7 @@ def accepted_keys(group: str, target: str | None) -> set[str] | None:
     if group == "trainer":
         return {f.name for f in dataclasses.fields(Trainer)}
     if group == "optim":
-        from memtrain.optim import build_optimizer, build_scheduler
-
-        # each takes the other's keys through **kwargs: together they take exactly theirs
-        return {p for fn in (build_optimizer, build_scheduler)
-                for p in inspect.signature(fn).parameters
-                if p not in ("model", "optimizer", "total_steps", "_schedule", "_optim")}
+        return {f.name for f in dataclasses.fields(Optim)}
     if not target:
         return None
     from hydra.utils import get_method
