@@ -209,3 +209,29 @@ def test_the_estimates_optimizer_state_is_a_real_first_steps(monkeypatch, build)
         adam = isinstance(make_opt(model), torch.optim.AdamW)
         state = sum((2 if adam else 1) * p.numel() * 4 + (4 if adam else 0) for p in used)
         assert quick["mem_estimate_at_peak_optim_bytes"] == state
+
+
+def test_batchnorm_statistics_on_fake_tensors_run_no_real_kernel():
+    """checkpoint's split BatchNorm calls aten::batch_norm_update_stats, which torch has no meta
+    kernel for: fake tensors ran the real kernel on zeros of the input's size. With memtrain's
+    meta kernel an input of 2^40 elements (4 TiB, never allocatable) is estimated, and the
+    outputs' shapes and dtypes are the real kernel's in each dtype case."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import memtrain.methods.checkpoint.batchnorm  # noqa: F401  (registers the kernel)
+
+    with FakeTensorMode():
+        x = torch.empty(2 ** 20, 64, 128, 128)
+        mean, var = torch.batch_norm_update_stats(x, torch.zeros(64), torch.ones(64), 0.1)
+        assert mean.shape == var.shape == (64,)
+    for dtype, running in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                           (torch.bfloat16, None)):
+        x = torch.randn(4, 3, 5, 5).to(dtype)
+        stats = () if running is None else (torch.zeros(3, dtype=running),
+                                            torch.ones(3, dtype=running))
+        real = torch.batch_norm_update_stats(x, *(stats or (None, None)), 0.1)
+        with FakeTensorMode() as fake:
+            faked = torch.batch_norm_update_stats(fake.from_tensor(x),
+                                                  *[fake.from_tensor(s) for s in stats]
+                                                  or (None, None), 0.1)
+        assert [(t.shape, t.dtype) for t in faked] == [(t.shape, t.dtype) for t in real]

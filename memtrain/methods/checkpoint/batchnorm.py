@@ -27,6 +27,30 @@ from torch import nn
 
 from memtrain.methods.checkpoint.segments import batchnorms
 
+_LIBRARIES = []  # a torch.library.Library drops its kernels when it is collected
+
+
+def _meta_update_stats() -> None:
+    """A meta kernel for aten::batch_norm_update_stats where torch has none: without one, fake
+    tensors (the estimate, the planner's probes) run the real kernel on zeros of the input's
+    size, seconds a call at ImageNet sizes. The op stays the op (a plan of ops sees the same
+    sequence); its two [C] outputs take the running statistics' dtype, else the input's, as
+    the CPU kernel's do."""
+    name = "batch_norm_update_stats"
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+        return
+
+    def meta(x, running_mean, running_var, momentum):
+        dtype = x.dtype if running_mean is None else running_mean.dtype
+        return x.new_empty(x.shape[1], dtype=dtype), x.new_empty(x.shape[1], dtype=dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl(name, meta, "Meta")
+    _LIBRARIES.append(lib)
+
+
+_meta_update_stats()
+
 
 class SplitBatchNormFn(torch.autograd.Function):
     @staticmethod
