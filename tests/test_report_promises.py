@@ -272,3 +272,15 @@ def test_the_memory_axis_is_the_headline_ratio_named_by_its_column(figures, more
     assert "peak (MiB)" in labels["throughput"]
     # the budget's left panel: the planner's target, activations alone, labelled as detail
     assert "act. peak / none (mem_peak_act_bytes)" in labels["budget"]
+
+
+def test_rows_without_an_accounting_step_say_their_peaks_were_not_measured():
+    """Estimate-only or probe-only runs (trainer.max_steps=0) measured no peak: the report's
+    memory line and a figure's caption say so instead of naming a source."""
+    import pandas as pd
+
+    mem = style.memory_metric(pd.DataFrame({"method": ["none", "pool"]}))
+    assert mem.source == style.NOT_MEASURED
+    assert mem.caption("none").endswith("; none measured: probes or estimates only")
+    both = style.memory_metric(pd.DataFrame({"mem_peak_source": ["cuda", None]}))
+    assert both.source == "CUDA max allocated"

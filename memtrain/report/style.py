@@ -214,16 +214,18 @@ class Memory:
         """The axis's definition, for a figure's caption."""
         what = self.ratio.definition(baseline) if baseline else \
             f"`{columns.label(self.col)}`: {columns.lookup(self.col).meaning}"
-        return f"{what}; measured by {self.source}"
+        return f"{what}; " + (self.source if self.source == NOT_MEASURED
+                              else f"measured by {self.source}")
 
 
 MEMORY_CHOICES = ("auto", "peak", "act", "saved")
+NOT_MEASURED = "none measured: probes or estimates only"  # runs without an accounting step
 
 
 def peak_source(sources: set[str]) -> str:
     """How the peaks of runs with these `mem_peak_source` values were measured."""
     known = {"cuda": "CUDA max allocated", "tracker": "the CPU live-tensor tracker"}
-    said = sorted(known.get(s, f"the CPU ({s})") for s in sources) or ["an unknown source"]
+    said = sorted(known.get(s, f"the CPU ({s})") for s in sources) or [NOT_MEASURED]
     return " / ".join(said) + (", mixed" if len(said) > 1 else "")
 
 
