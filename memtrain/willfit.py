@@ -296,27 +296,58 @@ class Estimator:
         return int(self(batch)["mem_estimate_bytes"])
 
 
+# what an estimate's breakdown at a moment holds that grows with the batch (the activations, and
+# the batch and labels themselves); the rest (parameters, buffers, gradients, optimizer state and
+# the update's temporaries) is the same at every batch
+PER_SAMPLE = ("act", "other")
+
+
+def breakdown_lines(estimate: dict[str, Any], b0: int) -> list[tuple[float, float]]:
+    """(intercept, slope) of the peak against the batch at each moment the estimate at batch `b0`
+    broke down (the step's peak, the activations' peak), from its per-sample parts alone: the
+    peak at batch b is about the largest of the lines, one estimate instead of two."""
+    lines = []
+    for moment in ("mem_estimate_at_peak_", "mem_estimate_at_act_peak_"):
+        parts = {k[len(moment):-len("_bytes")]: v for k, v in estimate.items()
+                 if k.startswith(moment) and k.endswith("_bytes")}
+        if parts:
+            slope = sum(parts.get(k, 0) for k in PER_SAMPLE) / b0
+            lines.append((sum(parts.values()) - slope * b0, slope))
+    return lines
+
+
 def largest_batch(peak: Callable[[int], int], budget: int, b0: int,
-                  limit: int = BATCH_LIMIT, tries: int = 6) -> dict[str, Any]:
-    """The largest batch whose `peak` is within `budget`: the line through two estimates meets
-    the budget at a batch; the line through the estimates nearest to it is solved again
-    (secant steps: a peak that moves from one phase to another as the batch grows is affine in
-    pieces, and each step lands on the piece where the answer lies) until it fits at B and not
-    at B + 1, by full estimates; a bisection over full estimates if the steps do not settle.
-    Columns: max_batch, its peak, the peak one above, the slope of the last line, how it was
-    found (`line` when the first line's answer was right)."""
+                  limit: int = BATCH_LIMIT, tries: int = 6,
+                  lines: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """The largest batch whose `peak` is within `budget`: a first guess where the lines of the
+    estimate's breakdown at `b0` (`breakdown_lines`) meet the budget, or else where the line
+    through two estimates does; then the line through the estimates nearest to it is solved
+    again (secant steps: a peak that moves from one phase to another as the batch grows is
+    affine in pieces, and each step lands on the piece where the answer lies) until it fits at
+    B and not at B + 1, by full estimates; a bisection over full estimates if the steps do not
+    settle. Columns: max_batch, its peak, the peak one above, the slope of the last line, how
+    it was found (`breakdown` or `line` when the first guess was right)."""
     fits = lambda b: b >= 1 and peak(b) <= budget  # noqa: E731
     done = lambda b: (b == 0 or fits(b)) and (b >= limit or not fits(b + 1))  # noqa: E731
-    a, b = b0, 2 * b0
-    slope = (peak(b) - peak(a)) / (b - a)
-    best, how = None, "line"
+    first = "breakdown" if lines else "line"
+    if lines:  # the largest batch under every line: one estimate (at b0) made the guess
+        a = b = b0
+        slope = max(s for _, s in lines)
+        under = [math.floor((budget - c) / s) if s > 0 else (limit if c <= budget else 0)
+                 for c, s in lines]
+        guess = max(0, min(limit, *under))
+    else:
+        a, b = b0, 2 * b0
+        slope = (peak(b) - peak(a)) / (b - a)
+    best, how = None, first
     for step in range(tries):
-        if slope <= 0:  # nothing grows with the batch here: every batch fits or none does
-            guess = limit if peak(b) <= budget else 0
-        else:
-            guess = max(0, min(limit, math.floor(b + (budget - peak(b)) / slope)))
+        if step or not lines:
+            if slope <= 0:  # nothing grows with the batch here: every batch fits or none does
+                guess = limit if peak(b) <= budget else 0
+            else:
+                guess = max(0, min(limit, math.floor(b + (budget - peak(b)) / slope)))
         if done(guess):
-            best, how = guess, "line" if step == 0 else f"line, {step} secant steps"
+            best, how = guess, first if step == 0 else f"{first}, {step} secant steps"
             break
         nxt = max(guess, 1) if guess != b else guess + 1
         a, b = b, nxt
@@ -483,7 +514,8 @@ def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, ba
     plan = None if planner is None else planner.plan
     if getattr(planner, "raised_to", None) is not None:
         row["plan_budget_raised_to_bytes"] = int(planner.raised_to)
-    found_batch = largest_batch(est.peak, budget, batch // s.ranks)
+    found_batch = largest_batch(est.peak, budget, batch // s.ranks,
+                                lines=breakdown_lines(first, batch // s.ranks))
     if s.ranks > 1:  # the global batch: every rank's
         found_batch["max_batch_per_rank"] = found_batch["max_batch"]
         found_batch["max_batch"] *= s.ranks

@@ -155,6 +155,22 @@ def test_largest_batch_on_a_peak_affine_in_pieces():
     assert out["max_batch"] == want and out["max_batch_verified"]
     assert out["peak_at_max_batch_bytes"] <= budget < out["peak_at_max_batch_plus1_bytes"]
     assert len(set(calls)) <= 8, calls
+    # the estimate's breakdown at 16 gives both lines: the guess is right, verified at B and
+    # B + 1 alone; a breakdown that saw only the flat piece still ends at the answer
+    parts = {"params": 10_000 - 16 * 10, "act": 16 * 10}  # the update's moment at batch 16
+    act = {"params": 2_000 - 16 * 37, "act": 16 * 30, "other": 16 * 7}  # the activations' peak
+    est = {**{f"mem_estimate_at_peak_{k}_bytes": v for k, v in parts.items()},
+           **{f"mem_estimate_at_act_peak_{k}_bytes": v for k, v in act.items()}}
+    lines = willfit.breakdown_lines(est, 16)
+    assert lines == [(10_000 - 16 * 10, 10.0), (2_000 - 16 * 37, 37.0)]
+    calls.clear()
+    out = willfit.largest_batch(peak, budget, 16, lines=[(10_000, 10), (2_000, 37)])
+    assert (out["max_batch"], out["max_batch_how"], sorted(set(calls))) == \
+        (want, "breakdown", [want, want + 1])
+    calls.clear()
+    out = willfit.largest_batch(peak, budget, 16, lines=[(10_000, 10)])
+    assert out["max_batch"] == want and out["max_batch_verified"]
+    assert len(set(calls)) <= 8, calls
     # nothing fits, and a peak flat in the batch
     assert willfit.largest_batch(peak, 100, 16)["max_batch"] == 0
     flat = willfit.largest_batch(lambda b: 50, 100, 16, limit=1024)
