@@ -100,6 +100,26 @@ def test_the_blocks_are_found_with_their_side_inputs_and_kept():
     assert not chain_of(seq, sample=torch.randn(2, 4)).found
 
 
+def test_fsdp_shards_a_found_chain_block_by_block():
+    """trainer.strategy=fsdp on a model no rule registers: FSDP's units are the blocks the
+    trace found (one fully_shard per block, then the root), on one rank of a fake two-rank
+    world, and each block holds half of its parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from memtrain.run import distributed
+
+    model = Decoder(d=8, n=3)
+    whole = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    remember_input(model, (4,))  # what a builder notes: the trace's sample
+    assert distributed.blocks_of(model) == [[b] for b in model.blocks]
+    with distributed.fake_session("fsdp", 2) as world:
+        distributed.wrap(model, world, torch.device("cpu"))
+        assert all(isinstance(m, FSDPModule) for m in (*model.blocks, model))
+        assert not isinstance(model.head, FSDPModule)  # with the root, not a unit
+        assert [sum(p.to_local().numel() for p in b.parameters()) for b in model.blocks] == \
+            [n // 2 for n in whole]
+
+
 class Staged(nn.Module):
     """A stem with an in-place activation, stages of layers (one an identity), a head."""
 
