@@ -22,8 +22,10 @@ from memtrain.methods.quantize import (
 # make test-compat runs this file on the oldest torch: quantize's saved-tensor hooks and kernels
 pytestmark = pytest.mark.compat
 
+# One step: a run this short accounts its first step (measure.Measurement: no warm-up), the
+# step whose saved bytes and activation peak the tests read; a second step would only be timed.
 TINY = ["dataset=synthetic", "dataset.image_size=16", "dataset.train_size=16",
-        "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=2", "trainer.batch_size=8",
+        "dataset.test_size=8", "trainer=smoke", "trainer.max_steps=1", "trainer.batch_size=8",
         "trainer.eval_max_batches=1", "trainer.seed=0"]
 
 

@@ -205,13 +205,17 @@ def _program(p: Profile, max_group: int):
     np.fill_diagonal(cover[:, :n], 1)
     # recompute of group g: prefix(x) + R_g <= B + M_g (1 - z_g); prefix = const_a + pre_a @ x
     rows, consts, big = [], [], []
+    prefix: dict[int, np.ndarray] = {}  # the row's coefficients depend on the group's start only
     for a, e in groups:
-        row = np.zeros(nv)
-        row[:a] = inner[:a]
-        for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
-            lo, hi = a2, min(e2, a)
-            if hi > lo:
-                row[n + h] -= out[lo:hi].sum()
+        if a not in prefix:
+            row = np.zeros(nv)
+            row[:a] = inner[:a]
+            for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
+                lo, hi = a2, min(e2, a)
+                if hi > lo:
+                    row[n + h] -= out[lo:hi].sum()
+            prefix[a] = row
+        row = prefix[a]  # np.array(rows) below copies each
         r_g = _recompute_bytes(p, a, e) / mib
         const = out[:a].sum() + r_g
         rows.append(row)
