@@ -109,7 +109,8 @@ def test_two_sweeps_at_once_into_one_folder(in_tmp):
 @pytest.mark.slow
 def test_interrupted_sweep_relaunched_is_one_setting_of_three_seeds(in_tmp):
     sweep = in_tmp / "sw"
-    args = [*NARROW, "trainer.max_steps=1500", "trainer.save_every=50", "dataset.train_size=800",
+    # job 1 is caught at its first checkpoint, 490 steps before its end
+    args = [*NARROW, "trainer.max_steps=500", "trainer.save_every=10", "dataset.train_size=800",
             "trainer.seed=0,1,2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", "-m", *args], cwd=in_tmp,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
