@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import job_dir, run_memtrain
+from conftest import NO_REPORT, job_dir, run_memtrain
 
 from memtrain import api
 
@@ -43,7 +43,7 @@ def test_launcher_presets_compose(monkeypatch, launcher, target, key, value):
 @pytest.mark.slow
 def test_two_jobs_through_submitit_local(in_tmp):
     p = run_memtrain("-m", "hydra/launcher=local", *TINY, "trainer.seed=0,1",
-                     "hydra.sweep.dir=sw", cwd=in_tmp, timeout=600)
+                     "hydra.sweep.dir=sw", NO_REPORT, cwd=in_tmp, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads((job_dir(in_tmp / "sw", i) / "summary.json").read_text()) for i in (0, 1)]
     assert [r["status"] for r in rows] == ["ok", "ok"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import job_dir, run_memtrain
+from conftest import NO_REPORT, job_dir, run_memtrain
 
 from memtrain import api
 from memtrain.hydra_callbacks import count_statuses, format_counts
@@ -228,7 +228,7 @@ def test_sweep_continues_counts_and_relaunch_resumes(in_tmp):
     printed command re-launches it: finished jobs skipped, the interrupted one resumed."""
     sweep = in_tmp / "sw"
     p = run_memtrain("-m", *TINY, "trainer.threads=1", "trainer.fault=null,oom,nan,error,sigterm",
-                     "trainer.fault_step=1", f"hydra.sweep.dir={sweep}", cwd=in_tmp)
+                     "trainer.fault_step=1", f"hydra.sweep.dir={sweep}", NO_REPORT, cwd=in_tmp)
     assert p.returncode == 143, p.stderr[-3000:]
     rows = {int(f.parent.name.split("_")[0]): json.loads(f.read_text())
             for f in sweep.glob("*/summary.json")}
