@@ -113,6 +113,10 @@ def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: 
             f"dataset.train_size={train_size}", f"dataset.test_size={test_size}"]
 
 
+# a sweep whose report no assertion reads (tests/test_sweeps.py checks the report of a sweep)
+NO_REPORT = "+hydra.callbacks.report.enabled=false"
+
+
 def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the `memtrain` console entry point in a subprocess, as a user would."""

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_memtrain
+from conftest import NO_REPORT, run_memtrain
 
 from memtrain import api
 from memtrain.report.tables import load_runs
@@ -47,7 +47,7 @@ def test_cli_single_run_leaves_valid_records(in_tmp):
 
 @pytest.mark.slow
 def test_multirun_two_jobs(in_tmp):
-    p = run_memtrain("-m", *TINY, "trainer.seed=0,1", cwd=in_tmp, timeout=300)
+    p = run_memtrain("-m", *TINY, "trainer.seed=0,1", NO_REPORT, cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     summaries = sorted(in_tmp.glob("runs/multirun/*/*/*/summary.json"))
     assert len(summaries) == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_memtrain
+from conftest import NO_REPORT, run_memtrain
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
 
@@ -90,7 +90,7 @@ def test_unknown_preset_and_missing_config_dir_are_one_line(in_tmp, cli_checks):
 
 @pytest.mark.slow
 def test_long_multirun_flag(in_tmp):
-    p = run_memtrain("--multirun", *TINY, "trainer.seed=0,1", "hydra.sweep.dir=sw",
+    p = run_memtrain("--multirun", *TINY, "trainer.seed=0,1", "hydra.sweep.dir=sw", NO_REPORT,
                      cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr
     rows = [json.loads(f.read_text()) for f in sorted((in_tmp / "sw").glob("*/summary.json"))]

@@ -109,7 +109,8 @@ def test_two_sweeps_at_once_into_one_folder(in_tmp):
 @pytest.mark.slow
 def test_interrupted_sweep_relaunched_is_one_setting_of_three_seeds(in_tmp):
     sweep = in_tmp / "sw"
-    args = [*NARROW, "trainer.max_steps=1500", "trainer.save_every=50", "dataset.train_size=800",
+    # job 1 is caught at its first checkpoint, 490 steps before its end
+    args = [*NARROW, "trainer.max_steps=500", "trainer.save_every=10", "dataset.train_size=800",
             "trainer.seed=0,1,2", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", "-m", *args], cwd=in_tmp,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -141,16 +142,25 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
     """Three jobs on two workers: every job a row and a checkpoint, no worker outlives the sweep,
-    and the printed command (quoted: the folder has a space) resumes it with the same launcher."""
+    and the printed command (quoted: the folder has a space) resumes it with the same launcher.
+
+    The first step of each job waits for the signal (trainer.fault=hang), so the SIGTERM lands
+    while both workers train, however slow the machine; a job started after it (job 2) passes
+    that step at once, and the resumed jobs start past it."""
     sweep = in_tmp / "my sweep"
-    args = ["-m", "hydra/launcher=parallel", *NARROW, "trainer.max_steps=1000",
-            "trainer.save_every=50", "dataset.train_size=800", "trainer.seed=0,1,2",
+    args = ["-m", "hydra/launcher=parallel", *NARROW, "trainer.max_steps=3",
+            "trainer.fault=hang", "trainer.fault_step=0", "trainer.seed=0,1,2",
             f"hydra.sweep.dir={sweep}", NO_REPORT]
     env = {**os.environ, "MEMTRAIN_PARALLEL_JOBS": "2"}
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", *args], cwd=in_tmp, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+    def hanging() -> int:
+        return sum("injecting fault hang" in f.read_text()
+                   for f in sweep.glob("*/memtrain.log"))
+
     t0 = time.monotonic()
-    while len(list(sweep.glob("*/resume.pt"))) < 2:  # both jobs training
+    while hanging() < 2:  # both jobs training, each in its first step
         assert proc.poll() is None and time.monotonic() - t0 < 300, proc.communicate()
         time.sleep(0.05)
     pids = {int(line.split()[0]) for line in subprocess.run(

@@ -170,13 +170,11 @@ def test_timeline_off_writes_nothing(tmp_path):
 SWEEP = ("none", "checkpoint", "quantize", "pool")
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def _sweep(root):
     """`memtrain -m method=none,checkpoint,quantize,pool model=resnet18 trainer=smoke
     trainer.memory_timeline=true` then `memtrain-report`, in this process, at 8 px."""
     from memtrain.report.build import make_report
 
-    root = tmp_path_factory.mktemp("sweep")
     rows = {}
     for m in SWEEP:
         rows[m] = api.run(["trainer=smoke", "model=resnet18", "dataset.image_size=8",
@@ -189,7 +187,16 @@ def sweep(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_sweeps_timeline_has_a_panel_per_method_at_each_rows_peak(sweep):
+def test_the_sweeps_timeline_per_layer_and_anatomy_figures(tmp_path):
+    """One sweep, its three figures checked in turn (one test: a fixture shared by three tests
+    ran once per xdist worker that took one of them)."""
+    sweep = _sweep(tmp_path)
+    _timeline_has_a_panel_per_method_at_each_rows_peak(sweep)
+    _per_layer_figure_and_table_hold_each_runs_modules(sweep)
+    _checkpoint_anatomy_follows_its_plan(sweep)
+
+
+def _timeline_has_a_panel_per_method_at_each_rows_peak(sweep):
     root, rows, rep = sweep
     drawn = pd.read_csv(root / "report" / "figures" / "timeline.csv")
     assert sorted(drawn["label"]) == sorted(SWEEP) and rep.figures["timeline"]
@@ -202,8 +209,7 @@ def test_the_sweeps_timeline_has_a_panel_per_method_at_each_rows_peak(sweep):
     assert (drawn.set_index("label").drop(index="checkpoint")["recomputed_events"] == 0).all()
 
 
-@pytest.mark.slow
-def test_the_sweeps_per_layer_figure_and_table_hold_each_runs_modules(sweep):
+def _per_layer_figure_and_table_hold_each_runs_modules(sweep):
     """The figure's bars are each run's saved_by_module.csv gathered onto none's 12 largest
     modules (summed here by hand), and the table's totals are the rows' saved bytes."""
     root, rows, rep = sweep
@@ -236,8 +242,7 @@ def test_the_sweeps_per_layer_figure_and_table_hold_each_runs_modules(sweep):
     assert "Where the activations live" in text and "| checkpoint: plan |" in text
 
 
-@pytest.mark.slow
-def test_the_sweeps_checkpoint_anatomy_follows_its_plan(sweep):
+def _checkpoint_anatomy_follows_its_plan(sweep):
     root, rows, rep = sweep
     drawn = pd.read_csv(root / "report" / "figures" / "anatomy.csv", keep_default_na=False,
                         dtype={"group": str})

@@ -9,7 +9,7 @@ the single stderr line and the missing traceback.
 import json
 
 import pytest
-from conftest import job_dir, run_memtrain
+from conftest import NO_REPORT, job_dir, run_memtrain
 
 from memtrain import api
 from memtrain.config import loader
@@ -100,8 +100,8 @@ def test_hydra_verbose_shows_the_traceback(in_tmp):
 
 @pytest.mark.slow
 def test_bad_value_in_a_multirun_is_that_jobs_row(in_tmp):
-    p = run_memtrain("-m", *TINY, "trainer.batch_size=0,8", "hydra.sweep.dir=sw", cwd=in_tmp,
-                     timeout=300)
+    p = run_memtrain("-m", *TINY, "trainer.batch_size=0,8", "hydra.sweep.dir=sw", NO_REPORT,
+                     cwd=in_tmp, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads((job_dir(in_tmp / "sw", i) / "summary.json").read_text()) for i in (0, 1)]
     assert rows[0]["status"] == "error"

@@ -246,6 +246,19 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
                                   + [f"{o.key_or_group}={c}"])
     named_by: dict[str, dict] = {}  # "group=choice" -> that option's build keys
     lines = [o.input_line for o in parsed]
+    defaults: list[DictConfig | None] = []  # the config of no overrides, where it composes
+
+    def alone(group: str, choice: str) -> DictConfig:
+        """The config of `group=choice` alone: of a group's default option, the config of no
+        overrides (the same defaults list), composed once for every group that chose it."""
+        if not defaults:
+            try:
+                defaults.append(compose([], hydra=True))
+            except ConfigError:  # a default left for the command to choose (`???`)
+                defaults.append(None)
+        if defaults[0] is not None and defaults[0].hydra.runtime.choices.get(group) == choice:
+            return defaults[0]
+        return compose([f"{group}={choice}"])
     for sel in selections:
         # the command's own order where these are its overrides: the job composes that order,
         # and the compose is then made once (loader.hydra_compose's cache)
@@ -263,7 +276,7 @@ def check_targets(parsed: list, compose: Callable[..., DictConfig]) -> None:
                 continue
             option = f"{group}={choices[group]}"
             if option not in named_by:
-                own = OmegaConf.to_container(compose([option]), resolve=False)
+                own = OmegaConf.to_container(alone(group, choices[group]), resolve=False)
                 named_by[option] = dict(trust.targets(own.get(group, {}), group))
             ran, named = dict(trust.targets(container[group], group)), named_by[option]
             for key in sorted(set(ran) | set(named)):
