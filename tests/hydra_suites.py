@@ -1,8 +1,7 @@
 """Hydra's own test suites for memtrain's Hydra plugins, as Hydra's joblib and submitit plugins run
 them (hydra.test_utils.launcher_common_tests): the `local` and `parallel` launcher presets
-(LauncherTestSuite; IntegrationTestSuite for `local`, and its app-process check for the preset
-of `parallel`, which is Hydra's joblib launcher) and the `variants` sweeper (the launcher suite
-through it, and BatchedSweeperTestSuite), on Hydra's own test app, not memtrain's.
+(LauncherTestSuite, IntegrationTestSuite) and the `variants` sweeper (the launcher suite through
+it, and BatchedSweeperTestSuite), on Hydra's own test app, not memtrain's.
 
 Not collected with the rest of the tests (its name): tests/test_launchers.py runs this file with
 pytest in a process of its own, without conftest.py, where memtrain.config.loader (memtrain's own
@@ -53,23 +52,10 @@ class TestLaunchers(LauncherTestSuite):
 
 @pytest.mark.parametrize("task_launcher_cfg, extra_flags", [
     ({}, ["-m", "hydra/job_logging=disabled", "hydra/launcher=local"]),
+    ({}, ["-m", "hydra/job_logging=disabled", "hydra/launcher=parallel"]),
 ])
 class TestLaunchersIntegration(IntegrationTestSuite):
     pass
-
-
-@pytest.mark.parametrize("task_launcher_cfg, extra_flags", [
-    ({}, ["-m", "hydra/job_logging=disabled", "hydra/launcher=parallel"]),
-])
-class TestParallelPresetIntegration(IntegrationTestSuite):
-    """`parallel` is Hydra's joblib launcher under memtrain's preset (presets.py): memtrain adds
-    no launch code there, only the node and its resolvers, which an app of its own (Hydra's
-    plugin scan in a fresh process, `n_jobs` resolved there) holds in one test; the rest of the
-    suite tests Hydra's joblib launcher, as Hydra's own tests of it do. The launcher suite above
-    runs all of it in-process."""
-    test_custom_task_name = None
-    test_custom_sweeper_run_workdir = None
-    test_to_absolute_path_multirun = None
 
 
 @pytest.mark.parametrize("launcher_name, overrides", [("basic", ["hydra/sweeper=variants"])])
