@@ -216,9 +216,9 @@ def _small_cnn(channels: int, width: int = 32, classes: int = 10) -> torch.nn.Mo
 @pytest.mark.slow
 def test_training_converges_like_none_at_equal_epochs():
     """Synthetic 16 px data, 12 epochs of 32 steps, SGD with a cosine schedule: pool (k=2,
-    upsample, targets=conv) ends within 3 points of none's test accuracy. Measured on this
-    machine's CPU: none 0.967, pool 0.963 (at 8 epochs the gap was 3.2 points: the paper, too,
-    keeps accuracy at a longer schedule)."""
+    upsample, targets=conv) ends within 3 points of none's test accuracy, on the small CNN at
+    width 24 (at width 16 the gap was 3.1 points; at 8 epochs of width 32 it was 3.2: the paper,
+    too, keeps accuracy at a longer schedule)."""
     import copy
 
     from memtrain.config.schema import Trainer
@@ -228,7 +228,7 @@ def test_training_converges_like_none_at_equal_epochs():
 
     data = synthetic(image_size=16, train_size=2048, test_size=1000)
     torch.manual_seed(0)
-    base = _small_cnn(3)
+    base = _small_cnn(3, width=24)
     acc = {}
     for name in ("none", "pool"):
         net = copy.deepcopy(base)
