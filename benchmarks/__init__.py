@@ -162,7 +162,9 @@ def _value(text: str) -> Any:
 
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
-    """write_rows's CSV as rows again: numbers as int or float (as written), text as text, an
-    empty cell left out (as a row without that key)."""
+    """write_rows's CSV as rows again: numbers as int or float (as written), text as text (the
+    provenance always: a commit such as 66e581644680 reads as a float, infinite), an empty cell
+    left out (as a row without that key)."""
     with open(path, encoding="utf-8", newline="") as f:
-        return [{k: _value(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+        return [{k: v if k in PROVENANCE else _value(v) for k, v in r.items() if v != ""}
+                for r in csv.DictReader(f)]

@@ -283,6 +283,11 @@ def test_a_benchmark_csv_carries_its_provenance_and_gives_its_table_back(tmp_pat
     assert lines[2:] == pool.table(rows).rstrip("\n").splitlines()
     bench.write_rows(rows[:1], csv, torch.device("cpu"), "second", append=True)
     assert [r["command"] for r in bench.read_rows(csv)][-1] == "second"
+    # the provenance stays text when appended to: a commit that reads as a number is kept
+    text = csv.read_text().replace(back[0]["git_commit"], "66e581644680")
+    csv.write_text(text)
+    bench.write_rows(rows[:1], csv, torch.device("cpu"), "third", append=True)
+    assert bench.read_rows(csv)[0]["git_commit"] == "66e581644680"
 
 
 def test_the_headline_study_is_every_cpu_method_at_its_defaults_three_seeds():
