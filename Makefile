@@ -16,12 +16,11 @@ help: ## show this help
 	awk -v c="$$c" -v r="$$r" 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %s%-16s%s %s\n", c, $$1, r, $$2}' $(MAKEFILE_LIST)
 
 # pip prints each package as it goes (a first install downloads torch: minutes), so a first
-# `make run` or `make test` shows where it is. --no-compile: no bytecode for the thousands of
-# modules nothing imports (torch's, mostly); Python writes it for those imported, on first use
+# `make run` or `make test` shows where it is
 $(STAMP): pyproject.toml
 	@echo "make: installing memtrain with its dev and docs tools into $(VENV)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --no-compile -e '.[dev,docs]'
+	$(BIN)/python -m pip install -e '.[dev,docs]'
 	touch $(STAMP)
 	@echo "make: installed"
 
@@ -63,7 +62,7 @@ COMPAT       ?= .venv-compat
 COMPAT_TORCH ?= torch==2.11.0 torchvision==0.26.0
 $(COMPAT)/.installed: pyproject.toml
 	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	$(COMPAT)/bin/python -m pip install -q --no-compile $(COMPAT_TORCH) -e '.[dev]'
+	$(COMPAT)/bin/python -m pip install -q $(COMPAT_TORCH) -e '.[dev]'
 	touch $@
 
 # The tests of what depends on the torch/Triton version (marked compat: the kernels, selective
