@@ -331,7 +331,7 @@ def largest_batch(peak: Callable[[int], int], budget: int, b0: int,
     done = lambda b: (b == 0 or fits(b)) and (b >= limit or not fits(b + 1))  # noqa: E731
     first = "breakdown" if lines else "line"
     if lines:  # the largest batch under every line: one estimate (at b0) made the guess
-        a = b = b0
+        b = b0
         slope = max(s for _, s in lines)
         under = [math.floor((budget - c) / s) if s > 0 else (limit if c <= budget else 0)
                  for c, s in lines]

@@ -40,31 +40,36 @@ from memtrain.methods.checkpoint.segments import Segment
 from memtrain.methods.common.compact import CompactMaxPool2d, MaskedReLUFn
 
 
-class MaskedReLU(nn.ReLU):
-    """nn.ReLU whose backward keeps a packed 1-bit mask; the class a compacted ReLU runs as."""
+class _Masked:
+    """The backward of a compacted nn.ReLU or nn.ReLU6: a packed 1-bit mask of where its gradient
+    passes (0 < x, and x < `top` for ReLU6), not its output."""
+
+    top: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and torch.is_grad_enabled() and x.requires_grad:
-            return MaskedReLUFn.apply(x, self.inplace, "bits")
+            return MaskedReLUFn.apply(x, self.inplace, "bits", self.top)
         return super().forward(x)
 
 
-class MaskedReLU6(nn.ReLU6):
-    """nn.ReLU6 whose backward keeps a packed 1-bit mask of 0 < x < 6; a compacted ReLU6."""
+class MaskedReLU(_Masked, nn.ReLU):
+    """The class a compacted nn.ReLU runs as."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled() and x.requires_grad:
-            return MaskedReLUFn.apply(x, self.inplace, "bits", self.max_val)
-        return super().forward(x)
+
+class MaskedReLU6(_Masked, nn.ReLU6):
+    """The class a compacted nn.ReLU6 runs as."""
+
+    @property
+    def top(self) -> float:
+        return self.max_val
 
 
 SWAPS = {nn.ReLU: MaskedReLU, nn.ReLU6: MaskedReLU6, nn.MaxPool2d: CompactMaxPool2d}
-_KINDS = {MaskedReLU: "relu", MaskedReLU6: "relu6", nn.ReLU: "relu", nn.ReLU6: "relu6"}
+_KINDS = {nn.ReLU: "relu", nn.ReLU6: "relu6"}  # how a choice names what it compacts
 
 
 def _compactable(m: nn.Module) -> bool:
-    return type(m) in (nn.ReLU, nn.ReLU6) or (type(m) is nn.MaxPool2d
-                                              and CompactMaxPool2d.fits(m))
+    return type(m) in _KINDS or (type(m) is nn.MaxPool2d and CompactMaxPool2d.fits(m))
 
 
 def candidates(segments: list[Segment]) -> list[list[nn.Module]]:
