@@ -133,7 +133,7 @@ def table(rows: list[dict], device: torch.device) -> str:
 def language_model(model_name: str, extra: Sequence[str] = ()) -> bool:
     """Does the model read token sequences (its conf picks token data)?"""
     cfg, _ = api.compose([f"model={model_name}", *(o for o in extra if o.startswith("model."))])
-    return cfg.dataset._target_.startswith("memtrain.tokens")
+    return cfg.dataset._target_.startswith("memtrain.data.tokens")
 
 
 def profiled(model_name: str, size: int, batch: int, profile_batch: int, device: torch.device,

@@ -2,8 +2,9 @@
 oracle; a leaf package: it imports torch, triton and numpy only, never the rest of memtrain.
 
 - `bitmask.py`: 1-bit ReLU masks (method pool): Triton kernels and their torch fallback.
-- `prune.py`: block scores, compaction and the block-sparse grad_weight (method prune), Triton;
-  `bsr.py`: their storage format, the block selection, the torch fallback and the dispatch.
+- `block_sparse.py`: block scores, compaction and the block-sparse grad_weight (method prune),
+  Triton; `bsr.py`: their storage format, the block selection, the torch fallback and the
+  dispatch.
 - `quant.py`: low-bit group quantization of saved activations (method quantize): fused Triton
   quantize+pack and unpack+dequantize, the vectorised torch path, the dispatch.
 - `reference.py`: the eager oracles of all three, one section per method.

@@ -78,12 +78,13 @@ def compile_all(archs: tuple[int, ...] = ARCHS) -> list[tuple[str, int, int]]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter cannot compile kernels")
     import triton
-    from memtrain.kernels import bitmask, prune, quant
+    from memtrain.kernels import bitmask, block_sparse, quant
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     done = []
-    for fn, sig, consts in _prune_specs(prune) + _bitmask_specs(bitmask) + _quant_specs(quant):
+    specs = _prune_specs(block_sparse) + _bitmask_specs(bitmask) + _quant_specs(quant)
+    for fn, sig, consts in specs:
         for arch in archs:
             kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32))
             done.append((fn.__name__, arch, len(kernel.asm["cubin"])))

@@ -1,7 +1,7 @@
 """Block-sparse storage of an activation matrix for method `prune`: selection, compaction and the
 grad_weight product, with two backends (the Triton kernels' torch fallback lives here).
 
-- `triton`: the kernels of kernels/prune.py (CUDA, or the CPU under TRITON_INTERPRET=1).
+- `triton`: the kernels of kernels/block_sparse.py (CUDA, or the CPU under TRITON_INTERPRET=1).
 - `torch`: the same operations in vectorised torch (a strided block view, one gather, one scatter
   and one matmul): the CPU fallback and the second implementation the tests compare against.
 The eager oracles of both: kernels/reference.py, section prune.
@@ -80,7 +80,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _kernels():
-    from memtrain.kernels import prune as kernels
+    from memtrain.kernels import block_sparse as kernels
 
     return kernels
 

@@ -31,7 +31,7 @@ def pool_masked_grad(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, grad, torch.zeros_like(grad))
 
 
-# ================================================================ prune (kernels/prune.py)
+# ================================================================ prune (kernels/block_sparse.py)
 # Written block by block in Python loops on purpose: independent of the vectorised torch backend
 # (kernels/bsr.py) and of the kernels, for small test shapes only.
 

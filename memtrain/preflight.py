@@ -48,7 +48,7 @@ def trainer_of(cfg: DictConfig, here: bool = True) -> Trainer:
 def check(cfg: DictConfig, here: bool = True) -> Trainer:
     """The checks of one job's values that need nothing built: every option's type (resolved),
     the trainer's ranges and probes, the logger's package, the dataset's options and the memory
-    its data will take (memtrain/data.py's option checks), the method's options and the trainer
+    its data will take (memtrain/data's option checks), the method's options and the trainer
     options it cannot honour (its optional `check_trainer`). The first problem is a one-line
     ConfigError.
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import job_dir, run_memtrain
 
-from memtrain import api, data, imagefolder
+from memtrain import api, data
 from memtrain.config import loader
+from memtrain.data import imagefolder
 from memtrain.errors import ConfigError
 from memtrain.report import command as report_cli
 from memtrain.run import resume

@@ -256,7 +256,7 @@ def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, ca
     one planned for, and that plan is the least any budget gets (a budget at it, asked
     directly, gives the same plan, raising nothing)."""
     base = [*RUN, "model=mlp6", "dataset.image_size=8", "method=checkpoint"]
-    with caplog.at_level(logging.WARNING, logger="memtrain.methods.checkpoint.method"):
+    with caplog.at_level(logging.WARNING, logger="memtrain.methods.checkpoint.strategies"):
         low = api.run([*base, "method.budget_fraction=0.1"], out_dir=tmp_path / "x")
     assert low["status"] == "ok", low.get("error")
     least = low["plan_budget_raised_to_bytes"]
@@ -378,7 +378,7 @@ def test_budget_weights_load_strictly_into_the_plain_model(tmp_path):
 def test_compiled_model_keeps_the_plain_state_dict_keys():
     # No compilation here (torch.compile is lazy): the wrapper's keys and a round trip through it.
     from memtrain import api
-    from memtrain.methods.checkpoint.method import CompiledBudget
+    from memtrain.methods.checkpoint.strategies import CompiledBudget
 
     _, plain, _ = api.build(["model=resnet18", "dataset.image_size=8", "method=none"])
     wrapped = CompiledBudget(copy.deepcopy(plain), 0.5)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import fashion_mnist_available
 
-from memtrain import api, tokens
+from memtrain import api
 from memtrain import data as D
+from memtrain.data import tokens
 from memtrain.errors import ConfigError
 
 CPU = torch.device("cpu")

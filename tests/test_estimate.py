@@ -131,7 +131,7 @@ def test_triton_launchers_on_fake_tensors_only_allocate_their_outputs():
 
     if not triton_available():
         pytest.skip("triton is not installed")
-    from memtrain.kernels import prune as kernels
+    from memtrain.kernels import block_sparse as kernels
 
     with FakeTensorMode():
         x = torch.randn(4, 33)

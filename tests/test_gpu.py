@@ -176,7 +176,7 @@ def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
     """The estimate of gpt2_small (1024 tokens, batch 8, bf16-true, math attention,
     dropout 0.1) for CUDA, backward included: its saved bytes are 12 layers of Korthikanti's
     s*b*h*(34 + 5*a*s/h) (CUDA's 1-byte dropout masks) within 5%."""
-    from memtrain import tokens
+    from memtrain.data import tokens
     from memtrain.run import estimate, runner
 
     cfg, _ = api.compose(["model=gpt2_small", "model.dropout=0.1", "dataset.seq_len=1024",

@@ -158,6 +158,8 @@ LAYERS = {
     # the measurement of a step's memory: the one list of columns, nothing of the run (the
     # strategy leaves its buffers where the measurement looks, measure.COMM_BUFFERS)
     "memtrain.memory": {"memtrain.columns"},
+    # the data: the datasets and their splits, on the bottom alone (errors)
+    "memtrain.data": {"memtrain.errors"},
     # the run (its probes and the estimate, which runs its step on fake tensors, included): the
     # config front, the measurement, the data, the method contract, the job checks and the
     # bottom; never the command line, the API, the report
@@ -225,8 +227,8 @@ def test_the_checker_sees_a_cycle():
     """The checker itself can fail: a cycle, and a lazy import inside a function, are found."""
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
-    deps = _imports(ROOT / "memtrain" / "methods" / "synthetic" / "method.py",
-                    "memtrain.methods.synthetic.method", False)
+    deps = _imports(ROOT / "memtrain" / "methods" / "synthetic" / "phases.py",
+                    "memtrain.methods.synthetic.phases", False)
     assert "memtrain.methods.synthetic.workers" in deps  # imported inside `fit`
 
 
@@ -239,9 +241,9 @@ def test_from_a_package_imports_its_init(tmp_path):
     deps = _imports(f, "memtrain.methods.checkpoint.compaction", False)
     assert {"memtrain.methods.checkpoint", "memtrain.methods.checkpoint.ops",
             "memtrain.methods.checkpoint.plan"} <= deps
-    assert _cycle({"memtrain.methods.checkpoint": {"memtrain.methods.checkpoint.method"},
-                   "memtrain.methods.checkpoint.method": {"memtrain.methods.checkpoint.compaction"},
-                   "memtrain.methods.checkpoint.compaction": deps}) is not None
+    pkg = "memtrain.methods.checkpoint"
+    assert _cycle({pkg: {f"{pkg}.strategies"}, f"{pkg}.strategies": {f"{pkg}.compaction"},
+                   f"{pkg}.compaction": deps}) is not None
 
 
 def test_the_checker_sees_a_method_import():

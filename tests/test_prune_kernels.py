@@ -45,7 +45,7 @@ def test_scores_selection_values_and_grad_weight_equal_reference(m, k, n, b, cri
     a, g = _case(m, k, n)
     scores = ref.prune_block_scores_ref(a, b, criterion)
     if backend == "triton":
-        from memtrain.kernels import prune as kernels
+        from memtrain.kernels import block_sparse as kernels
 
         got = kernels.block_scores(a, b, criterion)
     else:
@@ -90,7 +90,7 @@ def test_sparsity_zero_gives_the_dense_grad_weight(backend):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_split_k_partial_sums_equal_single_pass():
-    from memtrain.kernels import prune as kernels
+    from memtrain.kernels import block_sparse as kernels
 
     a, g = _case(160, 48, 20)
     bs = bsr.compress(a, bsr.PruneSpec(0.25, 16, "l2", "triton"))

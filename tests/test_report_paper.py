@@ -99,7 +99,7 @@ def test_a_rename_that_would_merge_settings_is_not_applied(tmp_path):
 
 def _synthetic(folder, seed=0, recovery=None, p90=0.1):
     """A two-partition run: part0 100 steps at 0.1 s, part1 100 steps at 0.05 s, batch 128;
-    its top-level step time is the largest phase's (as methods/synthetic/method.py writes it)."""
+    its top-level step time is the largest phase's (as methods/synthetic/phases.py writes it)."""
     phases = {"part0": (100, 0.1, p90), "part1": (100, 0.05, 0.05)}
     if recovery:
         phases["recovery"] = recovery

@@ -233,7 +233,7 @@ def test_a_stack_replans_while_measured_over_budget(monkeypatch, caplog):
             cols = method.prepare(model, x, y)
             assert cols["plan_measured_peak_bytes"] == cols["plan_peak_bytes"] and len(seen) == 1
             continue
-        with caplog.at_level("WARNING", logger="memtrain.methods.checkpoint.method"):
+        with caplog.at_level("WARNING", logger="memtrain.methods.checkpoint.strategies"):
             cols = method.prepare(model, x, y)
         assert 1 <= len(seen) <= 4  # one measurement per plan tried
         groups, least = min(seen, key=lambda g: g[1])

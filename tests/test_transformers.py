@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memtrain import api, tokens
+from memtrain import api
+from memtrain.data import tokens
 from memtrain.errors import ConfigError
 from memtrain.losses import cross_entropy
 from memtrain.memory import measure

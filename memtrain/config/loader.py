@@ -457,6 +457,10 @@ LATER_OPTIONS: dict[str, Any] = {
     # one run across processes: one process, as before
     "trainer.strategy": "single", "trainer.world_size": None, "trainer.fault_rank": None,
 }
+# Builders that moved, by the dotted path a config names them by: run_id hashes the old path,
+# so runs made before the move keep their ids (skip_done finds them done)
+MOVED_TARGETS = {"memtrain.data.imagefolder.": "memtrain.imagefolder.",
+                 "memtrain.data.tokens.": "memtrain.tokens."}
 # Trainer options that only tune a probe, left out of run_id while that probe is off: they
 # change nothing else a run computes (the margin of find_max_batch on a run without it).
 TUNES_PROBE = {"max_batch_headroom": "find_max_batch", "max_batch_multiple": "find_max_batch",
@@ -470,6 +474,11 @@ def run_id(cfg: DictConfig, resolve: bool = True) -> str:
     c = {k: OmegaConf.to_container(cfg[k], resolve=resolve) if OmegaConf.is_config(cfg[k])
          else cfg[k] for k in cfg if k != "hydra"}
     offline.fill_identity(c)
+    for node in c.values():
+        target = node.get("_target_") if isinstance(node, dict) else None
+        for new, old in MOVED_TARGETS.items():
+            if isinstance(target, str) and target.startswith(new):
+                node["_target_"] = old + target.removeprefix(new)
     trainer = c.get("trainer", {})
     for k in NOT_IN_RUN_ID:
         trainer.pop(k, None)

@@ -5,7 +5,7 @@ A config names what it builds by a dotted path (`_target_`). Without a rule,
 `method._target_=os.system` runs a shell command. The rule, by the slot the path fills:
 
     method.*          memtrain.methods          model     memtrain.models
-    dataset           memtrain.data, memtrain.imagefolder
+    dataset           memtrain.data
     hydra.callbacks   memtrain.hydra_callbacks, memtrain.report.callback
     hydra.launcher    hydra_plugins.memtrain_launcher, Hydra's core, joblib and submitit plugins
     hydra.sweeper     hydra_plugins.memtrain_sweeper, Hydra's own core plugins
@@ -45,7 +45,7 @@ HYDRA_CORE = "hydra._internal.core_plugins"
 SLOTS = {  # key prefix -> where what fills it may be defined
     "method": ("memtrain.methods",),
     "model": ("memtrain.models",),
-    "dataset": ("memtrain.data", "memtrain.imagefolder", "memtrain.tokens"),
+    "dataset": ("memtrain.data",),
     "hydra.callbacks": ("memtrain.hydra_callbacks", "memtrain.report.callback"),
     # memtrain's launchers, and Hydra's own plugins its presets use (hydra/launcher=parallel)
     "hydra.launcher": ("hydra_plugins.memtrain_launcher", HYDRA_CORE,

@@ -4,7 +4,7 @@ keep for backward (Barley & Froening, arXiv 2311.16883).
 The forward pass and grad_input are exact; only grad_weight = G^T @ A sees the pruned input. The
 input A, viewed as a matrix (Linear: [rows, in_features]; 1x1 conv: [N*H*W, C_in]), is tiled into
 b x b blocks, and the ceil((1 - s) n) blocks of largest norm (over the whole matrix) are kept
-as values [nnz, b, b] plus int32 block indices (memtrain/methods/bsr.py, kernels/prune.py).
+as values [nnz, b, b] plus int32 block indices (kernels/bsr.py, kernels/block_sparse.py).
 
 Exactness: at sparsity 0 the swapped layers run the baseline's own autograd path (bitwise equal).
 A layer call keeps its dense input (and so an exact gradient) where blocks would only add memory,

@@ -2,7 +2,7 @@
 one partition's training phase (a thin adapter around `train.train`). Where the model is cut:
 `cuts.py`.
 
-Kept apart from `method.py` so that a phase is a plain picklable description (`Phase`) that a
+Kept apart from `phases.py` so that a phase is a plain picklable description (`Phase`) that a
 worker process can run as well as the parent.
 """
 
