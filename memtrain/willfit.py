@@ -164,15 +164,15 @@ def parse(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
 def settings(methods: Sequence[str] | None, which: str = "all",
              ranks: int | None = None) -> list[Setting]:
     """The rows to estimate: `methods`' settings (None: every method's), or with `which`
-    defaults only each method at its defaults; with `ranks`, also none (and checkpoint, where
-    chosen) as one rank of an fsdp run over that many."""
+    defaults only each method at its defaults; with `ranks`, also each chosen method at its
+    defaults as one rank of an fsdp run over that many (a method that cannot be sharded: its
+    one-line refusal as the row)."""
     chosen = [s for s in SETTINGS if (methods is None or s.method in methods)
               and (which == "all" or not s.params)]
     if "none" not in [s.method for s in chosen]:  # the baseline row is always there
         chosen.insert(0, SETTINGS[0])
-    if ranks:  # fsdp beside the chosen of none and checkpoint (none is always chosen)
-        chosen += [Setting(m, ranks=ranks) for m in ("none", "checkpoint")
-                   if m in {s.method for s in chosen}]
+    if ranks:  # fsdp beside each chosen method, at its defaults
+        chosen += [Setting(m, ranks=ranks) for m in dict.fromkeys(s.method for s in chosen)]
     return chosen
 
 
@@ -570,7 +570,8 @@ def rank_key(row: dict) -> tuple:
 
 def answer(rows: list[dict], batch: int) -> str:
     """The one line (docs/willfit.md's ranking): none when it fits; else the cheapest exact
-    and the cheapest of all that fit, one process; else fsdp over N ranks where it fits."""
+    and the cheapest of all that fit, one process; else fsdp over N ranks where it fits (none
+    first, then exact gradients, then the smaller peak)."""
     ok = [r for r in rows if r["status"] == "ok" and r.get("ranks", 1) == 1]
     sharded = [r for r in rows if r["status"] == "ok" and r.get("ranks", 1) > 1 and r["fits"]]
     none = next((r for r in ok if r["method"] == "none"), None)
@@ -583,7 +584,8 @@ def answer(rows: list[dict], batch: int) -> str:
         tail = f"; the largest batch of any: {best['max_batch']} with {best['setting']}" \
             if best and best["max_batch"] else ""
         if sharded:
-            r = min(sharded, key=lambda r: r["peak_bytes"])
+            r = min(sharded, key=lambda r: (r["method"] != "none", not r.get("grads_exact"),
+                                            r["peak_bytes"]))
             return (f"no single method or stack fits batch {batch} on this card{tail}; fsdp "
                     f"over {r['ranks']} ranks would: {r['setting']} (peak "
                     f"{r['peak_bytes'] / GiB:.2f} GiB per rank)")

@@ -205,6 +205,22 @@ def test_when_no_single_process_fits_the_answer_names_fsdp():
     assert willfit.answer(rows, 16) == (
         "no single method or stack fits batch 16 on this card; the largest batch of any: 8 with "
         "none; fsdp over 4 ranks would: none fsdp x4 (peak 2.00 GiB per rank)")
+    # none sharded does not fit: exact gradients before a smaller peak of approximate ones
+    rows = [rows[0], rows[1], rows[2] | {"fits": False},
+            _row("quantize fsdp x4", True, False, None, peak=1 * GiB, method="quantize")
+            | {"ranks": 4},
+            _row("checkpoint fsdp x4", True, True, None, peak=3 * GiB, method="checkpoint")
+            | {"ranks": 4}]
+    assert willfit.answer(rows, 16).endswith(
+        "fsdp over 4 ranks would: checkpoint fsdp x4 (peak 3.00 GiB per rank)")
+
+
+def test_ranks_shard_each_chosen_method_at_its_defaults():
+    chosen = willfit.settings(["quantize", "synthetic"], "all", ranks=4)
+    assert [s.label for s in chosen if s.ranks == 4] == \
+        ["none fsdp x4", "quantize fsdp x4", "synthetic fsdp x4"]
+    assert all(not s.params for s in chosen if s.ranks == 4)
+    assert not any(s.ranks > 1 for s in willfit.settings(None, "defaults"))
 
 
 @pytest.mark.slow
