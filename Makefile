@@ -84,7 +84,7 @@ check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/res
 	  $(ARGS); rc=$$?; \
 	for d in $(STUDIES_DIR)/*/; do n=$$(basename $$d); \
 	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures >/dev/null || exit 1; \
-	  rm -f docs/results/studies/$$n/summary.parquet; \
+	  rm -f docs/results/studies/$$n/summary.parquet docs/results/studies/$$n/report.html; \
 	  sed -i 's#$(CURDIR)/##g' docs/results/studies/$$n/*; done; \
 	$(BIN)/python -m tools.docs || exit 1; \
 	echo "check-studies: reports in docs/results/studies/ (pytest exit $$rc)"; exit $$rc

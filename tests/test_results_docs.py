@@ -310,3 +310,28 @@ def test_the_headline_study_is_every_cpu_method_at_its_defaults_three_seeds():
     assert refused["error"].str.contains("prunes nothing").all()
     none = settings[settings["method"] == "none"]
     assert (none["test_acc"] > 0.7).all(), none[["model", "test_acc"]]  # the models learned
+
+
+def test_committed_rows_of_an_older_schema_are_named_with_why():
+    """Rows measured before a change of what the columns mean are measured again, or
+    sources.csv says why not (and the provenance line quotes it)."""
+    assert docs.unexplained_old_rows(ROOT) == []
+
+
+def test_rows_of_an_older_schema_named_nowhere_stop_the_docs(tmp_path):
+    rows = tmp_path / docs.DATA
+    (rows / "sweep").mkdir(parents=True)
+    (rows / "sources.csv").write_text("csv,device,date,seeds,steps,command,origin\n")
+    (rows / "sweep" / "summary.csv").write_text("run_id,schema_version\na,2\nb,\n")
+    assert docs.old_schema_rows(tmp_path) == {"sweep/summary.csv": [1]}
+    [problem] = docs.unexplained_old_rows(tmp_path)
+    assert problem.startswith("sweep/summary.csv holds rows of schema 1 (memtrain writes 2)")
+    with pytest.raises(ValueError, match="sweep/summary.csv holds rows of schema 1"):
+        docs.update(tmp_path, check=True)
+    with (rows / "sources.csv").open("a") as fh:
+        fh.write("sweep/summary.csv,CPU,2026-01-01,0,1,memtrain x,rows of schema 1: hours\n")
+    assert docs.unexplained_old_rows(tmp_path) == []
+    assert docs._old_rows_why(tmp_path, docs.DATA / "sweep" / "summary.csv") == \
+        "rows of schema 1: hours"
+    (rows / "sweep" / "summary.csv").write_text("run_id,schema_version\na,2\n")
+    assert docs.old_schema_rows(tmp_path) == {}

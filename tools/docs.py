@@ -94,6 +94,40 @@ def sources(root: Path) -> pd.DataFrame:
     return pd.read_csv(root / DATA / "sources.csv", dtype=str, keep_default_na=False)
 
 
+def old_schema_rows(root: Path) -> dict[str, list[int]]:
+    """Every committed summary.csv below docs/results holding rows written under an older
+    schema than memtrain's (columns.SCHEMA_VERSION), by its path relative to the rows folder
+    (sources.csv's key), with the versions it holds."""
+    found = {}
+    for path in sorted((root / DATA.parent).rglob("summary.csv")):
+        versions = pd.read_csv(path, usecols=lambda c: c == columns.SCHEMA, dtype=str,
+                               keep_default_na=False).get(columns.SCHEMA)
+        old = sorted({columns.schema_of({columns.SCHEMA: v or None})
+                      for v in (versions if versions is not None else [None])}
+                     - {columns.SCHEMA_VERSION})
+        if old:
+            found[Path(os.path.relpath(path, root / DATA)).as_posix()] = old
+    return found
+
+
+def unexplained_old_rows(root: Path) -> list[str]:
+    """The committed rows of an older schema (`old_schema_rows`) that sources.csv does not
+    name with why they were not measured again: each as a one-line problem."""
+    why = dict(zip(sources(root)["csv"], sources(root)["origin"], strict=True))
+    return [f"{rel} holds rows of schema {', '.join(map(str, v))} (memtrain writes "
+            f"{columns.SCHEMA_VERSION}): measure them again, or name them in "
+            f"{DATA.as_posix()}/sources.csv with why not"
+            for rel, v in old_schema_rows(root).items() if not why.get(rel, "").strip()]
+
+
+def _old_rows_why(root: Path, rel: Path) -> str:
+    """sources.csv's reason why the rows at `rel` were not measured again ("" if none)."""
+    key = Path(os.path.relpath(root / rel, root / DATA)).as_posix()
+    src = sources(root)
+    hit = src[src["csv"] == key]
+    return hit["origin"].iloc[0] if len(hit) else ""
+
+
 def _seeds_text(seeds: str) -> str:
     single = "-" not in seeds and "," not in seeds
     return f"seed {seeds} (single seed)" if single else f"seeds {seeds}"
@@ -191,9 +225,12 @@ def _study_provenance(root: Path, doc_dir: Path, rel: Path, d: pd.DataFrame,
         steps = "; ".join([*([steps] if steps else []),
                            *(f"{int(e)} epoch{'s' if e != 1 else ''}"
                              for e in sorted(set(epochs)))])
+    schema = p["schema"]
+    if schema and (why := _old_rows_why(root, rel)):
+        schema = f"{schema}; {why}"
     return provenance(root, doc_dir, rel, device=f"{p['device']}, torch {p['torch']}",
                       date=p["date"], seeds=seeds, steps=steps, command=command,
-                      schema=p["schema"])
+                      schema=schema)
 
 
 def study_ratios(root: Path, doc_dir: Path) -> list[str]:
@@ -1117,6 +1154,9 @@ def apply(text: str, blocks: dict[str, str], file: str) -> str:
 def update(root: Path = ROOT, check: bool = False) -> list[str]:
     """Rewrite (or with `check`, only compare) every document; returns the blocks that differ
     from the committed text, as `file: name`."""
+    unexplained = unexplained_old_rows(root)
+    if unexplained:
+        raise ValueError(unexplained[0])
     rendered = render(root)
     stale = []
     for file in sorted({f for f, _ in rendered}):
