@@ -7,6 +7,7 @@ checkpointing, against none, and its refusal."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,3 +346,14 @@ def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
     text = table(rows, ["none", "checkpoint", "synthetic"])
     assert "| timm X | a | ok | ok 0.25 | refused |" in text
     assert "- a / synthetic: refused: method=synthetic cuts A ..." in text
+
+
+def test_the_committed_coverage_page_is_its_rows_table():
+    """docs/results/coverage_cpu.md is what `benchmarks.coverage --table` makes of the
+    committed rows, every method they hold a column."""
+    from benchmarks import read_rows
+    from benchmarks.coverage import page
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    rows = read_rows(results / "rows" / "coverage_cpu.csv")
+    assert (results / "coverage_cpu.md").read_text() == page(rows, "coverage_cpu.csv")
