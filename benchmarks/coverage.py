@@ -130,7 +130,7 @@ def table(rows: Sequence[dict], methods: Sequence[str]) -> str:
     by = {(r["arch"], r["method"]): r for r in rows}
     lines = ["| family | architecture | " + " | ".join(methods) + " |",
              "| --- | --- | " + " | ".join("---" for _ in methods) + " |"]
-    notes = []
+    notes: dict[tuple[str, str, str], list[str]] = {}  # one line per method, status and reason
     for a in archs:
         fam = next(r["family"] for r in rows if r["arch"] == a)
         cells = []
@@ -144,7 +144,7 @@ def table(rows: Sequence[dict], methods: Sequence[str]) -> str:
                              else "ok")
             else:
                 cells.append("refused" if r["status"] == "refused" else "FAILED")
-                notes.append(f"- {a} / {m}: {r['status']}: {r.get('reason', '')}")
+                notes.setdefault((m, r["status"], r.get("reason", "")), []).append(a)
         lines.append(f"| {fam} | {a} | " + " | ".join(cells) + " |")
     counts = {m: sum(by.get((a, m), {}).get("status") == "ok" for a in archs) for m in methods}
     lines.append("")
@@ -152,7 +152,12 @@ def table(rows: Sequence[dict], methods: Sequence[str]) -> str:
     lines.append("")
     lines.append("`ok x`: the run's activation peak (`mem_peak_act_bytes`) / none's on the same "
                  "architecture.")
-    return "\n".join(lines + ([""] + notes if notes else []))
+    def where(on: list[str]) -> str:
+        return "every architecture" if len(on) == len(archs) > 1 else ", ".join(on)
+
+    said = [f"- {where(on)} / {m}: {status}: {reason}"
+            for (m, status, reason), on in notes.items()]
+    return "\n".join(lines + ([""] + said if said else []))
 
 
 def page(rows: Sequence[dict], csv_name: str, methods: Sequence[str] | None = None) -> str:

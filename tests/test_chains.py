@@ -346,6 +346,12 @@ def test_the_coverage_sweep_spans_the_families_and_tabulates_its_rows():
     text = table(rows, ["none", "checkpoint", "synthetic"])
     assert "| timm X | a | ok | ok 0.25 | refused |" in text
     assert "- a / synthetic: refused: method=synthetic cuts A ..." in text
+    # one line per method, status and reason: "every architecture" where all share it
+    two = [r | {"arch": arch} for arch in ("a", "b") for r in rows]
+    text = table(two, ["none", "checkpoint", "synthetic"])
+    assert "- every architecture / synthetic: refused: method=synthetic cuts A ..." in text
+    text = table([*two, {**two[0], "arch": "c"}], ["none", "synthetic"])
+    assert "- a, b / synthetic: refused: method=synthetic cuts A ..." in text
 
 
 def test_the_committed_coverage_page_is_its_rows_table():
