@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
@@ -117,10 +118,23 @@ def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: 
 NO_REPORT = "+hydra.callbacks.report.enabled=false"
 
 
+_ZYGOTE = Zygote()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _zygote_closed():
+    yield
+    _ZYGOTE.close()
+
+
 def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the `memtrain` console entry point in a subprocess, as a user would."""
+    """Run `python -m memtrain ARGS` in a process of its own, as a user would: forked from the
+    worker's warm interpreter (tests/zygote.py: the same process but for the imports already
+    made), or a fresh interpreter where forking would differ from one."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if _ZYGOTE.usable(full_env):
+        return _ZYGOTE.run(list(args), Path(cwd), full_env, timeout)
     return subprocess.run([sys.executable, "-m", "memtrain", *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout, env=full_env)
 

@@ -170,6 +170,7 @@ def _random_profile(rng: random.Random, n: int) -> planner.Profile:
         transient=[rng.randint(1, 96) * kib for _ in range(n)])
 
 
+@pytest.mark.any_torch  # the planner is plain Python over a made-up profile: no torch op
 @pytest.mark.parametrize("seed", [s if s % 3 != 2 else pytest.param(s, marks=pytest.mark.slow)
                                   for s in range(6)])  # 12 segments (seeds 2, 5): slow
 def test_planner_equals_brute_force(seed):
@@ -329,6 +330,7 @@ def test_a_model_without_a_chain_is_a_config_error():
 
 
 @pytest.mark.slow
+@pytest.mark.any_torch  # the command's printing and its row; the profile is held on both torches
 def test_dry_run_prints_plan_and_does_not_train(in_tmp):
     from conftest import run_memtrain
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, USER_FACTORY, conf_options
+from conftest import ROOT, USER_FACTORY, conf_options, run_memtrain
 from torch import nn
 
 from memtrain import api, record
@@ -292,9 +291,8 @@ def test_the_api_runs_a_module_as_the_command_line_runs_its_factory(tmp_path):
         assert (tmp_path / "api" / f"{num}_{row['run_id']}" / record.SUMMARY).is_file()
     assert (tmp_path / "api" / "report.md").is_file()
     env = {"MEMTRAIN_MODEL": USER_FACTORY, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "memtrain", "model=module", "method=quantize",
-                        *common, f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    p = run_memtrain("model=module", "method=quantize", *common,
+                     f"hydra.run.dir={tmp_path / 'cli'}", cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     cli = json.loads((tmp_path / "cli" / record.SUMMARY).read_text())
     assert set(cli) == set(rows[1]) and cli["model.name"] == "make_net"

@@ -214,6 +214,7 @@ def _small_cnn(channels: int, width: int = 32, classes: int = 10) -> torch.nn.Mo
 
 
 @pytest.mark.slow
+@pytest.mark.any_torch  # pool's ops and gradients are held exact on both torches (test_pool_ops)
 def test_training_converges_like_none_at_equal_epochs():
     """Synthetic 16 px data, 12 epochs of 32 steps, SGD with a cosine schedule: pool (k=2,
     upsample, targets=conv) ends within 3 points of none's test accuracy, on the small CNN at

@@ -111,6 +111,7 @@ checkpoint:
 
 
 @pytest.mark.slow
+@pytest.mark.any_torch  # the sweep and the refusal: the stacks' steps are held on both torches
 def test_a_multirun_sweeps_two_stacks(in_tmp):
     """Hydra-native: stacks are method options (here two of the user's, from --config-dir) and
     a sweep over them runs each; the row names the stack and its members' options. A stack that
