@@ -86,6 +86,7 @@ def _command(model: str, seed: int) -> list[str]:
             *schedule, *SHORT]
 
 
+@pytest.mark.slow  # builds ResNet-50: about 2.4 s
 @pytest.mark.parametrize("model", sorted(STUDIED))
 def test_a_studied_recipe_is_the_one_the_committed_study_trained(model):
     """The committed study's rows of `model` (docs/results/studies/recipes) are the run make
