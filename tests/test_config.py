@@ -220,3 +220,44 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
         cs.repo["trainer"]["base_trainer.yaml"] = node
     with loader.session():
         assert loader._session_state() == before
+
+
+def test_each_config_file_is_parsed_once_per_bytes_and_handed_out_as_a_copy(tmp_path,
+                                                                             monkeypatch):
+    """Across compositions that miss hydra_compose's cache (other overrides), a file Hydra loads
+    is parsed once for its bytes (loader._parse_once): an edited file is parsed again, and what
+    Hydra gets is a copy it may change (it takes the defaults list out of what it loads)."""
+    from omegaconf import OmegaConf
+
+    from memtrain.config import loader
+
+    mine = tmp_path / "trainer"
+    mine.mkdir()
+    preset = mine / "mine.yaml"
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 3\n")
+    parsed = []
+    load = OmegaConf.load
+
+    def counted(f):
+        parsed.append(getattr(f, "name", f))
+        return load(f)
+
+    monkeypatch.setattr(OmegaConf, "load", counted)
+    monkeypatch.setattr(loader, "_parsed", {})
+
+    def compose(*overrides):
+        with loader.session(config_dir=str(tmp_path)):
+            return loader.hydra_compose("config", ["trainer=mine", *overrides])
+
+    one = compose()
+    assert one.trainer.batch_size == 3
+    first = list(parsed)
+    assert str(preset) in first and len(first) > 5  # the preset, conf/ and Hydra's own
+    parsed.clear()
+    two = compose("trainer.seed=1")  # another composition, of the same files
+    assert parsed == []  # none parsed again, and their defaults lists applied as before
+    assert {k: v for k, v in two.trainer.items() if k != "seed"} == \
+        {k: v for k, v in one.trainer.items() if k != "seed"}
+    preset.write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 4\n")  # same size
+    assert compose("trainer.seed=2").trainer.batch_size == 4
+    assert parsed == [str(preset)]

@@ -49,6 +49,7 @@ def session(config_path: str | None = None, config_dir: str | None = None):
                        anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
     Hydra.create_main_hydra2(task_name="memtrain", config_search_path=search)
+    _parse_once()  # after the plugin scan of the first session, which registers the sources
     global _search_path, _search_state
     outer = _search_path, _search_state
     _search_path, _search_state = tuple((e.provider, e.path) for e in search.get_path()), None
@@ -175,6 +176,70 @@ def group_options(group: str, name: str, search: list[str]) -> list[str]:
 def _trim() -> None:
     while len(_composed) > _COMPOSED_MAX:
         _composed.pop(next(iter(_composed)))
+
+
+# Hydra parses every file of the defaults list again for each composition (its own cache lives
+# for one), and a command composes several (the checks, then the job; a sweep's checks one per
+# variant): parsing YAML into OmegaConf is a large part of each. The parse of each file is kept,
+# keyed by the file's real path and its bytes (read again each time: no edit goes unseen), and
+# Hydra gets a copy of it (it edits what it loads: it takes the defaults list out).
+_parsed: dict[tuple, Any] = {}
+_PARSED_MAX = 1024
+
+
+def _parse_once() -> None:
+    """Wrap the load_config of the file and package config sources Hydra uses (the classes
+    its registry holds: its plugin scan imports their modules anew) in `_parsed`, once."""
+    import copy
+    import dataclasses
+    import os
+
+    from hydra._internal.sources_registry import SourcesRegistry
+
+    def file_of(source, config_path: str) -> str | None:  # where the source would read it
+        name = source._normalize_file_name(config_path)
+        if source.scheme() == "file":
+            return os.path.realpath(os.path.join(source.path, name))
+        from importlib import resources
+
+        try:
+            found = resources.files(source.path).joinpath(name)
+        except (ValueError, ModuleNotFoundError, TypeError):
+            return None
+        return str(found) if isinstance(found, Path) else None  # not from a zip
+
+    def cached(load):
+        if getattr(load, "_memtrain_parse_once", False):
+            return load
+
+        def load_config(self, config_path: str):
+            where = file_of(self, config_path)
+            try:
+                with open(where, "rb") as f:
+                    text = f.read()
+            except (OSError, TypeError):  # not there: the source says so in its own words
+                return load(self, config_path)
+            key = (type(self).__name__, self.provider, self.path, config_path, where, text)
+            kept = _parsed.get(key)
+            if kept is None:
+                got = load(self, config_path)
+                with open(where, "rb") as f:  # kept only if the file did not change meanwhile
+                    if f.read() != text:
+                        return got
+                _parsed[key] = dataclasses.replace(got, config=copy.deepcopy(got.config),
+                                                   header=dict(got.header))
+                while len(_parsed) > _PARSED_MAX:
+                    _parsed.pop(next(iter(_parsed)))
+                return got
+            return dataclasses.replace(kept, config=copy.deepcopy(kept.config),
+                                       header=dict(kept.header))
+
+        load_config._memtrain_parse_once = True
+        return load_config
+
+    for scheme in ("file", "pkg"):
+        source = SourcesRegistry.instance().resolve(scheme)
+        source.load_config = cached(source.load_config)
 
 
 def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False, *,
