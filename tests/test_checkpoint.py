@@ -178,10 +178,12 @@ def test_planner_equals_brute_force(seed):
     n = 10 + seed % 3
     prof = _random_profile(rng, n)
     low, high = planner.min_peak(prof), prof.baseline_peak
-    # the best plan within each budget: one pass over every plan for the three budgets
+    # one pass over every plan: none fits under the planner's smallest peak and one reaches it
+    # (it is every plan's least), and the best plan within each of three budgets
     budgets = [int(low + frac * (high - low)) for frac in (0.1, 0.5, 0.9)]
-    assert low == min(planner.peak_bytes(prof, g) for g in planner._all_plans(n, 0, n))
-    for budget, best in zip(budgets, planner.brute_force(prof, budgets), strict=True):
+    below, at, *best_plans = planner.brute_force(prof, [low - 1, low, *budgets])
+    assert below is None and at is not None and at.peak == low
+    for budget, best in zip(budgets, best_plans, strict=True):
         got = planner.plan_budget(prof, budget)
         assert got.peak <= budget
         assert got.recompute_s == pytest.approx(best.recompute_s, rel=1e-9, abs=1e-12)
