@@ -19,7 +19,7 @@ import functools
 import math
 
 import torch
-from memtrain.kernels import chunk_starts, is_fake, triton_available
+from memtrain.kernels import chunk_starts, is_fake, replayed_on_fake, triton_available
 
 BLOCK_BYTES = 1024  # bytes per program in the pack kernel (8x as many elements)
 BLOCK_ELEMS = 4096  # elements per program in the masked-gradient kernel
@@ -125,6 +125,7 @@ def _weights(device: torch.device) -> torch.Tensor:
 PACK_CHUNKS = 16  # pack_torch works on ~1/16 of a tensor at a time
 
 
+@replayed_on_fake(lambda x: (tuple(x.shape), x.stride(), x.dtype))
 def pack_torch(x: torch.Tensor) -> torch.Tensor:
     """Packed `x > 0` with plain torch ops (any device). Its temporaries (a bool and a uint8
     copy of the mask, 2 bytes per element) are made one slice of the batch at a time, so they
@@ -159,6 +160,8 @@ def unpack_torch(bits: torch.Tensor, n: int) -> torch.Tensor:
     return m.reshape(-1)[:n]
 
 
+@replayed_on_fake(lambda grad, bits: (tuple(grad.shape), grad.stride(), grad.dtype,
+                                     tuple(bits.shape), bits.stride()))
 def masked_grad_torch(grad: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     mask = unpack_torch(bits, grad.numel()).view(grad.shape)
     return torch.where(mask, grad, grad.new_zeros(()))

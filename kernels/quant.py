@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from memtrain.kernels import chunk_starts, is_fake, triton_available
+from memtrain.kernels import chunk_starts, is_fake, replayed_on_fake, triton_available
 
 BITS = (2, 4, 8)
 GROUP_MULTIPLE = 32  # group sizes are multiples of this: a group's codes fill whole 32-bit words
@@ -242,6 +242,9 @@ def _channel_of(lo: int, count: int, chan: tuple[int, int], device) -> torch.Ten
     return torch.arange(lo, lo + count, device=device).floor_divide_(chan[1]).remainder_(chan[0])
 
 
+@replayed_on_fake(lambda x, bits, group_size, stochastic, noise=None, chan=None: (
+    tuple(x.shape), x.stride(), x.dtype, bits, group_size, stochastic,
+    None if noise is None else (tuple(noise.shape), noise.stride(), noise.dtype), chan))
 def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
                    noise: torch.Tensor | None = None,
                    chan: tuple[int, int] | None = None) -> torch.Tensor:
@@ -320,6 +323,8 @@ def _group_stats(flat: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, grou
     return _inverse(rng, levels)
 
 
+@replayed_on_fake(lambda buf, n, bits, group_size, dtype, chan=None: (
+    tuple(buf.shape), buf.stride(), buf.dtype, n, bits, group_size, dtype, chan))
 def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
                      dtype: torch.dtype, chan: tuple[int, int] | None = None) -> torch.Tensor:
     """The n dequantized elements (flat, `dtype`) of a buffer, vectorised torch, chunked."""

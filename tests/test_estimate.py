@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from conftest import tiny_data
 
 from memtrain import api
 from memtrain.config.schema import Trainer
@@ -122,6 +123,33 @@ def test_cli_find_max_batch_on_the_cpu_without_a_cap_is_one_line_and_no_folder(t
         "memtrain: error: trainer.find_max_batch on the CPU compares the estimate with a memory "
         "cap: set trainer.gpu_memory_gb (GiB), or run on a GPU"]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("model,extra", [
+    # per-channel stats, ReLU masks, BatchNorm's inputs (the decoder holds it on the old torch)
+    pytest.param("resnet18", ["method.bits=2"], marks=pytest.mark.breadth),
+    ("gpt_nano", ["model.layers=2", "trainer.precision=bf16"])])
+def test_quantize_estimate_is_the_same_with_its_kernels_replayed(tmp_path, monkeypatch, model,
+                                                                 extra):
+    """memtrain.kernels.replayed_on_fake stands in for the torch path's ops on fake tensors: the
+    estimate of a quantized step, every column of it, is the one the ops themselves give."""
+    import memtrain.kernels as kernels
+
+    class Never(dict):  # every call runs the torch path's ops
+        def __setitem__(self, key, value):
+            super().__setitem__(key, None)
+
+    cmd = [f"model={model}", "method=quantize", *tiny_data(model, image_size=8), "trainer=smoke",
+           "trainer.max_steps=0", "trainer.batch_size=4", "trainer.estimate=true", *extra]
+    rows = {}
+    for name, traces in (("replayed", {}), ("ran", Never())):
+        monkeypatch.setattr(kernels, "_traces", traces)
+        rows[name] = api.run(cmd, out_dir=tmp_path / name)
+        assert rows[name]["status"] == "ok", rows[name].get("error")
+    assert kernels._traces and all(t is None for t in kernels._traces.values())
+    cols = {k for k in rows["ran"] if k.startswith("mem_estimate") and k.endswith("_bytes")}
+    assert len(cols) > 8, cols
+    assert {k: rows["replayed"][k] for k in cols} == {k: rows["ran"][k] for k in cols}
 
 
 def test_triton_launchers_on_fake_tensors_only_allocate_their_outputs():

@@ -180,3 +180,4 @@ def test_per_channel_steps_follow_each_channel_and_stay_unbiased(bits):
     plain = quant.dequantize_torch(quant.quantize_torch(x, bits, group_size, stochastic=True),
                                    n, bits, group_size, torch.float32)
     assert (plain - x)[small].abs().max() > 10 * step[0]  # the old grouping: neighbour's step
+
