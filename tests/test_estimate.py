@@ -125,6 +125,7 @@ def test_cli_find_max_batch_on_the_cpu_without_a_cap_is_one_line_and_no_folder(t
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,extra", [
     # per-channel stats, ReLU masks, BatchNorm's inputs (the decoder holds it on the old torch)
     pytest.param("resnet18", ["method.bits=2"], marks=pytest.mark.breadth),
