@@ -20,7 +20,9 @@ method's case.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +199,7 @@ def run_refused(case: Case) -> dict:
 
 _ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's session
 _ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # the worker's runs, when it ends
 _FOLDERS = itertools.count()  # one fresh folder a run (a refused run leaves its folder behind)
 
 
