@@ -144,7 +144,7 @@ def replayed_on_fake(key):
                 return fn(*args, **kwargs)
             import torch
 
-            k = (fn.__qualname__, args[0].device, *key(*args, **kwargs))
+            k = (fn.__module__, fn.__qualname__, args[0].device, *key(*args, **kwargs))
             if k in _traces:
                 trace = _traces[k]
                 return trace.replay(args[0]) if trace is not None else fn(*args, **kwargs)
