@@ -18,9 +18,9 @@ TINY = ["trainer=smoke", "trainer.max_steps=2", "trainer.warmup_steps=1", "train
 # A language model's preset (transformer_study) keeps its token data and its point's sequence
 # length; the decoder shrinks to one narrow layer (its options, not its code, are what the
 # preset sets) and the batch to two.
+SMALL_DECODER = ["model.layers=1", "model.width=32", "model.heads=2"]
 TINY_LM = [*(o for o in TINY if not o.startswith("dataset")), "trainer.batch_size=2",
-           "dataset.train_size=4", "dataset.test_size=2", "model.layers=1", "model.width=32",
-           "model.heads=2"]
+           "dataset.train_size=4", "dataset.test_size=2", *SMALL_DECODER]
 
 
 def tiny(exp: str) -> list[str]:
@@ -66,7 +66,7 @@ def test_every_preset_smoke_runs(exp, point, tmp_path):
     if estimates_only(exp):  # its own step count (0), tiny data of its point's model
         model = next(p.split("=", 1)[1] for p in point if p.startswith("model="))
         # a decoder shrunk as TINY_LM shrinks it: what the preset sets are its options
-        small = TINY_LM[-3:] if language_model(model) else []
+        small = SMALL_DECODER if language_model(model) else []
         row = api.run([f"experiment={exp}", *point, *tiny_data(model), *small],
                       out_dir=tmp_path)
         assert row["status"] == "ok", row.get("error")
