@@ -175,6 +175,33 @@ def test_pack_scales_each_channel_in_either_memory_format(fmt):
     assert pack_tensor(small, 4, 32, False).chan is None  # too few for 8 bytes of stats
 
 
+def test_a_batch_of_two_at_1x1_is_kept_exact_and_batchnorms_gradient_with_it():
+    """Channels of two elements (a batch of two at 1x1: an SE block's squeeze vector) are kept
+    exact: BatchNorm normalises two samples to -1 and +1 whatever their gap, and a step set by
+    other channels can be that whole gap, so its backward would divide by a quantization error.
+    The input gradient through BatchNorm then equals the exact one; three elements a channel
+    are quantized as before."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 1, 1, generator=g) * 10
+    x[1, :32] = x[0, :32] + 1e-3  # channels whose two samples nearly agree
+    assert pack_tensor(x, 4, 256, stochastic=True) is None
+    assert pack_tensor(torch.randn(3, 64, 1, 1), 4, 256, stochastic=True) is not None
+    bn = nn.BatchNorm2d(64).train()
+    grads = []
+    for hooks in (None, ActivationQuantizer(4, 256, stochastic=True)):
+        leaf = x.clone().requires_grad_(True)
+        inp = leaf * 1.0  # an activation (a grad_fn), as a model's are
+        if hooks is None:
+            out = bn(inp)
+        else:
+            with hooks:
+                out = bn(inp)
+        (out * torch.linspace(-1, 1, 128).view(2, 64, 1, 1)).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.isfinite(grads[1]).all()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def _mlp6_expected(batch: int, widths: list[int], bits: int, g: int) -> float:
     """none keeps every hidden ReLU output (fp32, shared with the next Linear's input);
     quantize keeps per hidden layer a 1-bit mask plus the quantized buffer."""

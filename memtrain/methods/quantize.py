@@ -17,8 +17,9 @@ needed it: docs/methods/quantize.md.
 
 What is *not* quantized: parameters and the low-precision copies autocast makes of them (casts
 and views of a parameter), the batch and anything else a step finds alive (no grad_fn: buffers,
-BatchNorm's saved statistics), tensors whose packed form would not be smaller, tensors with
-overlapping memory (expanded views), and non-float tensors. A view with gaps (q, k and v split
+BatchNorm's saved statistics), tensors whose packed form would not be smaller, tensors whose
+channels hold at most two elements each (a batch of two at 1x1: `EXACT_CHANNEL_ELEMS`), tensors
+with overlapping memory (expanded views), and non-float tensors. A view with gaps (q, k and v split
 from a fused qkv projection, a ViT's class token) is packed from a copy of its own elements.
 ReLUs keep 1-bit masks (`relu_mask=bits`) and max-pools uint8 window offsets (both exact;
 pool's modules, from methods/common/compact.py), so a ReLU's output is kept once, quantized, by
@@ -53,6 +54,12 @@ from memtrain.methods.common.swap import recast, swap_modules
 ROUNDINGS = ("stochastic", "nearest")
 CHANNEL_NORMS = ("auto", "minmax", "none")
 MIN_CHANNEL_ELEMS = 64  # per-channel scaling only where a channel's 8 bytes cost <= 1 bit each
+# A tensor whose channels (dim 1) hold at most this many elements each is kept exact: its copy
+# costs no more than per-channel scaling's 8 bytes a channel would, and without that scaling a
+# group's step, set by other channels, can be the whole gap between a channel's two values,
+# which BatchNorm's backward divides by (two samples normalise to -1 and +1 whatever their
+# gap): at a batch of two, the squeeze vectors of SE blocks and 1x1 maps made the loss NaN.
+EXACT_CHANNEL_ELEMS = 2
 RELU_MASKS = ("bits", "none")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -90,8 +97,11 @@ def pack_tensor(x: torch.Tensor, bits: int, group_size: int, stochastic: bool,
                 per_channel: bool = True) -> Packed | None:
     """x quantized in its memory order (`per_channel`: each channel of dim 1 first scaled to
     [0, 1]; a view with gaps: its elements in row-major order), or None when that would not
-    save memory (too small, not a float, overlaps in its memory)."""
+    save memory (too small, not a float, overlaps in its memory) or when its channels hold
+    too few elements to quantize (EXACT_CHANNEL_ELEMS)."""
     if x.dtype not in FLOATS or x.numel() == 0:
+        return None
+    if x.dim() >= 2 and x.numel() <= EXACT_CHANNEL_ELEMS * x.shape[1]:
         return None
     perm = memory_order(x)
     if perm is None:  # gaps: a view into a larger storage (q, k and v split from one qkv
