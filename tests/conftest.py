@@ -41,26 +41,60 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+_RANKS_LOCKS: list = []  # this test's (gate, hold) lock files, for `ranks_alone`
+
+
 @pytest.fixture(autouse=True)
 def _ranks_alone(request, tmp_path_factory):
     """A test marked `ranks` starts the processes of a job of several ranks (torchrun: two ranks
-    and its agent) and runs with no other test beside it: two ranks beside a busy test worker on
-    two cores slow gloo's collectives to a crawl. make test runs `--dist worksteal`, which
-    ignores xdist groups (they need `--dist loadgroup`), so the workers share two lock files in
-    the session's temporary folder: every test holds the lock shared, a `ranks` test holds it
-    alone (and the gate first, so that tests that start meanwhile wait behind it)."""
+    and its agent), which run with no other test beside them: two ranks beside a busy test
+    worker on two cores slow gloo's collectives to a crawl. make test runs `--dist worksteal`,
+    which ignores xdist groups (they need `--dist loadgroup`), so the workers share two lock
+    files in the session's temporary folder: every test holds the lock shared; a `ranks` test
+    holds it alone (and the gate first, so that tests that start meanwhile wait behind it),
+    only while it starts its ranks where it asks for `ranks_alone`, else for the whole test."""
     import fcntl
 
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    alone = request.node.get_closest_marker("ranks") is not None
+    alone = request.node.get_closest_marker("ranks") is not None and \
+        "ranks_alone" not in request.fixturenames
     mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
     with open(root / "ranks.gate", "a") as gate, open(root / "ranks.lock", "a") as hold:
         fcntl.flock(gate, mode)
         fcntl.flock(hold, mode)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
+        _RANKS_LOCKS[:] = [gate, hold]
+        try:
+            yield
+        finally:
+            _RANKS_LOCKS.clear()
+
+
+@pytest.fixture
+def ranks_alone(_ranks_alone, request):
+    """`with ranks_alone():` the machine to this test alone (a `ranks` test, while its ranks
+    run): the shared hold given up, the gate and the lock taken alone, the hold shared again
+    after. The test's checks in this process run beside the other worker's tests."""
+    import contextlib
+    import fcntl
+
+    assert request.node.get_closest_marker("ranks") is not None, "mark the test `ranks`"
+
+    @contextlib.contextmanager
+    def alone():
+        gate, hold = _RANKS_LOCKS
+        fcntl.flock(hold, fcntl.LOCK_UN)
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(hold, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(hold, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+    return alone
 
 
 def conf_options(group: str) -> list[str]:

@@ -380,18 +380,29 @@ def _assert_same_updates(a: Path, b: Path, start: dict[str, torch.Tensor]) -> No
 @pytest.mark.slow
 @pytest.mark.ranks
 @pytest.mark.xdist_group("ranks")
-def test_ddp_on_two_ranks_equals_one_process(in_tmp):
+def test_ddp_on_two_ranks_equals_one_process(in_tmp, ranks_alone):
     """`torchrun --nproc-per-node 2 -m memtrain ... trainer.strategy=ddp`: one ok row, written
     by rank 0 alone, the global batch split in two; its loss and every weight's update (the
     gradients, averaged over the ranks) those of one process on the same global batch. Then
     rank 1 killed mid-run: the row names it and keeps the metrics logged."""
     args = [*TINY, "trainer.save_weights=true"]
-    p = torchrun(*args, "trainer.strategy=ddp", f"hydra.run.dir={in_tmp / 'ddp'}", cwd=in_tmp)
-    assert p.returncode == 0, p.stderr[-3000:]
+    failed = in_tmp / "failed"
+    with ranks_alone():  # both torchruns; the checks in this process after them
+        p = torchrun(*args, "trainer.strategy=ddp", f"hydra.run.dir={in_tmp / 'ddp'}",
+                     cwd=in_tmp)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert sorted(p.name for p in in_tmp.iterdir()) == ["ddp"]  # no folder of rank 1's
+        # a rank that vanishes is the row's failure: rank 1 is killed (SIGKILL: no handler,
+        # no record) at step 45 while rank 0 waits for its gradients; rank 0's connection to
+        # it is reset, rank 1's heartbeat has stopped, and rank 0 writes the row naming rank
+        # 1, with every metric logged before (every 10th step: 0-40)
+        killed = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=kill",
+                          "trainer.fault_rank=1", "trainer.fault_step=45",
+                          "trainer.max_steps=50", "trainer.log_every=10",
+                          f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
     row = _row(in_tmp / "ddp")
     assert row["status"] == "ok" and row["world_size"] == 2 and row["local_batch_size"] == 4
     assert row["trainer.strategy"] == "ddp" and row["mem_peak_rank"] in (0, 1)
-    assert sorted(p.name for p in in_tmp.iterdir()) == ["ddp"]  # no folder of rank 1's
     one = api.run(args, out_dir=in_tmp / "one")
     assert row["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
     assert row["test_acc"] == one["test_acc"]
@@ -404,19 +415,11 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp):
     est = _estimate(TINY, "ddp", 2, in_tmp / "estimate")
     assert est["mem_estimate_bytes"] == pytest.approx(row["rank_max.mem_tracker_peak_bytes"],
                                                       rel=0.05)
-    # a rank that vanishes is the row's failure: rank 1 is killed (SIGKILL: no handler, no
-    # record) at step 45 while rank 0 waits for its gradients; rank 0's connection to it is
-    # reset, rank 1's heartbeat has stopped, and rank 0 writes the row naming rank 1, with
-    # every metric logged before (every 10th step: 0-40)
-    failed = in_tmp / "failed"
-    p = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=kill", "trainer.fault_rank=1",
-                 "trainer.fault_step=45", "trainer.max_steps=50", "trainer.log_every=10",
-                 f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
-    assert p.returncode != 0
+    assert killed.returncode != 0
     bad = _row(failed)
     assert bad["status"] == "error" and bad["failed_rank"] == 1, bad
     assert bad["error"].startswith(f"rank 1: {distributed.GONE}; rank 0 then met: "), bad["error"]
-    assert "run ended with status=error: rank 1: its process ended" in p.stderr
+    assert "run ended with status=error: rank 1: its process ended" in killed.stderr
     logged = pd.read_csv(failed / "metrics.csv").query("split == 'train' and name == 'loss'")
     assert logged["step"].tolist() == [0, 10, 20, 30, 40]
 
@@ -424,7 +427,7 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp):
 @pytest.mark.slow
 @pytest.mark.ranks
 @pytest.mark.xdist_group("ranks")
-def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
+def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp, ranks_alone):
     """`... trainer.strategy=fsdp`: one ok row; each rank holds half the parameters, gradients
     and optimizer state; loss and updates those of one process. Bad input that every rank
     refuses: rank 0's one line and exit status 2. Then SIGTERM to rank 1 of the
@@ -433,9 +436,24 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
     (torch.distributed.checkpoint), the row says interrupted, and the continue command it
     prints ends at the uninterrupted run's loss and weights."""
     args = [*TINY, "trainer.save_weights=true", "trainer.strategy=fsdp"]
-    run = in_tmp / "fsdp"
-    p = torchrun(*args, f"hydra.run.dir={run}", cwd=in_tmp)
-    assert p.returncode == 0, p.stderr[-3000:]
+    run, refused, stopped = in_tmp / "fsdp", in_tmp / "refused", in_tmp / "stopped"
+    fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",
+             "trainer.fault=sigterm", "trainer.fault_rank=1", "trainer.fault_step=1"]
+    with ranks_alone():  # the four torchruns; the checks in this process after them
+        p = torchrun(*args, f"hydra.run.dir={run}", cwd=in_tmp)
+        assert p.returncode == 0, p.stderr[-3000:]
+        # bad input (every rank refuses it, before any folder is made)
+        bad = torchrun(*args, "method=synthetic", f"hydra.run.dir={refused}", cwd=in_tmp)
+        cut = torchrun(*fault, f"hydra.run.dir={stopped}", cwd=in_tmp)
+        assert cut.returncode != 0
+        cut_row = _row(stopped)  # before the continue command writes the finished row
+        line = next(ln for ln in cut.stderr.splitlines() if "continue with: " in ln)
+        command = shlex.split(line.split("continue with: ", 1)[1])
+        assert command[:3] == ["torchrun", "--nproc-per-node=2", "-m"]
+        shards = sorted(f.name for f in (stopped / "resume.dcp.2").iterdir())
+        again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                *command[1:]], cwd=in_tmp, text=True, capture_output=True,
+                               timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     row = _row(run)
     assert row["status"] == "ok" and row["world_size"] == 2
     single = [a for a in args if a != "trainer.strategy=fsdp"]
@@ -469,32 +487,18 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp):
 
     # bad input under torchrun (every rank refuses it, before any folder is made): rank 0 says
     # why in one line and exits 2, as one process does; nothing is written
-    refused = in_tmp / "refused"
-    p = torchrun(*args, "method=synthetic", f"hydra.run.dir={refused}", cwd=in_tmp)
-    said = [ln for ln in p.stderr.splitlines() if ln.startswith("memtrain: ")]
+    said = [ln for ln in bad.stderr.splitlines() if ln.startswith("memtrain: ")]
     assert said == [f"memtrain: error: method=synthetic with trainer.strategy=fsdp: "
                     f"{SHARDED_REFUSED['synthetic']}, each a model of its own, which the "
                     f"strategy's wrapper of one model does not cover; use "
-                    f"trainer.strategy=single"], p.stderr[-3000:]
-    assert "exitcode  : 2" in p.stderr  # torchrun's report of the ranks' exit status
+                    f"trainer.strategy=single"], bad.stderr[-3000:]
+    assert "exitcode  : 2" in bad.stderr  # torchrun's report of the ranks' exit status
     assert not refused.exists()
 
-    stopped = in_tmp / "stopped"
-    fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",
-             "trainer.fault=sigterm", "trainer.fault_rank=1", "trainer.fault_step=1"]
-    p = torchrun(*fault, f"hydra.run.dir={stopped}", cwd=in_tmp)
-    assert p.returncode != 0
-    cut = _row(stopped)
-    assert cut["status"] == "interrupted" and cut["signal"] == "SIGTERM", cut.get("error")
-    assert cut["failed_step"] == 2 and cut["plan_groups"] == "0-1;2-3;4-4"
-    shards = sorted(f.name for f in (stopped / "resume.dcp.2").iterdir())
+    assert cut_row["status"] == "interrupted" and cut_row["signal"] == "SIGTERM", \
+        cut_row.get("error")
+    assert cut_row["failed_step"] == 2 and cut_row["plan_groups"] == "0-1;2-3;4-4"
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.pt", "rank1.pt"]
-    line = next(ln for ln in p.stderr.splitlines() if "continue with: " in ln)
-    command = shlex.split(line.split("continue with: ", 1)[1])
-    assert command[:3] == ["torchrun", "--nproc-per-node=2", "-m"]
-    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            *command[1:]], cwd=in_tmp, text=True, capture_output=True,
-                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert again.returncode == 0, again.stderr[-3000:]
     done = _row(stopped)
     assert done["status"] == "ok" and done["resumed_at_step"] == 2
