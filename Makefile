@@ -202,13 +202,15 @@ clean: ## remove caches and the built site (keeps .venv and runs/)
 
 # The whole study (tools/study/): every part a row of its own, raw results in
 # runs/results/<name>/, tables and figures in docs/results/<name>/ (<name> = <date>_<gpu>),
-# then `make results-docs` (not after ARGS=--dry-run, which writes nothing).
+# then `make results-docs` (not after ARGS=--dry-run, which writes nothing, nor with DOCS=0:
+# the results kept apart from the committed docs).
 # Without .venv (an offline GPU box): `make gpu-env results PY=python3` (docs/results/study.md).
 DEVICE   ?= cuda
 PARTS    ?=
 DEADLINE ?=
 ARCHIVE  ?=
 RESULTS_NAME ?=
+DOCS     ?= 1
 PY       ?=
 RESULTS_PY   := $(if $(PY),$(PY),$(BIN)/python)
 RESULTS_ARGS := --device $(DEVICE) $(if $(PARTS),--parts $(PARTS)) \
@@ -239,7 +241,7 @@ timeline-figures: $(STAMP) ## a real resnet18 sweep with trainer.memory_timeline
 results: $(if $(PY),,$(STAMP)) ## the study, priority parts first -> docs/results/<date>_<gpu>/; DEVICE=cpu: tiny, on the CPU
 	$(if $(wildcard .whl/site),PYTHONPATH=$(CURDIR)/.whl/site$${PYTHONPATH:+:$$PYTHONPATH}) \
 	  $(RESULTS_PY) -m tools.study $(RESULTS_ARGS)
-	$(if $(findstring --dry-run,$(ARGS)),,$(MAKE) --no-print-directory results-docs ARGS=)
+	$(if $(or $(findstring --dry-run,$(ARGS)),$(filter 0,$(DOCS))),,$(MAKE) --no-print-directory results-docs ARGS=)
 
 # memtrain itself editable: its package-dir mapping (memtrain.kernels) needs the install, and
 # --no-build-isolation uses the box's setuptools and wheel instead of fetching them

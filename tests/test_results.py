@@ -221,13 +221,17 @@ def test_pack_leaves_out_checkpoints(tmp_path, monkeypatch):
 def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
     """`make results DEVICE=cpu` at smoke size (CI): synthetic fails (an unknown model), the
     trade-off part after it still trains every method, and the view, the figures and the
-    archive are all written."""
+    archive are all written. Without DOCS=0 the target then makes results-docs (`make -n`
+    shows it; test_results_docs.py renders every block those tools write)."""
     out, runs, archive = tmp_path / "view", tmp_path / "runs", tmp_path / "a.tar.gz"
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run(["make", "-s", "-C", str(root), "results", "DEVICE=cpu",
-                        f"PY={sys.executable}", "PARTS=synthetic,tradeoff", "RESULTS_NAME=t",
-                        f"ARCHIVE={archive}", f"ARGS=--profile smoke --set synthetic.model=nosuch "
-                        f"--out {out} --runs {runs}"], capture_output=True, text=True, timeout=900)
+    cmd = ["make", "-s", "-C", str(root), "results", "DEVICE=cpu", f"PY={sys.executable}",
+           "PARTS=synthetic,tradeoff", "RESULTS_NAME=t", f"ARCHIVE={archive}",
+           f"ARGS=--profile smoke --set synthetic.model=nosuch --out {out} --runs {runs}"]
+    plan = subprocess.run([*cmd[:2], "-n", *cmd[2:]], capture_output=True, text=True,
+                          timeout=60).stdout
+    assert "-m tools.study --device cpu" in plan and "results-docs" in plan, plan
+    p = subprocess.run([*cmd, "DOCS=0"], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     status = {p: json.loads((runs / p / "status.json").read_text()) for p in
               ("synthetic", "tradeoff")}
