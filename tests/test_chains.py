@@ -145,6 +145,30 @@ def test_containers_are_replaced_by_their_blocks_and_identities_dropped():
     assert chain.whole and chain.cuttable() is None
 
 
+class TwoRuns(nn.Module):
+    """A stem of two wide convolutions whose output then goes two ways (an HRNet's branches),
+    and deep in one branch a longer run of small layers (more ops, far fewer bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 32, 3, padding=1))
+        self.small = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+        self.side = nn.Conv2d(32, 4, 1)
+
+    def forward(self, x):
+        y = self.stem(x)
+        z = self.small(y.mean((2, 3))[:, :4])
+        return self.side(y).mean((2, 3)) + z
+
+
+def test_the_chain_that_makes_the_most_bytes_wins_over_the_longest():
+    """Of the chains found, the one whose segments make the most bytes outside its largest
+    segment wins (what a plan can free), not the one of the most ops: the wide stem, not the
+    six small Linears."""
+    chain = chain_of(TwoRuns(), sample=torch.randn(2, 3, 16, 16))
+    assert [s.name for s in chain.segments] == ["stem.0", "stem.1"]
+
+
 @pytest.mark.parametrize("model,why", [
     (Branches(), "the output of a is the first input of no later module"),
     (Collects(), r"the output of blocks.0 is also read by stack outside blocks.1")])

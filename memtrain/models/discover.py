@@ -16,10 +16,12 @@ children of one call (their parent module's forward, or a Sequential's), where:
 A call whose own forward does nothing but run such a chain of its children (an nn.Sequential,
 a stage of a downsample and its blocks) is replaced by that chain, recursively, as many levels
 down as keep the chain within `MAX_SEGMENTS`: timm's ResNet becomes its stem's modules, every
-block of every stage, pooling and fc. Of the chains found anywhere in the tree, the one that
-runs the most of the forward's ops outside its largest segment wins (the first of equals,
-outermost first); fewer than two segments is no chain, refused in one line that says what
-broke it.
+block of every stage, pooling and fc. Of the chains found anywhere in the tree, the one whose
+segments make the most bytes of new tensors outside its largest segment wins (what a plan can
+split and free: a short chain at a network's full-resolution stem, not a long one of tiny maps
+deep inside), then the one that runs the most ops outside its largest segment (the first of
+equals, outermost first); fewer than two segments is no chain, refused in one line that says
+what broke it.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class _Trace(TorchDispatchMode):
         self.alive: list[torch.Tensor] = []
         self.seen: set[int] = set()
         self.writes: list[tuple[int, Any]] = []  # (tick, storage written in place)
+        self.nbytes: dict[int, int] = {}  # tensor id -> bytes of the storage it was made with
+        self.storages: set[Any] = set()
 
     def clock(self) -> int:
         self.tick += 1
@@ -97,6 +101,9 @@ class _Trace(TorchDispatchMode):
         for o in tree_flatten(out)[0]:
             if isinstance(o, torch.Tensor) and id(o) not in self.seen:
                 self.producer[id(o)] = t
+                key = _storage(o)  # a view of a tensor seen before makes no bytes
+                self.nbytes[id(o)] = 0 if key in self.storages else \
+                    o.untyped_storage().nbytes()
                 self._see(o)
         for arg, v in zip(func._schema.arguments, args):
             if arg.alias_info is not None and arg.alias_info.is_write \
@@ -109,6 +116,7 @@ class _Trace(TorchDispatchMode):
         if id(a) not in self.seen:
             self.seen.add(id(a))
             self.alive.append(a)
+            self.storages.add(_storage(a))
 
 
 def _storage(t: torch.Tensor) -> Any:
@@ -209,6 +217,9 @@ class _Analysis:
         made = sorted((t, last.get(tid, t), tid) for tid, t in tr.producer.items())
         self.made_at = [m[0] for m in made]
         self.made = made
+        self.bytes_upto = [0]  # bytes of the tensors made before each entry of `made`
+        for _, _, tid in made:
+            self.bytes_upto.append(self.bytes_upto[-1] + tr.nbytes[tid])
         self._unfit: dict[int, str | None] = {}
         self._runs: dict[int, list[tuple[list[Call], str]]] = {}
         self._expand: dict[tuple[int, int], list[Call]] = {}
@@ -218,6 +229,12 @@ class _Analysis:
 
     def ops_in(self, c: Call) -> int:
         return bisect.bisect_left(self.ticks, c.exit) - bisect.bisect_right(self.ticks, c.enter)
+
+    def bytes_in(self, c: Call) -> int:
+        """Bytes of the new tensors (not views) that the ops of call `c` made."""
+        lo = bisect.bisect_right(self.made_at, c.enter)
+        hi = bisect.bisect_left(self.made_at, c.exit)
+        return self.bytes_upto[hi] - self.bytes_upto[lo]
 
     def unfit(self, c: Call) -> str | None:
         """Why call `c` cannot be a segment, or None."""
@@ -342,14 +359,17 @@ def find(model: nn.Module, sample: Any) -> Found:
         return Found([], why="no module was called")
     a = _Analysis(calls, tr)
     best: list[list[Call]] = []
-    score, why = (0, 0), ""
+    score, why = (0, 0, 0), ""
     for p in calls:  # outermost first: the first of equal chains is the outermost
         for run, end in a.runs(p):
             segs = _segments(a, run)
-            # the chain that runs the most of the forward's ops outside its largest segment:
-            # what a plan can split (not one segment holding most of the forward)
+            # the chain that makes the most bytes, then runs the most ops, outside its largest
+            # segment: what a plan can split and free (not one segment holding most of the
+            # forward, nor a long chain of small maps deep inside a branch)
+            made = [sum(a.bytes_in(c) for c in s) for s in segs]
             ops = [sum(a.ops_in(c) for c in s) for s in segs]
-            covered = (sum(ops) - max(ops, default=0), len(segs))
+            covered = (sum(made) - max(made, default=0), sum(ops) - max(ops, default=0),
+                       len(segs))
             if len(segs) >= MIN_SEGMENTS and covered > score:
                 best, score = segs, covered
             elif not why:
