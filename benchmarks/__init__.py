@@ -133,14 +133,19 @@ def provenance_row(device: torch.device, cmd: str) -> dict[str, str]:
 
 
 def write_rows(rows: Sequence[dict], path: str | os.PathLike | None, device: torch.device,
-               cmd: str, append: bool = False) -> None:
+               cmd: str, append: bool = False, key: Callable[[dict], Any] | None = None
+               ) -> None:
     """The rows of a table as CSV (every key of every row, in order of appearance, then
     PROVENANCE), written atomically; `append` adds them to the file's rows (same columns
-    first, new ones after)."""
+    first, new ones after), replacing the file's rows of the same `key` (a slice measured
+    again)."""
     if not path:
         return
     prov = provenance_row(device, cmd)
     old = read_rows(path) if append and Path(path).exists() else []
+    if key is not None:
+        again = {key(r) for r in rows}
+        old = [r for r in old if key(r) not in again]
     rows = [*old, *({**r, **prov} for r in rows)]
     cols: dict[str, None] = {}
     for r in rows:

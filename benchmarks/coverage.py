@@ -186,7 +186,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "--table, those the rows hold)")
     ap.add_argument("--csv", help="write the rows here (CSV)")
     ap.add_argument("--append", action="store_true",
-                    help="add the rows to those --csv holds (a slice of methods run later)")
+                    help="add the rows to those --csv holds (a slice of methods run later; "
+                    "rows of an architecture and method measured again replace the old)")
     ap.add_argument("--out", help="write the markdown table here")
     ap.add_argument("--table", help="only make the table from rows written before (CSV)")
     args = ap.parse_args(argv)
@@ -213,7 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = torch.device("cpu")
     cmd = "python -m benchmarks.coverage" + (f" --only {args.only}" if args.only else "") + \
         f" --methods {','.join(methods)}"
-    bench.write_rows(rows, args.csv, device, cmd, append=args.append)
+    bench.write_rows(rows, args.csv, device, cmd, append=args.append,
+                     key=lambda r: (r["arch"], r["method"]))
     bench.publish(f"Coverage ({bench.device_line(device)})\n\n{table(rows, methods)}", args.out)
 
 
