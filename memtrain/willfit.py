@@ -514,8 +514,19 @@ def _row(s: Setting, cfg, model_name: str, data, make_optimizer, budget: int, ba
     plan = None if planner is None else planner.plan
     if getattr(planner, "raised_to", None) is not None:
         row["plan_budget_raised_to_bytes"] = int(planner.raised_to)
-    found_batch = largest_batch(est.peak, budget, batch // s.ranks,
+    refused: list[str] = []
+
+    def peak(b: int) -> int:
+        try:
+            return est.peak(b)
+        except ConfigError as e:  # the method refuses that batch (prune's blocks need rows)
+            refused.append(f"batch {b} refused: {e}")
+            return budget + 1  # it does not run there, so it does not fit there
+
+    found_batch = largest_batch(peak, budget, batch // s.ranks,
                                 lines=breakdown_lines(first, batch // s.ranks))
+    if refused:
+        found_batch["max_batch_how"] += f"; {refused[0]}"
     if s.ranks > 1:  # the global batch: every rank's
         found_batch["max_batch_per_rank"] = found_batch["max_batch"]
         found_batch["max_batch"] *= s.ranks

@@ -138,6 +138,23 @@ def test_when_none_does_not_fit_the_answer_names_the_cheapest_that_does(in_tmp):
         out.answer.endswith("(approximate gradients)")
 
 
+@pytest.mark.slow
+def test_a_batch_the_method_refuses_does_not_fit_and_is_said(in_tmp):
+    """prune refuses mlp6 at a batch of one (its blocks would take no less than the inputs
+    they replace) and runs at 64: on a card too small for any batch, the search meets that
+    refusal, counts it as not fitting and says why, and the command goes on to its answer
+    (it ended in the refusal before)."""
+    out = api.will_fit([*TINY, "trainer.batch_size=64", "trainer.gpu_memory_gb=0.01",
+                        *NO_CONTEXT], methods=["prune"], defaults_only=True, figure=False,
+                       out_dir=in_tmp / "out")
+    rows = {r["setting"]: r for r in out.rows}
+    assert rows["prune"]["status"] == "ok" and not rows["prune"]["fits"]
+    assert rows["prune"]["max_batch"] == rows["none"]["max_batch"] == 0
+    assert "batch 1 refused: method=prune prunes nothing in MLP" in \
+        rows["prune"]["max_batch_how"]
+    assert out.answer.startswith("no method or stack fits batch 64")
+
+
 def test_largest_batch_on_a_peak_affine_in_pieces():
     """A peak that moves from the update (flat in the batch) to backward (steeper) as the
     batch grows: the first line, from two small batches, overshoots; secant steps land on the
