@@ -27,6 +27,22 @@ def test_find_max_batch_with_an_injected_oom(limit, largest, start):
     assert all(1 <= b <= limit for b in tried)
 
 
+def test_a_batch_the_method_refuses_does_not_fit():
+    """The GPU-free search (trainer.find_max_batch on the CPU): a batch whose estimate the
+    method refuses (prune below the rows its blocks need) does not fit, and the search goes on
+    (the refusal ended the run before)."""
+    def estimate(b: int) -> int:
+        if b < 32:
+            raise ConfigError("method=prune prunes nothing")
+        return 100 * b
+
+    fits = capacity.estimate_fits(estimate, cap_bytes=10_000)
+    assert not fits(16) and fits(64) and not fits(101)
+    assert capacity.find_max_batch(fits, limit=1000, start=64) == 100
+    assert capacity.find_max_batch(capacity.estimate_fits(estimate, 1_000), limit=1000,
+                                   start=64) == 0
+
+
 def test_cuda_fits_frees_and_reports_oom_as_false(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

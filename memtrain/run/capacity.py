@@ -161,7 +161,11 @@ def estimate_fits(estimate_bytes: Callable[[int], int], cap_bytes: int,
     margin = margin or Margin(cap_bytes, 0.0, 0)
 
     def fits(b: int) -> bool:
-        need = estimate_bytes(b)
+        try:
+            need = estimate_bytes(b)
+        except ConfigError as e:  # the method refuses this batch (prune's blocks need rows)
+            log.info("find_max_batch: batch %d: refused, so it does not fit: %s", b, e)
+            return False
         context = margin.context_bytes or 0
         ok = need <= margin.budget(context)
         log.info("find_max_batch: batch %d: estimate %.4f GiB %s: %s", b, need / GiB,
