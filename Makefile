@@ -92,13 +92,14 @@ test-compat: $(COMPAT)/.installed ## the compat-marked tests on torch 2.11 + tor
 test-fast: $(STAMP) ## the inner loop (~2 min): the tests not marked slow
 	$(call PYTEST,$(BIN)) -m "not slow" $(ARGS)
 
-# The multi-seed accuracy studies (marked study; their single-seed guards run in make test too):
-# every run kept under runs/studies/<study>/, then one report per study, committed under
+# The multi-seed accuracy studies (marked study; their single-seed guards run in make test too),
+# and the claims on the deeper twins (marked deep: tests/conftest.py TWINS): every study run kept
+# under runs/studies/<study>/, then one report per study, committed under
 # docs/results/studies/<study>/ (mean and std over the seeds).
 STUDIES_DIR ?= runs/studies
 check-studies: $(STAMP) ## the multi-seed accuracy studies (~15 min) -> docs/results/studies/
 	rm -rf $(STUDIES_DIR)
-	$(call PYTEST,$(BIN)) --studies --studies-dir $(CURDIR)/$(STUDIES_DIR) -m "study or guard" \
+	$(call PYTEST,$(BIN)) --studies --studies-dir $(CURDIR)/$(STUDIES_DIR) -m "study or guard or deep" \
 	  $(ARGS); rc=$$?; \
 	for d in $(STUDIES_DIR)/*/; do n=$$(basename $$d); \
 	  $(BIN)/memtrain-report $$d --out docs/results/studies/$$n --no-figures >/dev/null || exit 1; \

@@ -112,6 +112,18 @@ USER_MODULE = "module"
 USER_FACTORY = f"{Path(__file__).with_name('user_model.py')}:make_net"
 
 
+# A deeper twin of a model: the same blocks, more of them, its options the twin's but for the
+# class (tests/test_models.py holds it). A claim about a model's blocks (the registry walk,
+# every checkpoint strategy and plan) holds on the twin in make test; on the deeper model it
+# runs in make check-studies (marker `deep`: `deep_marks`).
+TWINS = {"resnet34": "resnet18", "resmlp24": "resmlp12"}
+
+
+def deep_marks(model: str) -> list:
+    """The marks of a case of `model`: `deep` for a deeper twin (TWINS), else none."""
+    return [pytest.mark.deep] if model in TWINS else []
+
+
 def own_models() -> list[str]:
     """memtrain's own architectures: conf/model but the by-name families and the module."""
     return [m for m in conf_options("model") if m not in (*BY_NAME, USER_MODULE)]
@@ -262,14 +274,16 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Studies (marked study) run only with --studies: they are deselected otherwise, so that
-    `-m slow` or `-k` never pulls one into make test. Tests marked gpu need CUDA; on a machine
+    """Studies (marked study) and the claims on deeper twins (marked deep) run only with
+    --studies: they are deselected otherwise, so that `-m slow` or `-k` never pulls one into
+    make test. Tests marked gpu need CUDA; on a machine
     without it they are skipped, saying why."""
     if not config.getoption("--studies"):
-        studies = [item for item in items if item.get_closest_marker("study")]
+        studies = [item for item in items
+                   if item.get_closest_marker("study") or item.get_closest_marker("deep")]
         if studies:
             config.hook.pytest_deselected(items=studies)
-            items[:] = [item for item in items if "study" not in item.keywords]
+            items[:] = [item for item in items if item not in studies]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import deep_marks
 from torch import nn
 
 import memtrain.methods.checkpoint.ops as opplan
@@ -88,7 +89,8 @@ def _assert_same_step(ref, ref_loss, model, tensors, x, y, what):
 # (make test-compat: the two, and the transformers of the dropout test below)
 @pytest.mark.parametrize("model", [m if m in ("mlp6", "resnet18")
                                    else pytest.param(m, marks=[pytest.mark.slow,
-                                                               pytest.mark.breadth])
+                                                               pytest.mark.breadth,
+                                                               *deep_marks(m)])
                                    for m in sorted(MODELS)])
 def test_every_strategy_matches_none(model, tmp_path):
     """Every strategy's step gives none's loss, gradients and BatchNorm statistics; the

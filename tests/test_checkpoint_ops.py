@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import deep_marks
 
 import memtrain.methods.checkpoint.ops as opplan
 import memtrain.methods.checkpoint.plan as planner
@@ -125,7 +126,7 @@ def _step_matches_none(got, params, buffers, ref, ref_loss, x, y) -> None:
 
 @pytest.mark.parametrize("model,size,batch,frac", [
     c if c[0] not in ("resnet34", "resnet50", "resmlp24")
-    else pytest.param(*c, marks=pytest.mark.slow) for c in PEAK_CASES])
+    else pytest.param(*c, marks=[pytest.mark.slow, *deep_marks(c[0])]) for c in PEAK_CASES])
 def test_op_plan_matches_none_and_predicts_its_peak(model, size, batch, frac):
     """Loss, gradients and BatchNorm statistics equal none's; the modelled activation peak
     within 5% of the tracker's."""

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import conf_options, language_model
+from conftest import TWINS, conf_options, language_model
 
 from memtrain import api
 from memtrain.errors import ConfigError
@@ -68,3 +68,23 @@ def test_resmlp_matches_timm_s24_at_224():
                            "dataset.num_classes=1000"])
     ref = timm.create_model("resmlp_24_224", num_classes=1000)
     assert sum(p.numel() for p in net.parameters()) == sum(p.numel() for p in ref.parameters())
+
+
+@pytest.mark.any_torch  # composes and counts modules: no version-dependent op
+def test_a_deeper_twin_is_its_twin_with_more_of_the_same_blocks():
+    """conftest.TWINS, whose block claims make test holds on the twin: the deeper model's
+    options (optimizer, recipe, data, model options) are the twin's but for the class, and its
+    blocks are the twin's kinds, more of them."""
+    from collections import Counter
+
+    for deep, twin in TWINS.items():
+        (a, ca), (b, cb) = api.compose([f"model={deep}"]), api.compose([f"model={twin}"])
+        assert a.optim == b.optim and a.dataset == b.dataset and ca["recipe"] == \
+            cb["recipe"].replace(twin, deep)
+        assert {k: v for k, v in a.model.items() if k != "_target_"} == \
+            {k: v for k, v in b.model.items() if k != "_target_"}
+        assert a.model._target_ != b.model._target_
+        kinds = [Counter(type(m).__name__ for m in api.build([f"model={name}",
+                                                              "dataset.image_size=16"])[1]
+                         .modules()) for name in (deep, twin)]
+        assert set(kinds[0]) == set(kinds[1]) and kinds[0] > kinds[1], (deep, twin)
