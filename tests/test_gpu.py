@@ -193,6 +193,28 @@ def test_the_cuda_estimate_of_gpt2_small_is_the_formula():
                                                             rel=0.05)
 
 
+def test_offloads_gpu_free_estimate_against_its_cuda_run(in_tmp):
+    """memtrain-willfit's offload rows come from the estimate on a machine without a GPU: fake
+    tensors of the CPU standing in for the card, the host copies none of its memory. Against a
+    CUDA run of the same step: the card's saved bytes within 5%, the activation peak and the
+    tracker's peak within 10% (the registry's bar for every other method's estimate)."""
+    from memtrain.optim import build_optimizer
+    from memtrain.preflight import build_data, kwargs_of
+    from memtrain.run import estimate, runner
+
+    over = [*TINY, "model=resnet18", "trainer.batch_size=32", "method=offload"]
+    row = api.run(over, out_dir=in_tmp / "r")
+    assert row["status"] == "ok" and row["mem_act_saved_host_bytes"] > 0, row.get("error")
+    cfg, _ = api.compose(over)
+    data, optim = build_data(cfg), kwargs_of(cfg.optim)
+    est = estimate.estimate_peak(lambda: runner.make_model(cfg, data),
+                                 lambda m: build_optimizer(m, **optim), data.input_shape,
+                                 data.num_classes, 32, "fp32", "cpu")
+    assert est["mem_estimate_saved_bytes"] == pytest.approx(row["mem_act_saved_bytes"], rel=0.05)
+    assert est["mem_estimate_act_bytes"] == pytest.approx(row["mem_peak_act_bytes"], rel=0.10)
+    assert est["mem_estimate_bytes"] == pytest.approx(row["mem_tracker_peak_bytes"], rel=0.10)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_gpu_row_of_each_strategy(in_tmp, strategy):
     """trainer.strategy=ddp|fsdp on one GPU without a launcher (nccl, a group of one): an ok

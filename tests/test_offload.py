@@ -159,3 +159,35 @@ def test_every_model_trains_the_same_with_offload(model, user_factory):
 def test_bad_options_are_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         OffloadMethod(**kwargs)
+
+
+@pytest.mark.parametrize("min_kib", [64, 129])
+def test_the_estimate_counts_what_stays_on_the_card(min_kib):
+    """The GPU-free estimate (fake tensors, the CPU standing in for the card; memtrain-willfit's
+    offload rows): a host copy is none of the card's memory. On mlp6 the saved bytes none keeps
+    are every hidden ReLU output (4 x batch x width bytes, one storage with the next Linear's
+    input) and the logits' few bytes; offload keeps on the card those below `min_bytes`, a count
+    by hand, and its activation peak falls with them."""
+    from memtrain.config import loader
+    from memtrain.optim import build_optimizer
+    from memtrain.preflight import build_data, kwargs_of
+    from memtrain.run import estimate
+
+    batch, est = 64, {}
+    for method in ("none", "offload"):
+        cfg, _ = loader.compose(["model=mlp6", f"method={method}", "dataset.image_size=16",
+                                 *([f"method.min_bytes={min_kib * 1024}"] * (method != "none"))])
+        data, optim = build_data(cfg), kwargs_of(cfg.optim)
+        est[method] = estimate.estimate_peak(
+            lambda c=cfg, d=data: runner.make_model(c, d),
+            lambda m, o=optim: build_optimizer(m, **o), data.input_shape, data.num_classes, batch)
+    net = runner.make_model(cfg, data)[0]
+    hidden = [4 * batch * m.out_features for m in net.modules() if isinstance(m, nn.Linear)][:-1]
+    moved = sum(b for b in hidden if b >= min_kib * 1024)
+    if min_kib == 64:  # every hidden output is at least 64 KiB at this batch
+        assert moved == sum(hidden)
+    else:  # 129 KiB keeps the 256-wide ones on the card
+        assert 0 < moved < sum(hidden)
+    assert est["offload"]["mem_estimate_saved_bytes"] == \
+        est["none"]["mem_estimate_saved_bytes"] - moved
+    assert est["offload"]["mem_estimate_act_bytes"] < est["none"]["mem_estimate_act_bytes"]

@@ -14,7 +14,9 @@ compute; unpacking it then waits for that copy's event only. The copies go throu
 (`CudaMover` on a GPU; tests drive the same logic on the CPU with `HostMover`).
 
 There is nothing to offload to on a CPU run: the runner asks `check_device` before training and
-the run ends with one line (exit 2). Unmeasured on CUDA so far (no GPU in the session that wrote
+the run ends with one line (exit 2). The GPU-free estimate (memtrain-willfit's rows) runs the
+step on fake CPU tensors standing in for the GPU: there `HostMover` makes each host copy on
+`meta`, which the estimate's tracker does not count. Unmeasured on CUDA so far (no GPU in the session that wrote
 it): the code paths follow torch's save_on_cpu and the CUDA stream semantics.
 
     memtrain method=offload method.prefetch=true
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.errors import ConfigError, check_range
 from memtrain.methods.common.activations import is_activation, memory_order
@@ -44,15 +47,13 @@ class HostMover:
         self.device, self.pin = torch.device(device), pin_memory
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        # the same strides when t's memory is dense (channels_last stays so), else contiguous
-        if memory_order(t) is not None:
-            host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu",
-                                       pin_memory=self.pin)
-        else:
-            host = torch.empty(t.size(), dtype=t.dtype, device="cpu", pin_memory=self.pin)
-        return host.copy_(t, non_blocking=self.pin)
+        if is_fake(t):  # the estimate: its device stands in for the GPU (`_host_like`)
+            return _host_like(t, "meta")
+        return _host_like(t, "cpu", self.pin).copy_(t, non_blocking=self.pin)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if host.device.type == "meta":  # the estimate's host copy: back as a new device tensor
+            return _host_like(host, self.device)
         return host.to(self.device, non_blocking=self.pin, copy=True)
 
     def prefetch(self, host: torch.Tensor) -> Any:
@@ -61,6 +62,18 @@ class HostMover:
 
     def wait(self, ticket: Any) -> torch.Tensor:
         return ticket
+
+
+def _host_like(t: torch.Tensor, device: str | torch.device, pin: bool = False) -> torch.Tensor:
+    """An empty tensor of t's size and dtype on `device`: t's strides when its memory is dense
+    (channels_last stays so), else contiguous. The GPU-free estimate runs the step on fake
+    tensors of the CPU standing in for the GPU, so a host copy there is made on `meta`: no
+    memory of the device the estimate counts (its tracker counts that device only), as a real
+    host copy is none of the GPU's."""
+    if memory_order(t) is not None:
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device,
+                                   pin_memory=pin)
+    return torch.empty(t.size(), dtype=t.dtype, device=device, pin_memory=pin)
 
 
 class CudaMover(HostMover):

@@ -108,8 +108,9 @@ def _tracked(step: ProbeStep, optimizer: torch.optim.Optimizer, precision: str,
     saved = measure.SavedBytes(measure.alive_before_step(step.module, step.x, step.y),
                                model=step.module)
     try:
-        with measure.PeakTracker(step.module, optimizer, step.x, step.y,
-                                 *step.resident) as tracker:
+        # the step's device only, as a run's tracker: offload's host copies are no memory of it
+        with measure.PeakTracker(step.module, optimizer, step.x, step.y, *step.resident,
+                                 device=step.x.device) as tracker:
             training_step(step.module, optimizer, step.x, step.y, precision, saved,
                           step.loss_fn)
     finally:
