@@ -345,6 +345,61 @@ def test_synthetic_cuts_a_found_chain_that_is_the_whole_forward_and_refuses_the_
     assert "\n" not in str(e.value)
 
 
+class Around(nn.Module):
+    """Blocks in sequence with code of its own around them, outside any module, as timm's ViT
+    and torchvision's VGG have: a learnt offset added to the stem's output, a dropout whose
+    mode the forward reads, a flatten and the classifier; `skip` adds the stem's output to the
+    last block's in the head (the head then needs more than the last block's output)."""
+
+    def __init__(self, skip: bool = False):
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.offset = nn.Parameter(torch.randn(8))
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU())
+                                      for _ in range(3)))
+        self.classifier = nn.Linear(8, 2)
+        self.skip = skip
+
+    def forward(self, x):
+        s = self.stem(x) + self.offset
+        h = self.blocks(s)
+        if self.skip:
+            h = h + s
+        h = nn.functional.dropout(h, 0.5, self.training)
+        return self.classifier(torch.flatten(h, 1))
+
+
+def test_synthetic_cuts_a_forward_with_code_around_its_blocks():
+    """The code before the first block and after the last one becomes the entry and head
+    (memtrain/models/ends.py: traced with torch.fx, one trace per mode): the units compose to
+    the forward in eval mode and, from one RNG state, in training mode (the head's dropout
+    draws the same mask); the entry holds the model's own offset parameter (partition 0 trains
+    it); the state dict keeps the model's names. A head that reads the stem's output is refused
+    in one line."""
+    torch.manual_seed(0)
+    model = remember_input(Around(), (4,))
+    x = torch.randn(5, 4)
+    parts = Synthetic(partitions=2, cuts=[2]).wrap(model)
+    assert len(parts.units) == len(chain_of(model).segments) + 2  # entry, segments, head
+    assert list(parts.state_dict()) == list(model.state_dict())
+    assert any(p is model.offset for p in parts[0].parameters())
+    assert not any(p is model.offset for p in parts[1].parameters())
+    for mode in (False, True):
+        model.train(mode)
+        parts.train(mode)
+        with torch.no_grad(), torch.random.fork_rng():
+            want = model(x)
+        with torch.no_grad(), torch.random.fork_rng():
+            h = x
+            for unit in parts.units:
+                h = unit(h)
+        torch.testing.assert_close(h, want, rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="cannot: its head reads .*, made before its last "
+                                          "block, besides that block's output") as e:
+        Synthetic(partitions=2).wrap(remember_input(Around(skip=True), (4,)))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow  # a whole run: two partitions and recovery
 def test_synthetic_runs_on_a_found_chain(tmp_path):
     row = api.run(["method=synthetic", *MODELS["convnext"], *STEPS], out_dir=tmp_path / "r")

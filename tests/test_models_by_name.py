@@ -164,8 +164,6 @@ def test_an_image_size_the_architecture_cannot_take_is_refused():
 # model); synthetic, class labels.
 PRUNES_NOTHING = "method=prune prunes nothing in {}"
 REFUSED = {
-    ("synthetic", "torchvision"): "method=synthetic cuts MobileNetV3 between the blocks of the "
-                                  "chain found on a sample, and cannot: the forward runs code",
     ("synthetic", "llama"): "method=synthetic trains each partition to predict synthetic labels",
     ("synthetic", "gpt2"): "method=synthetic trains each partition to predict synthetic labels",
     ("pool", "vit"): "VisionTransformer has none of these .* it would change nothing",
@@ -181,7 +179,7 @@ REFUSED = {
 # synthetic and the stack is memtrain's vit_tiny's class, walked in tests/walker.py.
 MEASURED = [(m, n) for n in MODELS for m in ("none", "quantize")] + [("pool", "convnext")]
 ESTIMATED = [("none", n) for n in MODELS] + [
-    ("pool", "torchvision"), ("prune", "convnext"), ("prune", "llama"), ("prune", "gpt2"),
+    ("pool", "torchvision"), ("synthetic", "torchvision"), ("prune", "convnext"), ("prune", "llama"), ("prune", "gpt2"),
     *[("checkpoint", n) for n in MODELS], ("checkpoint+quantize", "convnext")]
 
 

@@ -16,8 +16,8 @@ compute; unpacking it then waits for that copy's event only. The copies go throu
 There is nothing to offload to on a CPU run: the runner asks `check_device` before training and
 the run ends with one line (exit 2). The GPU-free estimate (memtrain-willfit's rows) runs the
 step on fake CPU tensors standing in for the GPU: there `HostMover` makes each host copy on
-`meta`, which the estimate's tracker does not count. Unmeasured on CUDA so far (no GPU in the session that wrote
-it): the code paths follow torch's save_on_cpu and the CUDA stream semantics.
+`meta`, which the estimate's tracker does not count. Unmeasured on CUDA so far: the code paths
+follow torch's save_on_cpu and the CUDA stream semantics.
 
     memtrain method=offload method.prefetch=true
 """

@@ -13,6 +13,7 @@ model object: every later call returns the same chain. Registered rules win.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,15 +63,20 @@ class Chain:
     found: bool = False
     side: bool = False
     whole: bool = False
+    # a found chain's entry and head cut out of the traced forward (`with_ends`, ends.py), or
+    # why they could not be
+    ends: bool = False
+    why_not: str = ""
 
     def cuttable(self) -> str | None:
         """Why the model cannot be cut between its units (synthetic), or None."""
-        if not self.found or self.whole:
+        if not self.found or self.whole or self.ends:
             return None
         if self.side:
             return ("its blocks take side inputs besides the previous block's output (a mask, "
                     "position embeddings), which a cut would have to carry")
-        return "the forward runs code of its own before or after its blocks, outside any module"
+        return self.why_not or ("the forward runs code of its own before or after its blocks, "
+                                "outside any module")
 
     def units(self) -> list[nn.Module]:
         """entry, each segment, head, each as one module: their composition is the forward
@@ -203,3 +209,24 @@ def _blocks(model: nn.Module) -> list[list[nn.Module]] | None:
         return [s.modules() for s in chain_of(model, "trainer.strategy=fsdp").segments]
     except ConfigError:  # no chain: the root alone is sharded
         return None
+
+
+def with_ends(model: nn.Module, chain: Chain) -> Chain:
+    """`chain` (found by tracing, code of the model's own around its blocks) with that code as
+    its entry and head modules, cut out of the forward traced with torch.fx on the input the
+    builder noted (ends.py), so the model can be cut between its units; the chain with the
+    reason where that fails. Any other chain as it is. Kept for the model, as `chain_of`'s."""
+    if chain.cuttable() is None or chain.side or chain.why_not:
+        return chain
+    from memtrain.models import ends
+
+    sample = _sample(model)
+    got = "no input of the model was noted to trace its forward on" if sample is None else \
+        ends.split(model, chain, sample)
+    if isinstance(got, str):
+        chain = dataclasses.replace(chain, why_not=got)
+    else:
+        chain = dataclasses.replace(chain, entry=got[0], head=got[1], ends=True)
+    if _FOUND.get(model) is not None:
+        _FOUND[model] = chain
+    return chain

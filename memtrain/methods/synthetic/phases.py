@@ -59,7 +59,7 @@ from memtrain.methods.synthetic.partition import (
     synthetic_input,
 )
 from memtrain.models import chain_of
-from memtrain.models.chain import model_class
+from memtrain.models.chain import model_class, with_ends
 from memtrain.run.train import RunFailed, TrainResult, autocast_factory, evaluate
 
 log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under
@@ -165,7 +165,7 @@ class Synthetic:
                               f"labels of the classes, and {type(model).__name__} is a language "
                               f"model with no classes; use a classifier (vit_tiny, vit_b16, "
                               f"resnet18, mlp6, ...)")
-        chain = chain_of(model, "method synthetic")
+        chain = with_ends(model, chain_of(model, "method synthetic"))
         why = chain.cuttable()
         if why is not None:
             cls = model_class(model)

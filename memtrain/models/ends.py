@@ -1,0 +1,212 @@
+"""The entry and head of a chain found by tracing, as modules: the forward before its first
+segment and after its last one, cut out of the model's own code with torch.fx.
+
+A chain found on a sample (`discover.py`) knows its segments but not the code around them:
+timm's ViT adds a class token and position embeddings before its blocks and pools after them,
+torchvision's VGG flattens before its classifier, outside any module. The synthetic method
+cuts the model into partitions, each a run of units (entry, segments, head), so it needs that
+code as modules. `split(model, chain, sample)` traces the model's forward symbolically with
+every module a leaf but the ones that hold the segments (a stage's container is traced
+through to its blocks), then copies the graph before the first segment's call into `entry`
+(the batch in, the first segment's input out) and the graph after the last segment's call into
+`head` (the last segment's output in, the model's output out). Both are GraphModules over the
+model's own modules and parameters (nothing copied). The cut holds only if the head needs
+nothing but the last segment's output, and the composition equals the model's forward on the
+sample; otherwise `split` says why in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
+
+from memtrain.models.chain import Chain, Segment
+
+
+class _Tracer(fx.Tracer):
+    """Every module a leaf but the root and `through` (the segments' containers), so only code
+    around the segments is traced, and each segment is one call."""
+
+    def __init__(self, through: set[str]):
+        super().__init__()
+        self.through = through
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname not in self.through
+
+
+def _qualnames(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def _copy(src: list[fx.Node], graph: fx.Graph, env: dict[fx.Node, fx.Node],
+          free: set[fx.Node]) -> str | None:
+    """Copy `src` (in order) into `graph` through `env`; a node whose input is not in `env`
+    is copied too when it reads no input of the forward (a parameter, a constant), else the
+    line why the copy cannot stand alone."""
+
+    def find(n: fx.Node) -> fx.Node:
+        if n not in env:
+            if n in free:
+                raise _Needs(n)
+            for a in n.all_input_nodes:
+                find(a)
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        return env[n]
+
+    try:
+        for n in src:
+            if n.op == "output":
+                graph.output(fx.map_arg(n.args[0], find))
+            else:
+                for a in n.all_input_nodes:
+                    find(a)
+                env[n] = graph.node_copy(n, lambda a: env[a])
+    except _Needs as e:
+        return (f"its head reads {e.node.name}, made before its last block, besides that "
+                "block's output")
+    return None
+
+
+class _Needs(Exception):
+    def __init__(self, node: fx.Node):
+        super().__init__(node.name)
+        self.node = node
+
+
+def _depends_on_input(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The nodes that read the forward's input, directly or through others."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def split(model: nn.Module, chain: Chain, sample: Any) -> tuple[nn.Module | None,
+                                                              nn.Module | None] | str:
+    """(entry, head) of `chain` as modules (None where the forward has no code there), or why
+    the forward cannot be cut there, in a line. torch.fx records `self.training` as a
+    constant, so the forward is traced in each mode and each end runs the trace of its own
+    mode (`_Modal`)."""
+    was = model.training
+    cut: dict[bool, tuple[nn.Module | None, nn.Module | None]] = {}
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            got = _split(model, chain)
+            if isinstance(got, str):
+                return got
+            cut[mode] = got
+    finally:
+        model.train(was)
+    entry, head = (None if cut[True][k] is None else _Modal(cut[True][k], cut[False][k])
+                   for k in (0, 1))
+    why = _check(model, chain.segments, entry, head, sample)
+    return why if why is not None else (entry, head)
+
+
+class _Modal(nn.Module):
+    """One end of the forward traced in training mode and in eval mode: runs the one of its
+    mode (the same modules and parameters)."""
+
+    def __init__(self, train: fx.GraphModule, eval_: fx.GraphModule | None):
+        super().__init__()
+        self.traced_train, self.traced_eval = train, eval_
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return (self.traced_train if self.training or self.traced_eval is None
+                else self.traced_eval)(x)
+
+
+def _split(model: nn.Module, chain: Chain) -> tuple[fx.GraphModule | None,
+                                                   fx.GraphModule | None] | str:
+    """`split` in the model's current mode, unchecked."""
+    names = _qualnames(model)
+    first = chain.segments[0].modules()[0]
+    last = chain.segments[-1].modules()[-1]
+    seg_names = [names.get(id(m)) for s in chain.segments for m in s.modules()]
+    if None in seg_names:
+        return "its blocks are no submodules of it"
+    through = {n.rsplit(".", k)[0] for n in seg_names for k in range(1, n.count(".") + 1)}
+    try:
+        graph = _Tracer(through).trace(model)
+    except Exception as e:  # Python control flow on values torch.fx cannot trace
+        line = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+        return f"torch.fx cannot trace its forward around its blocks ({line})"
+    nodes = list(graph.nodes)
+    calls = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module"}
+    if sum(n.op == "call_module" and n.target in set(seg_names) for n in nodes) != \
+            len(seg_names) or names[id(first)] not in calls or names[id(last)] not in calls:
+        return "torch.fx sees its blocks called other than once each, in order"
+    if sum(n.op == "placeholder" for n in nodes) != 1:
+        return "its forward takes more than the batch"
+    i0, i1 = calls[names[id(first)]], calls[names[id(last)]]
+    start = nodes[i0]
+    if len(start.args) != 1 or start.kwargs:
+        return ("its blocks take side inputs besides the previous block's output (a mask, "
+                "position embeddings), which a cut would have to carry")
+    free = _depends_on_input(nodes[:i1 + 1])
+    # entry: the batch in, the first block's input out
+    entry = None
+    if start.args[0] is not nodes[0]:
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in nodes[:i0]:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        g.output(env[start.args[0]])
+        entry = _module(model, g, "Entry")
+    # head: the last block's output in, the model's output out
+    g = fx.Graph()
+    env = {nodes[i1]: g.placeholder("h")}
+    why = _copy(nodes[i1 + 1:], g, env, free - {nodes[i1]})
+    if why is not None:
+        return why
+    outs = [n for n in g.nodes if n.op == "output"]
+    head = None if outs and outs[0].args[0] is env[nodes[i1]] else _module(model, g, "Head")
+    return entry, head
+
+
+def _module(model: nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """The graph as a module over the model's own modules and parameters, unused code dropped."""
+    gm = fx.GraphModule(model, graph, class_name=name)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return fx.GraphModule(model, gm.graph, class_name=name)  # only what is still used
+
+
+def _check(model: nn.Module, segments: list[Segment], entry: nn.Module | None,
+           head: nn.Module | None, sample: Any) -> str | None:
+    """None when head(segments(entry(x))) is the model's forward on the sample in both modes
+    (training mode from the same RNG state, BatchNorm statistics put back), else why not."""
+    was = model.training
+    buffers = [b.detach().clone() for b in model.buffers()]
+    try:
+        for mode in (False, True):
+            model.train(mode)
+            for m in (entry, head):
+                if m is not None:
+                    m.train(mode)
+            with torch.no_grad(), torch.random.fork_rng():
+                want = model(sample)
+            with torch.no_grad(), torch.random.fork_rng():
+                h = entry(sample) if entry is not None else sample
+                for s in segments:
+                    for m in s.modules():
+                        h = m(h)
+                got = head(h) if head is not None else h
+            # on fake tensors (the estimate's models) the shapes alone: no values there; a
+            # run's own model is real and checked in full
+            if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) or \
+                    got.shape != want.shape or not (
+                        is_fake(want) or torch.allclose(got, want, rtol=1e-4, atol=1e-5)):
+                return "its forward cut at its blocks' ends does not give its output again"
+    finally:
+        model.train(was)
+        with torch.no_grad():
+            for b, v in zip(model.buffers(), buffers):
+                b.copy_(v)
+    return None
