@@ -179,7 +179,8 @@ REFUSED = {
 # synthetic and the stack is memtrain's vit_tiny's class, walked in tests/walker.py.
 MEASURED = [(m, n) for n in MODELS for m in ("none", "quantize")] + [("pool", "convnext")]
 ESTIMATED = [("none", n) for n in MODELS] + [
-    ("pool", "torchvision"), ("synthetic", "torchvision"), ("prune", "convnext"), ("prune", "llama"), ("prune", "gpt2"),
+    ("pool", "torchvision"), ("synthetic", "torchvision"), ("prune", "convnext"),
+    ("prune", "llama"), ("prune", "gpt2"),
     *[("checkpoint", n) for n in MODELS], ("checkpoint+quantize", "convnext")]
 
 

@@ -13,7 +13,6 @@ model object: every later call returns the same chain. Registered rules win.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ class Chain:
     found: bool = False
     side: bool = False
     whole: bool = False
-    # a found chain's entry and head cut out of the traced forward (`with_ends`, ends.py), or
+    # a found chain's entry and head cut out of the traced forward (ends.py `with_ends`), or
     # why they could not be
     ends: bool = False
     why_not: str = ""
@@ -118,7 +117,7 @@ def remember_input(model: nn.Module, input_shape: tuple[int, ...],
     return model
 
 
-def _sample(model: nn.Module) -> torch.Tensor | None:
+def noted_sample(model: nn.Module) -> torch.Tensor | None:
     """A random batch of the input the model's builder noted, on its parameters' device and
     dtype (fake under the estimate's fake mode); the global RNG untouched. None: not noted."""
     spec = _INPUTS.get(model)
@@ -164,7 +163,7 @@ def chain_of(model: nn.Module, who: str = "this method", sample: Any = None) -> 
         return chain
     cls = model_class(model)
     if sample is None:
-        sample = _sample(model)
+        sample = noted_sample(model)
     if sample is None:
         known = ", ".join(sorted(_RULES, key=lambda c: c.rsplit(".", 1)[-1]))
         raise ConfigError(f"{who} has no segment rule for model type {cls.__name__} "
@@ -211,22 +210,8 @@ def _blocks(model: nn.Module) -> list[list[nn.Module]] | None:
         return None
 
 
-def with_ends(model: nn.Module, chain: Chain) -> Chain:
-    """`chain` (found by tracing, code of the model's own around its blocks) with that code as
-    its entry and head modules, cut out of the forward traced with torch.fx on the input the
-    builder noted (ends.py), so the model can be cut between its units; the chain with the
-    reason where that fails. Any other chain as it is. Kept for the model, as `chain_of`'s."""
-    if chain.cuttable() is None or chain.side or chain.why_not:
-        return chain
-    from memtrain.models import ends
-
-    sample = _sample(model)
-    got = "no input of the model was noted to trace its forward on" if sample is None else \
-        ends.split(model, chain, sample)
-    if isinstance(got, str):
-        chain = dataclasses.replace(chain, why_not=got)
-    else:
-        chain = dataclasses.replace(chain, entry=got[0], head=got[1], ends=True)
+def keep_found(model: nn.Module, chain: Chain) -> None:
+    """Let `chain` stand for the chain found on `model` before (ends.py: the same segments,
+    with their entry and head): later `chain_of` calls return it."""
     if _FOUND.get(model) is not None:
         _FOUND[model] = chain
-    return chain

@@ -17,13 +17,14 @@ sample; otherwise `split` says why in one line.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from memtrain.models.chain import Chain, Segment
+from memtrain.models.chain import Chain, Segment, keep_found, noted_sample
 
 
 class _Tracer(fx.Tracer):
@@ -84,6 +85,24 @@ def _depends_on_input(nodes: list[fx.Node]) -> set[fx.Node]:
         if n.op == "placeholder" or any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
+
+
+def with_ends(model: nn.Module, chain: Chain) -> Chain:
+    """`chain` (found by tracing, code of the model's own around its blocks) with that code as
+    its entry and head modules, cut out of the forward traced with torch.fx on the input the
+    builder noted (`split`), so the model can be cut between its units; the chain with the
+    reason where that fails. Any other chain as it is. Kept for the model, as `chain_of`'s."""
+    if chain.cuttable() is None or chain.side or chain.why_not:
+        return chain
+    sample = noted_sample(model)
+    got = "no input of the model was noted to trace its forward on" if sample is None else \
+        split(model, chain, sample)
+    if isinstance(got, str):
+        chain = dataclasses.replace(chain, why_not=got)
+    else:
+        chain = dataclasses.replace(chain, entry=got[0], head=got[1], ends=True)
+    keep_found(model, chain)
+    return chain
 
 
 def split(model: nn.Module, chain: Chain, sample: Any) -> tuple[nn.Module | None,

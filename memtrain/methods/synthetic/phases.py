@@ -59,7 +59,8 @@ from memtrain.methods.synthetic.partition import (
     synthetic_input,
 )
 from memtrain.models import chain_of
-from memtrain.models.chain import model_class, with_ends
+from memtrain.models.chain import model_class
+from memtrain.models.ends import with_ends
 from memtrain.run.train import RunFailed, TrainResult, autocast_factory, evaluate
 
 log = logging.getLogger("memtrain.methods.synthetic")  # the name runs have logged under
