@@ -70,6 +70,7 @@ def test_resmlp_matches_timm_s24_at_224():
     assert sum(p.numel() for p in net.parameters()) == sum(p.numel() for p in ref.parameters())
 
 
+@pytest.mark.slow  # builds four models
 @pytest.mark.any_torch  # composes and counts modules: no version-dependent op
 def test_a_deeper_twin_is_its_twin_with_more_of_the_same_blocks():
     """conftest.TWINS, whose block claims make test holds on the twin: the deeper model's

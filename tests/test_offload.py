@@ -161,6 +161,7 @@ def test_bad_options_are_one_line(kwargs, match):
         OffloadMethod(**kwargs)
 
 
+@pytest.mark.slow  # two estimates on fake tensors
 @pytest.mark.parametrize("min_kib", [64, 129])
 def test_the_estimate_counts_what_stays_on_the_card(min_kib):
     """The GPU-free estimate (fake tensors, the CPU standing in for the card; memtrain-willfit's
