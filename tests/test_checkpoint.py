@@ -255,6 +255,21 @@ def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model,data", [("gpt_nano", "dataset.seq_len=16"),
+                                        ("vit_tiny", "dataset.image_size=32")])
+def test_a_transformers_block_plan_predicts_its_peak_to_the_byte(tmp_path, model, data):
+    """On a transformer the block plan's modelled peak is the tracker's: the chain's input the
+    entry made (the first block, recomputed, still holds it through backward), the model's
+    output (the training step keeps it until the update: a decoder's logits) and the loss's
+    saves (its log-softmax) are in the model's rows. Each block recomputed: the peak is the
+    last one's recompute, at its MLP."""
+    s = _run(tmp_path, model, f"model={model}", "model.layers=2", data, "trainer.batch_size=8",
+             "method=checkpoint", "method.granularity=block", "method.time_plan=false")
+    assert s["plan_groups"] == "0-0;1-1"
+    assert s["plan_peak_bytes"] == pytest.approx(s["mem_peak_act_bytes"], rel=1e-3)
+
+
+@pytest.mark.slow
 def test_infeasible_budget_is_raised_to_the_smallest_with_a_warning(tmp_path, caplog):
     """A budget below the smallest feasible peak plans at that peak (the default 0.5
     did not fit mlp6): the warning names the peak, the row keeps the budget asked for and the
@@ -560,9 +575,11 @@ def test_tracked_peak_counts_a_recomputed_first_module():
     method._apply(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with measure.PeakTracker(model, opt, x, y) as tracker:
-        F.cross_entropy(model(x), y).backward()
-    # the stem's group sets the peak in backward, with nothing kept before it
-    assert method.plan.peak == planner._recompute_bytes(method.profile, 0, 1)
+        out = model(x)  # kept through backward, as the training step keeps it
+        F.cross_entropy(out, y).backward()
+    # the stem's group sets the peak in backward, with nothing kept before it but the output
+    assert method.plan.peak == planner._recompute_bytes(method.profile, 0, 1) + \
+        method.profile.output
     assert tracker.act_peak_bytes == pytest.approx(method.plan.peak, rel=1e-3)
 
 

@@ -328,7 +328,7 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
         trows, tconsts = planner._transient_rows(p, groups, n + ng)
         a_tr = pad(trows)
         for i in range(len(trows)):
-            a_tr[i, y] = np.where(seg < i, b, 0.0)
+            a_tr[i, y] = np.where(seg <= i, b, 0.0)  # its own kept ops too (`peak_bytes`)
             a_tr[i, ck] = np.where(cseg < i, -saves, 0.0)
             for m, choice in enumerate(comp):  # compacted, segment i makes other transients
                 if choice.seg == i:

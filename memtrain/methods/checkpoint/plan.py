@@ -4,6 +4,9 @@ A plan is a list of checkpointed groups `(first, last)` of consecutive segments;
 segment is kept. The peak model, in bytes of activation memory (what the CPU tracker's
 `mem_peak_act_bytes` counts, recomputation included):
 
+- in every row below, the chain's input when the step made it (`held_in`: the first segment
+  keeps it, saved by its ops or by its checkpoint), and from the forward's end on the model's
+  output (`output`: the training step keeps it until the update; a language model's logits);
 - end of forward: tail + inner bytes of every kept segment + the autocast weight casts of every
   checkpointed one (autocast caches them until the forward ends) + every live boundary, where a
   boundary (a segment's output) is live unless it lies strictly inside a checkpointed group
@@ -30,6 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +52,8 @@ Group = tuple[int, int]
 class Profile:
     """Per segment: `inner` saved bytes (boundaries excluded), `out` output bytes, whether the
     segment's own ops save its output (`out_saved`), forward `time` in seconds; `tail` saved
-    bytes outside every segment (the head); `step_time` of one baseline forward + backward."""
+    bytes outside every segment (the head, the loss); `step_time` of one baseline forward +
+    backward."""
 
     names: list[str]
     inner: list[int]
@@ -76,6 +81,13 @@ class Profile:
     # shard to run each segment's forward; a recomputed group gathers its earlier segments
     # again, one at a time, while its last one's are gathered for its backward anyway
     gathered: list[int] = field(default_factory=list)
+    # the chain's input where the step made it (an entry's output, not the batch): the first
+    # segment's ops or its checkpoint keep it from the entry's forward to the segment's
+    # backward, in every row (out of `inner` and `tail`)
+    held_in: int = 0
+    # the model's output where no segment made it and nothing saves it (a head's logits): the
+    # training step keeps it until the update, so it is alive from the forward's end on
+    output: int = 0
 
     def __post_init__(self):
         self.cast = self.cast or [0] * len(self.names)
@@ -153,16 +165,19 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
     less = less or [0] * p.n
     held = [(p.inner[i] - less[i]) * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
             for i in range(p.n)]
-    peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k)]
+    after = p.held_in + p.output  # held in every row from the forward's end on
+    peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k) + after]
     for a, e in groups:
-        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1]))
+        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1]) + after)
     transient = transient or p.transient
     for i, t in enumerate(transient):  # the forward of segment i: what is held before it, its
-        # input, its own transient (what a recomputed segment's forward makes and drops)
+        # input, its own transient (what a recomputed segment's forward makes and drops), and
+        # in a recomputed one the outputs of its kept ops (op-level plans: all of them at once,
+        # a bound, for a row the 0-1 program can hold)
         before = [(p.inner[j] - less[j]) * kept[j] + extra[j] * (not kept[j])
                   + p.cast[j] * (not kept[j]) + p.out[j] * (live[j] or j == i - 1)
                   for j in range(i)]
-        peaks.append(sum(before) + t)
+        peaks.append(sum(before) + t + p.held_in + extra[i] * (not kept[i]))
     return max(peaks)
 
 
@@ -198,7 +213,8 @@ def _program(p: Profile, max_group: int):
     fwd = np.zeros(nv)  # end-of-forward bytes = fwd_const + fwd @ x
     cast = np.array(p.cast) / mib
     fwd[:n] = inner - cast  # a recomputed segment still holds its casts until the forward ends
-    fwd_const = p.tail / mib + out.sum() + cast.sum()
+    after = (p.held_in + p.output) / mib  # `peak_bytes`: held in every row from the forward's end
+    fwd_const = p.tail / mib + out.sum() + cast.sum() + after
     for g, (a, e) in enumerate(groups):
         cover[a:e + 1, n + g] = 1
         fwd[n + g] = -out[a:e].sum()
@@ -217,7 +233,7 @@ def _program(p: Profile, max_group: int):
             prefix[a] = row
         row = prefix[a]  # np.array(rows) below copies each
         r_g = _recompute_bytes(p, a, e) / mib
-        const = out[:a].sum() + r_g
+        const = out[:a].sum() + r_g + after
         rows.append(row)
         consts.append(const)
         big.append(inner[:a].sum() + const)
@@ -242,7 +258,7 @@ def _transient_rows(p: Profile, groups: list[Group], nv: int) -> tuple[np.ndarra
             hi = min(e2, i - 1)
             if hi > a2:
                 rows[i, n + h] -= out[a2:hi].sum()
-        consts[i] = cast[:i].sum() + out[:i].sum() + t / mib
+        consts[i] = cast[:i].sum() + out[:i].sum() + (t + p.held_in) / mib
     return rows, consts
 
 
@@ -358,6 +374,7 @@ class _Recorder(measure.SavedBytes):
                                for q in m.parameters()} for seg in segments]
         self.casts: set[tuple[str, int]] = set()
         self.outputs: list[torch.Tensor | None] = [None] * len(segments)
+        self.first_input: torch.Tensor | None = None
         self.times = [0.0] * len(segments)
         self.current = -1
         self._t0 = 0.0
@@ -379,9 +396,11 @@ class _Recorder(measure.SavedBytes):
         return hook
 
     def _enter(self, i: int):
-        def hook(_mod, _args):
+        def hook(_mod, args):
             measure.sync(self.device)
             self.current, self._t0 = i, time.perf_counter()
+            if i == 0 and args and isinstance(args[0], torch.Tensor):
+                self.first_input = args[0]
         return hook
 
     def _leave(self, i: int):
@@ -433,10 +452,14 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
             try:
                 with rec, autocast():
                     out = model(x)
+                    # the loss's saves (a language model's log-softmax): held at the forward's
+                    # end, in `tail`, as the head's
+                    kept_loss = loss_fn(out)
             finally:
                 rec.close()
+            del kept_loss
             per_seg.append(rec.times)
-        result = _attribute(rec, segments)
+        result = _attribute(rec, segments, out)
         result.flops = list(rec.flops)
         del out
         result.transient, result.rec_peak, result.rec_last = transients(model, segments, x,
@@ -447,7 +470,8 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
                         else 3 * sum(result.time))
     for k in ("inner", "out", "cast", "flops"):
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
-    result.tail = int(result.tail * scale)
+    result.tail, result.held_in, result.output = (int(v * scale) for v in (
+        result.tail, result.held_in, result.output))
     return result
 
 
@@ -600,23 +624,37 @@ def measured_overhead(model: nn.Module, x: torch.Tensor,
     return statistics.median(times[True]) / statistics.median(times[False]) - 1
 
 
-def _attribute(rec: _Recorder, segments: list[Segment]) -> Profile:
+def _attribute(rec: _Recorder, segments: list[Segment], model_out: Any = None) -> Profile:
+    """The recorder's saved storages per segment (`Profile`), with the chain's input the step
+    made (`held_in`, out of the segment or head that saved it) and the model's output that no
+    segment made and nothing saved (`output`)."""
     out_keys = {}
     for i, o in enumerate(rec.outputs):
         if not isinstance(o, torch.Tensor):
             raise RuntimeError(f"segment {segments[i].name} did not return one tensor")
         out_keys[measure.storage_key(o)] = i
     n = len(segments)
+    first = rec.first_input
+    first_key = measure.storage_key(first) if isinstance(first, torch.Tensor) else None
+    made_in = first_key is not None and first_key not in rec._exclude  # not the batch
     inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
     for k, (nbytes, seg) in rec.saved.items():
         if k in rec.casts:
             cast[seg] += nbytes
         if k in out_keys:
             out_saved[out_keys[k]] |= seg == out_keys[k]
+        elif made_in and k == first_key:
+            continue  # `held_in`
         elif seg >= 0:
             inner[seg] += nbytes
         else:
             tail += nbytes
     out = [o.untyped_storage().nbytes() for o in rec.outputs]
+    held_in = first.untyped_storage().nbytes() if made_in else 0
+    output = 0
+    if isinstance(model_out, torch.Tensor):
+        k = measure.storage_key(model_out)
+        if k not in out_keys and k not in rec.saved and k != first_key:
+            output = model_out.untyped_storage().nbytes()
     return Profile([s.name for s in segments], inner, out, out_saved, [0.0] * n, tail,
-                   cast=cast)
+                   cast=cast, held_in=held_in, output=output)

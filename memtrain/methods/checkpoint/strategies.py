@@ -477,7 +477,7 @@ class CheckpointMethod:
             # (`ops.price`, method.cost), where older profiles kept one priced cost
             k = cache.key(model, [s.name for s in self.segments], x, autocast, scale=scale,
                           repeats=self.profile_repeats, bn="split", compact=1, ops=2,
-                          transient=3, model_options=model_config)
+                          transient=3, held=1, model_options=model_config)
             got = cache.load(cache_dir, k)
         if got is None:
             loss = lambda out: cross_entropy(out.float(), y)  # noqa: E731
