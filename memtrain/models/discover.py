@@ -154,7 +154,7 @@ def trace(model: nn.Module, sample: Any) -> tuple[list[Call], _Trace]:
         handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(m.register_forward_hook(post, with_kwargs=True))
     try:
-        with _unchanged(model, sample), torch.no_grad(), tr:
+        with unchanged(model, sample), torch.no_grad(), tr:
             model(sample)
     finally:
         for h in handles:
@@ -163,7 +163,7 @@ def trace(model: nn.Module, sample: Any) -> tuple[list[Call], _Trace]:
 
 
 @contextlib.contextmanager
-def _unchanged(model: nn.Module, sample: Any) -> Iterator[None]:
+def unchanged(model: nn.Module, sample: Any) -> Iterator[None]:
     """Buffers (BatchNorm statistics) and the RNG state as they were before."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = sample.device if isinstance(sample, torch.Tensor) else torch.device("cpu")

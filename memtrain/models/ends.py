@@ -25,6 +25,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.models.chain import Chain, Segment, keep_found, noted_sample
+from memtrain.models.discover import unchanged
 
 
 class _Tracer(fx.Tracer):
@@ -158,7 +159,8 @@ def _split(model: nn.Module, chain: Chain) -> tuple[fx.GraphModule | None,
         return f"torch.fx cannot trace its forward around its blocks ({line})"
     nodes = list(graph.nodes)
     calls = {n.target: i for i, n in enumerate(nodes) if n.op == "call_module"}
-    if sum(n.op == "call_module" and n.target in set(seg_names) for n in nodes) != \
+    seg_set = set(seg_names)
+    if sum(n.op == "call_module" and n.target in seg_set for n in nodes) != \
             len(seg_names) or names[id(first)] not in calls or names[id(last)] not in calls:
         return "torch.fx sees its blocks called other than once each, in order"
     if sum(n.op == "placeholder" for n in nodes) != 1:
@@ -202,16 +204,16 @@ def _check(model: nn.Module, segments: list[Segment], entry: nn.Module | None,
     """None when head(segments(entry(x))) is the model's forward on the sample in both modes
     (training mode from the same RNG state, BatchNorm statistics put back), else why not."""
     was = model.training
-    buffers = [b.detach().clone() for b in model.buffers()]
     try:
         for mode in (False, True):
             model.train(mode)
             for m in (entry, head):
                 if m is not None:
                     m.train(mode)
-            with torch.no_grad(), torch.random.fork_rng():
+            # each from the same RNG state, BatchNorm statistics put back after each
+            with unchanged(model, sample), torch.no_grad():
                 want = model(sample)
-            with torch.no_grad(), torch.random.fork_rng():
+            with unchanged(model, sample), torch.no_grad():
                 h = entry(sample) if entry is not None else sample
                 for s in segments:
                     for m in s.modules():
@@ -225,7 +227,4 @@ def _check(model: nn.Module, segments: list[Segment], entry: nn.Module | None,
                 return "its forward cut at its blocks' ends does not give its output again"
     finally:
         model.train(was)
-        with torch.no_grad():
-            for b, v in zip(model.buffers(), buffers):
-                b.copy_(v)
     return None
