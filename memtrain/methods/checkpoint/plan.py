@@ -374,7 +374,7 @@ class _Recorder(measure.SavedBytes):
                                for q in m.parameters()} for seg in segments]
         self.casts: set[tuple[str, int]] = set()
         self.outputs: list[torch.Tensor | None] = [None] * len(segments)
-        self.first_input: torch.Tensor | None = None
+        self.first_input: torch.Tensor | None = None  # the chain's input, where the step made it
         self.times = [0.0] * len(segments)
         self.current = -1
         self._t0 = 0.0
@@ -399,7 +399,8 @@ class _Recorder(measure.SavedBytes):
         def hook(_mod, args):
             measure.sync(self.device)
             self.current, self._t0 = i, time.perf_counter()
-            if i == 0 and args and isinstance(args[0], torch.Tensor):
+            if i == 0 and args and isinstance(args[0], torch.Tensor) and \
+                    measure.storage_key(args[0]) not in self._exclude:  # made, not the batch
                 self.first_input = args[0]
         return hook
 
@@ -635,22 +636,21 @@ def _attribute(rec: _Recorder, segments: list[Segment], model_out: Any = None) -
         out_keys[measure.storage_key(o)] = i
     n = len(segments)
     first = rec.first_input
-    first_key = measure.storage_key(first) if isinstance(first, torch.Tensor) else None
-    made_in = first_key is not None and first_key not in rec._exclude  # not the batch
+    first_key = measure.storage_key(first) if first is not None else None
     inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
     for k, (nbytes, seg) in rec.saved.items():
         if k in rec.casts:
             cast[seg] += nbytes
         if k in out_keys:
             out_saved[out_keys[k]] |= seg == out_keys[k]
-        elif made_in and k == first_key:
+        elif k == first_key:
             continue  # `held_in`
         elif seg >= 0:
             inner[seg] += nbytes
         else:
             tail += nbytes
     out = [o.untyped_storage().nbytes() for o in rec.outputs]
-    held_in = first.untyped_storage().nbytes() if made_in else 0
+    held_in = first.untyped_storage().nbytes() if first is not None else 0
     output = 0
     if isinstance(model_out, torch.Tensor):
         k = measure.storage_key(model_out)
