@@ -174,15 +174,24 @@ def _zygote_closed():
 
 
 def run_memtrain(*args: str, cwd: Path, timeout: float = 600,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m memtrain ARGS` in a process of its own, as a user would: forked from the
-    worker's warm interpreter (tests/zygote.py: the same process but for the imports already
-    made), or a fresh interpreter where forking would differ from one."""
+                 env: dict | None = None, module: str = "memtrain") -> subprocess.CompletedProcess:
+    """Run `python -m memtrain ARGS` (or another of zygote.MODULES) in a process of its own, as
+    a user would: forked from the worker's warm interpreter (tests/zygote.py: the same process
+    but for the imports already made), or a fresh interpreter where forking would differ from
+    one."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if _ZYGOTE.usable(full_env):
-        return _ZYGOTE.run(list(args), Path(cwd), full_env, timeout)
-    return subprocess.run([sys.executable, "-m", "memtrain", *args], cwd=cwd, text=True,
+        return _ZYGOTE.run(list(args), Path(cwd), full_env, timeout, module=module)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, text=True,
                           capture_output=True, timeout=timeout, env=full_env)
+
+
+def warm_python() -> str:
+    """The interpreter for a test that starts `python -m memtrain ...` itself (a process it
+    signals, torchrun's `PYTHON_EXEC`): the zygote's stand-in, which forks the command from the
+    warm interpreter and is signalled and exits as the process would (tests/zygote.py), or
+    the real interpreter where the zygote cannot serve."""
+    return _ZYGOTE.python()
 
 
 @dataclass

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from conftest import warm_python
 
 from memtrain import api, preflight
 from memtrain.config.schema import Trainer
@@ -35,7 +36,7 @@ def _metrics(path):
 def test_progress_lines_reach_a_redirected_log(in_tmp):
     """stdout to a file, stderr to a pipe (no terminal): a line every log_every steps."""
     with open(in_tmp / "log.txt", "w") as out:
-        p = subprocess.run([sys.executable, "-m", "memtrain", *TINY, "trainer.max_steps=40",
+        p = subprocess.run([warm_python(), "-m", "memtrain", *TINY, "trainer.max_steps=40",
                             "trainer.log_every=4", "trainer.progress=true", "hydra.run.dir=r"],
                            cwd=in_tmp, stdout=out, stderr=subprocess.PIPE, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

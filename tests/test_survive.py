@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import NO_REPORT, job_dir, run_memtrain
+from conftest import NO_REPORT, job_dir, run_memtrain, warm_python
 
 from memtrain import api
 from memtrain.hydra_callbacks import count_statuses, format_counts
@@ -183,7 +183,7 @@ def test_real_sigterm_to_a_subprocess_then_resume(in_tmp):
     args = [*NARROW, "trainer.max_steps=500", "trainer.save_weights=true",
             "trainer.save_every=10", "dataset.train_size=800"]  # 100 steps per epoch
     run = in_tmp / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", *args, f"hydra.run.dir={run}"],
+    proc = subprocess.Popen([warm_python(), "-m", "memtrain", *args, f"hydra.run.dir={run}"],
                             cwd=in_tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while not (run / "resume.pt").exists():  # training has started

@@ -12,7 +12,7 @@ import time
 
 import pandas as pd
 import pytest
-from conftest import run_memtrain
+from conftest import run_memtrain, warm_python
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8", "trainer.threads=1"]
 NARROW = [*TINY, "model.widths=[16,16,16,16,16]", "trainer.eval_max_batches=1"]
@@ -87,7 +87,7 @@ def test_a_sweep_folder_in_use_is_refused_in_one_line(in_tmp):
 def test_two_sweeps_at_once_into_one_folder(in_tmp):
     """Every run of both present afterwards, or the second refused in one line."""
     sweep = in_tmp / "sw"
-    procs = [subprocess.Popen([sys.executable, "-m", "memtrain", "-m", *NARROW,
+    procs = [subprocess.Popen([warm_python(), "-m", "memtrain", "-m", *NARROW,
                                "trainer.max_steps=300", seeds, f"hydra.sweep.dir={sweep}",
                                NO_REPORT], cwd=in_tmp, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -112,7 +112,7 @@ def test_interrupted_sweep_relaunched_is_one_setting_of_three_seeds(in_tmp):
     # job 1 is caught at its first checkpoint, 490 steps before its end
     args = [*NARROW, "trainer.max_steps=500", "trainer.save_every=10", "dataset.train_size=800",
             "trainer.seed=0,1,2", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "-m", *args], cwd=in_tmp,
+    proc = subprocess.Popen([warm_python(), "-m", "memtrain", "-m", *args], cwd=in_tmp,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     while not list(sweep.glob("1_*/resume.pt")):  # job 0 done, job 1 training

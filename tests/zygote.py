@@ -13,9 +13,17 @@ are a fresh process's: only the import time is shared.
 (its subprocess patch measures fresh interpreters), or when the command's environment changes
 a variable that the preloaded modules read at import (torch's, Triton's, OpenMP's, Python's).
 
+`python()` is an executable that stands in for the interpreter where a test starts
+`python -m memtrain ...` itself (torchrun's ranks through its `PYTHON_EXEC`, a command the test
+signals): a few lines of Python without site packages that hand their own standard streams,
+folder, environment and arguments to the zygote, forward every signal they get to the forked
+child, and exit as it did (by the same signal where it was killed); when they are killed
+themselves, the zygote kills the child. Any other command line, or an environment the zygote
+cannot take, runs the real interpreter instead.
+
 Run as a script, this file is the server: it reads requests (a JSON line of argv, folder and
 environment, with the output files' descriptors) from the socket whose descriptor its parent
-passes as its argument.
+passes as its argument, and those of the stand-in interpreters from a listening socket.
 """
 
 from __future__ import annotations
@@ -31,9 +39,58 @@ from pathlib import Path
 # variables the preloaded modules read when imported: a command that changes one runs fresh
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVIDIA", "PYTHON",
                "LD_", "MALLOC", "TMPDIR")
-PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "hydra", "hydra.main",
-           "omegaconf", "memtrain.cli", "memtrain.run.runner", "memtrain.run.train",
-           "memtrain.optim", "memtrain.hydra_callbacks")
+# of those, what only a launcher or a rank reads when it runs: torchrun's interpreter and the
+# variables its agent gives each rank
+RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.distributed.run",
+           "hydra", "hydra.main", "omegaconf", "memtrain.cli", "memtrain.run.runner",
+           "memtrain.run.train", "memtrain.optim", "memtrain.hydra_callbacks")
+# the modules a forked command may run (`python -m MODULE`)
+MODULES = ("memtrain", "torch.distributed.run")
+
+
+def differs(env: dict[str, str], base: dict[str, str]) -> str | None:
+    """The first variable read at import time that `env` sets otherwise than `base`, if any."""
+    for k in sorted(set(env) | set(base)):
+        if k.startswith(IMPORT_TIME) and not k.startswith(RUN_TIME) and env.get(k) != base.get(k):
+            return k
+    return None
+
+
+# The stand-in interpreter: run with the real one's -S -E (no site packages, no PYTHON*
+# variables: it starts in milliseconds); argv[1] is the zygote's socket address, argv[2] the
+# real interpreter, the rest the command line it was given.
+SHIM = r"""
+import json, os, signal, socket, sys
+address, real, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+rest = args[1:] if args[:1] == ["-u"] else args  # torchrun's unbuffered output: the zygote's too
+sock = None
+if rest[:2] == ["-m", "memtrain"]:
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.connect("\0" + address)
+        request = {"module": "memtrain", "argv": rest[2:], "cwd": os.getcwd(),
+                   "env": dict(os.environ)}
+        socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        reply = json.loads(sock.makefile().readline() or "{}")
+    except OSError:
+        reply = {}
+    if "pid" not in reply:
+        sock.close()
+        sock = None
+if sock is None:  # not a command the zygote runs: the real interpreter
+    os.execv(real, [real, *args])
+pid = reply["pid"]
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+            signal.SIGUSR2):
+    signal.signal(sig, lambda s, _: os.kill(pid, s))
+line = sock.makefile().readline()
+code = json.loads(line)["status"] if line else 1
+if code < 0:  # killed by a signal: so is this process
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+os._exit(code if code >= 0 else 128 - code)
+"""
 
 
 class Zygote:
@@ -46,16 +103,20 @@ class Zygote:
         self._lock = threading.Lock()
         self._buf = b""
         self.broken: str | None = None
+        self._python: str | None = None
 
     def _start(self) -> None:
         import tempfile
 
         ours, theirs = socket.socketpair()
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # the listening socket of the stand-in interpreters: an abstract address (Linux), so
+        # no file to clean up and no limit on the temporary folder's path length
+        self.address = f"memtrain-zygote-{os.getpid()}-{os.urandom(4).hex()}"
         # the server's own output: why it failed, if it does
         self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (open while the server lives)
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())], env=self._env,
+            [sys.executable, __file__, str(theirs.fileno()), self.address], env=self._env,
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
         theirs.close()
@@ -89,22 +150,42 @@ class Zygote:
             self._start()
         if self.broken or self._proc.poll() is not None:
             return False
-        keys = set(env) | set(self._env)
-        return not any(env.get(k) != self._env.get(k) for k in keys if k.startswith(IMPORT_TIME))
+        return differs(env, self._env) is None
 
-    def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float
-            ) -> subprocess.CompletedProcess:
-        """`python -m memtrain ARGS` in a child: as `subprocess.run(..., capture_output=True,
+    def python(self) -> str:
+        """The stand-in interpreter's path (module docstring), written on first use; the real
+        interpreter where the zygote cannot serve (not Linux, coverage, a failed start)."""
+        if sys.platform != "linux" or not self.usable(self._env or dict(os.environ)):
+            return sys.executable
+        if self._python is None:
+            import tempfile
+
+            folder = Path(tempfile.mkdtemp(prefix="memtrain-zygote-"))
+            (folder / "shim.py").write_text(SHIM)
+            script = folder / "python"
+            # a shell script that execs the interpreter: the same process, so its pid is the
+            # one the caller signals
+            script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{folder / "shim.py"}" '
+                              f'"{self.address}" "{sys.executable}" "$@"\n')
+            script.chmod(0o755)
+            self._python = str(script)
+        return self._python
+
+    def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float,
+            module: str = "memtrain") -> subprocess.CompletedProcess:
+        """`python -m MODULE ARGS` in a child: as `subprocess.run(..., capture_output=True,
         text=True, timeout=timeout)` gives it (TimeoutExpired after killing the child)."""
         import tempfile
 
+        assert module in MODULES, module
         with self._lock, tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "out", Path(tmp) / "err"
             with open(out, "w") as o, open(err, "w") as e:
-                request = json.dumps({"argv": args, "cwd": str(cwd), "env": env}).encode()
+                request = json.dumps({"module": module, "argv": args, "cwd": str(cwd),
+                                      "env": env}).encode()
                 socket.send_fds(self._sock, [request + b"\n"], [o.fileno(), e.fileno()])
             pid = json.loads(self._line() or self._died())["pid"]
-            cmd = [sys.executable, "-m", "memtrain", *args]
+            cmd = [sys.executable, "-m", module, *args]
             try:
                 status = json.loads(self._line(timeout) or self._died())["status"]
             except TimeoutError:
@@ -129,27 +210,31 @@ class Zygote:
             self._log.close()
 
 
-def _child(request: dict, out: int, err: int, server: int) -> None:
-    """In the forked child: become `python -m memtrain ARGS` in the request's folder and
-    environment, then exit with its status."""
+def _child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
+    """In the forked child: become `python -m MODULE ARGS` in the request's folder and
+    environment, its standard streams `fds` (stdin, stdout, stderr; stdout and stderr alone: no
+    input), then exit with its status. `keep_closed`: the server's sockets."""
     import runpy
     import signal
     import traceback
 
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((devnull, 0), (out, 1), (err, 2)):
+    if len(fds) == 2:
+        fds = [os.open(os.devnull, os.O_RDONLY), *fds]
+    for target, fd in enumerate(fds):
         os.dup2(fd, target)
-    for fd in (devnull, out, err, server):
+    for fd in {*fds, *keep_closed} - {0, 1, 2}:
         os.close(fd)
+    signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.chdir(request["cwd"])
     sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["memtrain", *request["argv"]]
+    module = request.get("module", "memtrain")
+    sys.argv = [module, *request["argv"]]
     code: int = 0
     try:
-        runpy.run_module("memtrain", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:  # as the interpreter turns it into a status
         if e.code is None:
             code = 0
@@ -176,35 +261,107 @@ def _child(request: dict, out: int, err: int, server: int) -> None:
         os._exit(code)
 
 
-def serve(server: int) -> None:
+def serve(server: int, address: str) -> None:
+    """Fork a child per request, of the test worker (its socket, one at a time) and of the
+    stand-in interpreters (a connection each, any number at once); send each its child's pid,
+    then its exit status. A stand-in's connection that ends before its child: the child is
+    killed (the stand-in was, by a signal it cannot forward)."""
+    import contextlib
     import importlib
+    import selectors
+    import signal
 
     for name in PRELOAD:
         importlib.import_module(name)
-    sock = socket.socket(fileno=server)
-    sock.sendall(b"ready\n")
+    base = dict(os.environ)
+    worker = socket.socket(fileno=server)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind("\0" + address)
+    listener.listen(16)
+    sel = selectors.DefaultSelector()
+    sel.register(worker, selectors.EVENT_READ, "worker")
+    sel.register(listener, selectors.EVENT_READ, "listener")
+    # a child's end wakes the loop: SIGCHLD writes a byte to this pipe
+    ended, ends = os.pipe()
+    os.set_blocking(ends, False)
+    signal.set_wakeup_fd(ends)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel.register(ended, selectors.EVENT_READ, "ended")
+    owner: dict[int, socket.socket] = {}  # a running child's pid: where its status goes
+    child_of: dict[socket.socket, int] = {}  # a stand-in's connection: its child's pid
+    worker.sendall(b"ready\n")
     buf = b""
-    while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
-        if not msg:
-            return
-        buf += msg
-        if not buf.endswith(b"\n"):
-            for fd in fds:
-                os.close(fd)
-            continue
-        request, buf = json.loads(buf), b""
+
+    def fork(request: dict, fds: list[int], to: socket.socket) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(request, *fds, server)
+            _child(request, fds, [worker.fileno(), listener.fileno(), ended, ends,
+                                  *(c.fileno() for c in child_of)])
         for fd in fds:
             os.close(fd)
-        sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        _, status = os.waitpid(pid, 0)
-        sock.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+        owner[pid] = to
+        if to is not worker:
+            child_of[to] = pid
+        to.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+
+    def drop(conn: socket.socket) -> None:
+        sel.unregister(conn)
+        child_of.pop(conn, None)
+        conn.close()
+
+    while True:
+        for key, _ in sel.select():
+            if key.data == "ended":
+                os.read(ended, 4096)
+            elif key.data == "worker":
+                msg, fds, _, _ = socket.recv_fds(worker, 1 << 20, 2)
+                if not msg:
+                    return
+                buf += msg
+                if not buf.endswith(b"\n"):
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                request, buf = json.loads(buf), b""
+                fork(request, fds, worker)
+            elif key.data == "listener":
+                conn, _ = listener.accept()
+                sel.register(conn, selectors.EVENT_READ, "stand-in")
+            elif key.fileobj in child_of:  # the stand-in ended before its child: kill it
+                pid = child_of[key.fileobj]
+                if not key.fileobj.recv(1):
+                    os.kill(pid, signal.SIGKILL)
+                    drop(key.fileobj)
+            else:  # a stand-in's request: one line, its three standard streams
+                conn = key.fileobj
+                msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                request = json.loads(msg) if msg.endswith(b"\n") and len(fds) == 3 else None
+                if request is None or request.get("module") != "memtrain" or \
+                        differs(request["env"], base) is not None:
+                    for fd in fds:
+                        os.close(fd)
+                    conn.sendall(b"{}\n")  # the stand-in runs the real interpreter
+                    drop(conn)
+                    continue
+                fork(request, fds, conn)
+        while owner:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            to = owner.pop(pid, None)
+            if to is None:
+                continue
+            reply = json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode()
+            with contextlib.suppress(OSError):  # a stand-in gone meanwhile
+                to.sendall(reply + b"\n")
+            if to is not worker and to in child_of:
+                drop(to)
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2])
