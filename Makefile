@@ -53,11 +53,12 @@ TEST_BUDGET_S ?= 600
 # Tests that mostly wait on a clock outside the worker (the throwaway SLURM cluster's scheduler
 # and time limits count in tens of seconds): a pytest session of their own, started beside the
 # main one, so that their waiting leaves no core idle; their output follows the main session's.
-# The `ranks` one stays in the main session, whose lock gives it the machine alone. Given ARGS,
-# make test runs one session of what ARGS selects.
-BESIDE := slurm and not ranks
+# Both sessions share the folder of the `ranks` lock (MEMTRAIN_TEST_LOCKS, tests/conftest.py),
+# so the `ranks` one among them still has the machine to itself, on the same throwaway
+# cluster. Given ARGS, make test runs one session of what ARGS selects.
+BESIDE := slurm
 test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode); prints the 10 slowest tests and its time against the budget
-	@t0=$$(date +%s); side=$$(mktemp -d); \
+	@t0=$$(date +%s); side=$$(mktemp -d); export MEMTRAIN_TEST_LOCKS=$$side; \
 	  if [ -z "$(strip $(ARGS))" ]; then \
 	    { $(call PYTEST,$(BIN)) -n 0 -p no:cacheprovider -m "$(BESIDE)" > $$side/out 2>&1; \
 	      echo $$? > $$side/rc; } & \

@@ -52,11 +52,13 @@ def _ranks_alone(request, tmp_path_factory):
     which ignores xdist groups (they need `--dist loadgroup`), so the workers share two lock
     files in the session's temporary folder: every test holds the lock shared; a `ranks` test
     holds it alone (and the gate first, so that tests that start meanwhile wait behind it),
-    only while it starts its ranks where it asks for `ranks_alone`, else for the whole test."""
+    only while it starts its ranks where it asks for `ranks_alone`, else for the whole test.
+    MEMTRAIN_TEST_LOCKS names another folder for them: make test gives its two sessions one."""
     import fcntl
 
     base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = Path(os.environ.get("MEMTRAIN_TEST_LOCKS") or
+                (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base))
     alone = request.node.get_closest_marker("ranks") is not None and \
         "ranks_alone" not in request.fixturenames
     mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
