@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, warm_python
 from PIL import Image
 
 from memtrain import api, record
@@ -227,7 +227,8 @@ def test_a_failing_part_is_recorded_and_the_next_part_runs(tmp_path):
     root = Path(__file__).resolve().parents[1]
     cmd = ["make", "-s", "-C", str(root), "results", "DEVICE=cpu", f"PY={sys.executable}",
            "PARTS=synthetic,tradeoff", "RESULTS_NAME=t", f"ARCHIVE={archive}",
-           f"ARGS=--profile smoke --set synthetic.model=nosuch --out {out} --runs {runs}"]
+           f"ARGS=--profile smoke --set synthetic.model=nosuch --out {out} --runs {runs} "
+           f"--python {warm_python()}"]  # its memtrain commands forked from the warm interpreter
     plan = subprocess.run([*cmd[:2], "-n", *cmd[2:]], capture_output=True, text=True,
                           timeout=60).stdout
     assert "-m tools.study --device cpu" in plan and "results-docs" in plan, plan

@@ -104,7 +104,7 @@ def test_the_archive_is_written_after_every_part(tmp_path, monkeypatch):
     runs, out, archive = tmp_path / "runs", tmp_path / "view", tmp_path / "out" / "s.tar.gz"
     seen = []
 
-    def fake_part(part, ctx, env, time_left, stamp=None, whole_steps=False):
+    def fake_part(part, ctx, env, time_left, stamp=None, whole_steps=False, python=None):
         seen.append((part, whole_steps, _jsons(archive)))
         (ctx.runs / part).mkdir(parents=True)
         (ctx.runs / part / "row.json").write_text("{}")
@@ -130,7 +130,7 @@ def test_later_parts_start_a_step_only_where_its_budget_fits(tmp_path, monkeypat
     """After the priority parts a step whose budget exceeds the time left is skipped (a step
     killed half-way measures nothing); a priority part's steps stop at its capped budget."""
     ran = []
-    monkeypatch.setattr(results, "run_step", lambda step, log, timeout, env: ran.append(
+    monkeypatch.setattr(results, "run_step", lambda step, log, timeout, env, python: ran.append(
         (step.name, timeout)) or {"name": step.name, "status": "ok", "seconds": 0,
                                   "budget_s": step.budget_s})
     steps = [plan.Step("baseline", "long", [], 200), plan.Step("baseline", "short", [], 50)]

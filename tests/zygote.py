@@ -39,9 +39,12 @@ from pathlib import Path
 # variables the preloaded modules read when imported: a command that changes one runs fresh
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVIDIA", "PYTHON",
                "LD_", "MALLOC", "TMPDIR")
-# of those, what only a launcher or a rank reads when it runs: torchrun's interpreter and the
-# variables its agent gives each rank
-RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# of those, what is read only when it is used, not at import: torchrun's interpreter and the
+# variables its agent gives each rank, and Inductor's cache folder (which torch writes into the
+# environment of a process once it first asks for it: a test worker that compiled, or built a
+# DDP model, has it set from then on)
+RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCHINDUCTOR_CACHE_DIR")
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.distributed.run",
            "hydra", "hydra.main", "omegaconf", "memtrain.cli", "memtrain.run.runner",
            "memtrain.run.train", "memtrain.optim", "memtrain.hydra_callbacks")
@@ -271,9 +274,9 @@ def serve(server: int, address: str) -> None:
     import selectors
     import signal
 
+    base = dict(os.environ)  # before the imports, some of which set variables (torch's CUDA ones)
     for name in PRELOAD:
         importlib.import_module(name)
-    base = dict(os.environ)
     worker = socket.socket(fileno=server)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind("\0" + address)

@@ -82,11 +82,12 @@ def find_none(runs: Path, where: dict) -> bool:
     return False
 
 
-def run_step(step: study_plan.Step, log: Path, timeout: float, env: dict) -> dict:
-    """Run one command (its own process group, so that it can be stopped with all its workers;
-    output to `log`); on timeout SIGTERM the group (memtrain turns it into `interrupted` rows),
-    then SIGKILL what is left."""
-    argv = [sys.executable, *step.argv]
+def run_step(step: study_plan.Step, log: Path, timeout: float, env: dict,
+             python: str = sys.executable) -> dict:
+    """Run one command with the interpreter `python` (its own process group, so that it can be
+    stopped with all its workers; output to `log`); on timeout SIGTERM the group (memtrain turns
+    it into `interrupted` rows), then SIGKILL what is left."""
+    argv = [python, *step.argv]
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as f:
@@ -157,7 +158,7 @@ def committed(root: Path, part: str, slug: str) -> Path | None:
 
 
 def run_part(part: str, ctx: study_plan.Context, env: dict, time_left, stamp: dict | None = None,
-             whole_steps: bool = False) -> dict:
+             whole_steps: bool = False, python: str = sys.executable) -> dict:
     """Every step of a part, each recorded; a failing step never stops the next. A priority
     part's steps stop at study_plan.PART_CAP x its budget; `whole_steps`: start a step only where
     its budget fits in the time left (the parts after the priority ones)."""
@@ -188,7 +189,8 @@ def run_part(part: str, ctx: study_plan.Context, env: dict, time_left, stamp: di
         timeout = min(ctx.size["study"]["timeout_factor"] * step.budget_s + 120, left)
         print(f"results: {part}/{step.name} (budget ~{step.budget_s:.0f} s, timeout "
               f"{timeout:.0f} s)", flush=True)
-        record["steps"].append(run_step(step, folder / f"{step.name}.log", timeout, env))
+        record["steps"].append(run_step(step, folder / f"{step.name}.log", timeout, env,
+                                        python))
         print(f"results: {part}/{step.name}: {record['steps'][-1]['status']} in "
               f"{record['steps'][-1]['seconds']} s", flush=True)
     bad = [s["status"] for s in record["steps"] if s["status"] != "ok"]
@@ -242,6 +244,8 @@ def parser() -> argparse.ArgumentParser:
                     help="start no step after this many seconds; a running step is stopped at it")
     ap.add_argument("--no-report", action="store_true", help="leave the view as it is")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and budgets only")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter that runs each step's command (default: this one)")
     return ap
 
 
@@ -302,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             continue
         record = run_part(part, ctx, env, time_left, stamp,
-                          whole_steps=part not in study_plan.PRIORITY)
+                          whole_steps=part not in study_plan.PRIORITY, python=a.python)
         atomic_write(out / "parts" / f"{part}.json", json.dumps(record, indent=1) + "\n")
         if a.archive:  # after every part: a call cut off later returns what it measured
             pack(a.archive, [runs, out])
