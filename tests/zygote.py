@@ -211,6 +211,11 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
             self._log.close()
+        if self._python is not None:  # the stand-in's folder
+            import shutil
+
+            shutil.rmtree(Path(self._python).parent, ignore_errors=True)
+            self._python = None
 
 
 def _child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
