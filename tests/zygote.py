@@ -42,9 +42,11 @@ IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVI
 # of those, what is read only when it is used, not at import: torchrun's interpreter and the
 # variables its agent gives each rank, and Inductor's cache folder (which torch writes into the
 # environment of a process once it first asks for it: a test worker that compiled, or built a
-# DDP model, has it set from then on)
+# DDP model, has it set from then on); and PYTHONUNBUFFERED, read at start-up: the zygote's
+# streams are unbuffered, so a command without it writes what a fresh interpreter would, only
+# no later
 RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "TORCHINDUCTOR_CACHE_DIR")
+            "TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED")
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.distributed.run",
            "hydra", "hydra.main", "omegaconf", "memtrain.cli", "memtrain.run.runner",
            "memtrain.run.train", "memtrain.optim", "memtrain.hydra_callbacks")
@@ -158,7 +160,7 @@ class Zygote:
     def python(self) -> str:
         """The stand-in interpreter's path (module docstring), written on first use; the real
         interpreter where the zygote cannot serve (not Linux, coverage, a failed start)."""
-        if sys.platform != "linux" or not self.usable(self._env or dict(os.environ)):
+        if sys.platform != "linux" or not self.usable(dict(os.environ)):
             return sys.executable
         if self._python is None:
             import tempfile
@@ -305,8 +307,8 @@ def serve(server: int, address: str) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(request, fds, [worker.fileno(), listener.fileno(), ended, ends,
-                                  *(c.fileno() for c in child_of)])
+            # every socket and pipe of the server's, its stand-ins' connections included
+            _child(request, fds, [ends, *(key.fd for key in sel.get_map().values())])
         for fd in fds:
             os.close(fd)
         owner[pid] = to
