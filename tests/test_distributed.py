@@ -31,12 +31,12 @@ TINY = ["model=mlp6", "trainer=smoke", "dataset.image_size=8", "model.widths=[64
 
 def torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 600,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node RANKS ARGS`, as a user runs it (ARGS: `-m
-    memtrain ...`); the agent and, through torchrun's own `PYTHON_EXEC`, every rank forked
-    from the worker's warm interpreter (conftest.warm_python) where it can."""
+    """`torchrun --standalone --nproc-per-node RANKS -m memtrain ARGS`, as a user runs it; the
+    agent and, through torchrun's own `PYTHON_EXEC`, every rank forked from the worker's warm
+    interpreter (conftest.warm_python) where it can."""
     full = {"OMP_NUM_THREADS": "1", "PYTHON_EXEC": warm_python(), **(env or {})}
-    return run_memtrain("--standalone", f"--nproc-per-node={ranks}", *args, cwd=cwd,
-                        timeout=timeout, env=full, module="torch.distributed.run")
+    return run_memtrain("--standalone", f"--nproc-per-node={ranks}", "-m", "memtrain", *args,
+                        cwd=cwd, timeout=timeout, env=full, module="torch.distributed.run")
 
 
 def _rank_step(overrides: list[str], strategy: str, ranks: int = 2, steps: int = 3) -> dict:
@@ -389,8 +389,7 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp, ranks_alone):
     args = [*TINY, "trainer.save_weights=true"]
     failed = in_tmp / "failed"
     with ranks_alone():  # both torchruns; the checks in this process after them
-        p = torchrun("-m", "memtrain", *args, "trainer.strategy=ddp",
-                     f"hydra.run.dir={in_tmp / 'ddp'}",
+        p = torchrun(*args, "trainer.strategy=ddp", f"hydra.run.dir={in_tmp / 'ddp'}",
                      cwd=in_tmp)
         assert p.returncode == 0, p.stderr[-3000:]
         assert sorted(p.name for p in in_tmp.iterdir()) == ["ddp"]  # no folder of rank 1's
@@ -398,8 +397,7 @@ def test_ddp_on_two_ranks_equals_one_process(in_tmp, ranks_alone):
         # no record) at step 45 while rank 0 waits for its gradients; rank 0's connection to
         # it is reset, rank 1's heartbeat has stopped, and rank 0 writes the row naming rank
         # 1, with every metric logged before (every 10th step: 0-40)
-        killed = torchrun("-m", "memtrain", *args, "trainer.strategy=ddp",
-                          "trainer.fault=kill",
+        killed = torchrun(*args, "trainer.strategy=ddp", "trainer.fault=kill",
                           "trainer.fault_rank=1", "trainer.fault_step=45",
                           "trainer.max_steps=50", "trainer.log_every=10",
                           f"hydra.run.dir={failed}", cwd=in_tmp, timeout=300)
@@ -443,20 +441,18 @@ def test_fsdp_on_two_ranks_and_a_sigterm_to_one_of_them(in_tmp, ranks_alone):
     fault = [*args, "method=checkpoint", "method.strategy=uniform", "method.every=2",
              "trainer.fault=sigterm", "trainer.fault_rank=1", "trainer.fault_step=1"]
     with ranks_alone():  # the four torchruns; the checks in this process after them
-        p = torchrun("-m", "memtrain", *args, f"hydra.run.dir={run}", cwd=in_tmp)
+        p = torchrun(*args, f"hydra.run.dir={run}", cwd=in_tmp)
         assert p.returncode == 0, p.stderr[-3000:]
         # bad input (every rank refuses it, before any folder is made)
-        bad = torchrun("-m", "memtrain", *args, "method=synthetic",
-                       f"hydra.run.dir={refused}", cwd=in_tmp)
-        cut = torchrun("-m", "memtrain", *fault, f"hydra.run.dir={stopped}", cwd=in_tmp)
+        bad = torchrun(*args, "method=synthetic", f"hydra.run.dir={refused}", cwd=in_tmp)
+        cut = torchrun(*fault, f"hydra.run.dir={stopped}", cwd=in_tmp)
         assert cut.returncode != 0
         cut_row = _row(stopped)  # before the continue command writes the finished row
         line = next(ln for ln in cut.stderr.splitlines() if "continue with: " in ln)
         command = shlex.split(line.split("continue with: ", 1)[1])
-        assert command[:3] == ["torchrun", "--nproc-per-node=2", "-m"]
+        assert command[:4] == ["torchrun", "--nproc-per-node=2", "-m", "memtrain"]
         shards = sorted(f.name for f in (stopped / "resume.dcp.2").iterdir())
-        assert command[1] == "--nproc-per-node=2"
-        again = torchrun(*command[2:], cwd=in_tmp)
+        again = torchrun(*command[4:], cwd=in_tmp)
     row = _row(run)
     assert row["status"] == "ok" and row["world_size"] == 2
     single = [a for a in args if a != "trainer.strategy=fsdp"]
