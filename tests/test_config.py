@@ -174,8 +174,9 @@ def test_missing_dataset_folder_names_the_path(in_tmp):
 @pytest.mark.slow
 def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_path, monkeypatch):
     """loader.hydra_compose caches a composition within a process (each api.run composes ~7
-    times): an edited preset, a new preset file, another folder (hydra.runtime.cwd) or an edited
-    structured config composes afresh, and each caller gets its own copy to change."""
+    times): an edited preset, a new preset file, another folder (hydra.runtime.cwd, where the
+    hydra node is asked for) or an edited structured config composes afresh, and each caller
+    gets its own copy to change."""
     from hydra.core.config_store import ConfigStore
 
     from memtrain.config import loader
@@ -207,6 +208,11 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
                     for _ in range(2))
         assert one is two and "hydra" not in one  # the readers' object: one, never changed
         assert loader.hydra_compose("config", ["trainer=smoke"]) is not one
+    monkeypatch.chdir(mine)  # without the hydra node a config is the same in any folder
+    with loader.session():
+        assert loader.hydra_compose("config", ["trainer=smoke"], shared=True) is one
+        cwd = loader.hydra_compose("config", ["trainer=smoke"], return_hydra_config=True)
+        assert cwd.hydra.runtime.cwd == str(mine)
 
     cs = ConfigStore.instance()
     node = cs.repo["trainer"]["base_trainer.yaml"]

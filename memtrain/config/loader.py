@@ -241,6 +241,20 @@ def _parse_once() -> None:
         source = SourcesRegistry.instance().resolve(scheme)
         source.load_config = cached(source.load_config)
 
+    # Each composition deep-copies Hydra's config repository (so that setting up its search
+    # path leaves the original alone), and with it the structured source's ConfigStore: every
+    # stored config, a tenth of the composition's time. The store itself is never changed
+    # there (the copy's sources are replaced, and a load hands out a copy of its node), so the
+    # copy of the source shares it.
+    structured = SourcesRegistry.instance().resolve("structured")
+    if not getattr(structured, "_memtrain_shares_store", False):
+        def share_store(self, memo):
+            memo[id(self)] = out = copy.copy(self)
+            return out
+
+        structured.__deepcopy__ = share_store
+        structured._memtrain_shares_store = True
+
 
 def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False, *,
                   shared: bool = False) -> DictConfig:
@@ -255,19 +269,28 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
     from hydra.version import getbase
 
     state = _session_state()
-    key = None
+    keys: tuple = ()
     if state is not None and not any(o.split("=")[0].lstrip("+~") == "hydra.searchpath"
                                      for o in overrides):
-        key = ("compose", name, tuple(overrides), os.getcwd(), str(getbase()),
-               JobRuntime().get("name"), state)
-    entry = _composed.get(key) if key is not None else None
-    if entry is not None:
+        # The current folder is in the hydra node alone (hydra.runtime.cwd; the search path is
+        # absolute): a config without it is the same in any folder, and is looked up so first
+        # (a test, a notebook, each job of a sweep composes the same configs in folders of
+        # their own).
+        base = ("compose", name, tuple(overrides), str(getbase()), JobRuntime().get("name"),
+                state)
+        keys = ((*base, os.getcwd()), (*base, None))
+    entry = None
+    for key in keys[:1] if return_hydra_config else keys[::-1]:
+        entry = _composed.get(key)
+        if entry is None:
+            continue
         extra_paths, extra_state, env, _ = entry
         if (_sources_state(extra_paths) != extra_state
                 or {k: os.environ.get(k) for k in env} != env):
             entry = None
         else:
             _composed[key] = _composed.pop(key)  # most recently used last
+        break
     if entry is None:
         cfg = hcompose(name, overrides=list(overrides), return_hydra_config=True)
         try:
@@ -276,10 +299,14 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
             extra_state = _sources_state(extra_paths)
         except Exception:  # an unresolvable search path: Hydra said what it could; no cache
             extra_state = None
-        if key is None or extra_state is None:
+        if not keys or extra_state is None:
             return cfg if return_hydra_config else _without_hydra(cfg)
         env = {k: os.environ.get(k) for k in cfg.hydra.job.get("env_copy") or []}
-        entry = _composed[key] = (extra_paths, extra_state, env, {True: cfg})
+        # under both keys: with the hydra node for this folder, without it for any (a lookup
+        # without the hydra node finds a variant of its own in the entry: `variants`)
+        entry = (extra_paths, extra_state, env, {True: cfg})
+        for key in keys:
+            _composed[key] = entry
         _trim()
     variants = entry[3]
     if return_hydra_config not in variants:
