@@ -264,6 +264,10 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
     # without channels, every group's min and step at once (one value per group: small), so
     # that a chunk runs only its rounding and packing
     inv_all = _group_stats(flat, mn, scale, group_size, levels) if chan is None else None
+    # the views a chunk slices, made once (each op is a dispatch: under the memory tracker the
+    # dispatches, not the arithmetic, are most of a chunk's time on the CPU)
+    mn_col, rows = mn.view(-1, 1), codes.view(-1, group_size * bits // 8)
+    inv_col = inv_all.view(-1, 1) if inv_all is not None else None
     step = _groups_per_chunk(n, group_size)
     for g0 in chunk_starts(n_groups(n, group_size), step, is_fake(x)):
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
@@ -276,14 +280,14 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
         if pad:  # repeat the last element: min and max unchanged; its codes zeroed below
             part = torch.cat([part, part[-1:].expand(pad)])
         xg = part.view(groups, group_size)
-        if inv_all is None:
-            lo, hi = xg.aminmax(dim=1)
+        if inv_col is None:
+            lo, hi = xg.aminmax(dim=1, keepdim=True)
             rng = hi - lo
             inv = _inverse(rng, levels)
-            mn[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng / levels
+            mn_col[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng.view(-1) / levels
         else:
-            lo, inv = mn[g0:g0 + groups], inv_all[g0:g0 + groups]
-        v = xg.sub_(lo[:, None]).mul_(inv[:, None])
+            lo, inv = mn_col[g0:g0 + groups], inv_col[g0:g0 + groups]
+        v = xg.sub_(lo).mul_(inv)
         if stochastic:
             real = v.numel() - pad  # the padding's codes are zeroed below: no noise needed
             u = noise.reshape(-1)[g0 * group_size:g0 * group_size + real].float() \
@@ -294,8 +298,8 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
         q = v.floor_().clamp_(0, levels).to(torch.uint8)
         if pad:
             q.view(-1)[-pad:] = 0
-        packed = (q.view(groups, group_size // per, per) << shifts).sum(-1, dtype=torch.uint8)
-        codes.view(-1, group_size * bits // 8)[g0:g0 + groups] = packed
+        torch.sum(q.view(groups, group_size // per, per) << shifts, -1, dtype=torch.uint8,
+                  out=rows[g0:g0 + groups])
     return buf
 
 
@@ -336,11 +340,13 @@ def dequantize_torch(buf: torch.Tensor, n: int, bits: int, group_size: int,
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
     mask = (1 << bits) - 1
     step = _groups_per_chunk(n, group_size)
-    rows = codes.view(-1, group_size * bits // 8)
+    # the views a chunk slices, made once (quantize_torch: each op is a dispatch)
+    rows = codes.view(-1, group_size * bits // 8, 1)
+    scale_col, mn_col = scale.view(-1, 1), mn.view(-1, 1)
     for g0 in chunk_starts(rows.shape[0], step, is_fake(buf)):
-        q = (rows[g0:g0 + step, :, None] >> shifts) & mask  # [groups, bytes, per]
+        q = (rows[g0:g0 + step] >> shifts).bitwise_and_(mask)  # [groups, bytes, per]
         x = q.view(q.shape[0], group_size).float()
-        x.mul_(scale[g0:g0 + step, None]).add_(mn[g0:g0 + step, None])
+        x.mul_(scale_col[g0:g0 + step]).add_(mn_col[g0:g0 + step])
         lo = g0 * group_size
         x = x.view(-1)[:n - lo]
         if chan is not None:
