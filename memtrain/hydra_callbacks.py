@@ -8,7 +8,6 @@ import os
 import re
 import shlex
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,25 +21,43 @@ from memtrain.run.faults import SweepStop
 LOCK = ".memtrain-sweep.lock"
 
 
-def _touched(job: Path) -> float:
-    """When this sweep last wrote into the job folder (Hydra rewrites .hydra/config.yaml)."""
-    files = (job / ".hydra" / "config.yaml", job / SUMMARY, job / SKIPPED)
-    return max((f.stat().st_mtime for f in files if f.is_file()), default=0.0)
+def _stamp(job: Path) -> tuple:
+    """What a sweep that ran the job folder leaves changed in it (Hydra rewrites
+    .hydra/config.yaml; the job its summary, or a skip marker): each file's time and size."""
+    out = []
+    for f in (job / ".hydra" / "config.yaml", job / SUMMARY, job / SKIPPED):
+        try:
+            st = f.stat()
+        except OSError:
+            out.append(None)
+            continue
+        out.append((st.st_mtime_ns, st.st_size))
+    return tuple(out)
 
 
-def count_statuses(sweep_dir: Path, since: float | None = None) -> tuple[Counter, int]:
+def _jobs(sweep_dir: Path) -> set[Path]:
+    return {p.parent for name in (".hydra", SUMMARY, SKIPPED) for p in sweep_dir.rglob(name)}
+
+
+def job_stamps(sweep_dir: Path) -> dict[Path, tuple]:
+    """The job folders below sweep_dir as they are now (`count_statuses(..., before=)`)."""
+    return {j: _stamp(j) for j in _jobs(sweep_dir)}
+
+
+def count_statuses(sweep_dir: Path, before: dict[Path, tuple] | None = None
+                   ) -> tuple[Counter, int]:
     """(jobs per status, jobs skipped as already done) over the run folders below sweep_dir;
-    with `since`, only the folders written from then on (this sweep's, not an earlier one's in
-    the same folder).
+    with `before` (`job_stamps` when the sweep started), only the folders written since (this
+    sweep's, not an earlier one's in the same folder, however shortly before it ended).
 
     A folder with neither a readable summary.json nor a skip marker is a job that died without a
     record (killed hard, or the node lost): counted as `missing`.
     """
     counts: Counter = Counter()
     skipped = 0
-    jobs = {p.parent for name in (".hydra", SUMMARY, SKIPPED) for p in sweep_dir.rglob(name)}
-    if since is not None:
-        jobs = {j for j in jobs if _touched(j) >= since}
+    jobs = _jobs(sweep_dir)
+    if before is not None:
+        jobs = {j for j in jobs if before.get(j) != _stamp(j)}
     for job in sorted(jobs):
         if (job / SKIPPED).is_file():
             skipped += 1
@@ -73,14 +90,15 @@ class StatusCount(Callback):
     all_failed: str | None = None
 
     def __init__(self) -> None:
-        self.started: float | None = None
+        self.before: dict[Path, tuple] | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.started = time.time() - 1.0  # file times may be a little coarse
+        # the folders of earlier sweeps into the same folder, as they are: not this sweep's
+        self.before = job_stamps(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        counts, skipped = count_statuses(sweep_dir, self.started)
+        counts, skipped = count_statuses(sweep_dir, self.before)
         print(format_counts(counts, skipped), flush=True)
         if sum(counts.values()) and not counts["ok"]:
             StatusCount.all_failed = f"every job of the sweep failed; their rows are in {sweep_dir}"

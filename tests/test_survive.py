@@ -13,7 +13,7 @@ import torch
 from conftest import NO_REPORT, job_dir, run_memtrain, warm_python
 
 from memtrain import api
-from memtrain.hydra_callbacks import count_statuses, format_counts
+from memtrain.hydra_callbacks import count_statuses, format_counts, job_stamps
 from memtrain.run import faults
 
 TINY = ["trainer=smoke", "model=mlp6", "dataset.image_size=8"]
@@ -220,6 +220,13 @@ def test_skip_done_in_process(in_tmp):
     counts, skipped = count_statuses(in_tmp / "sweep")
     assert counts == {"ok": 3} and skipped == 1
     assert format_counts(counts, skipped) == "memtrain: 3 jobs: ok 3 (1 skipped: already done)"
+    # a sweep into the same folder right after counts its own jobs only, however close in time
+    before = job_stamps(in_tmp / "sweep")
+    (in_tmp / "sweep" / "3").mkdir()
+    (in_tmp / "sweep" / "3" / "summary.json").write_text('{"status": "oom"}')
+    (in_tmp / "sweep" / "1" / "skipped.json").write_text(json.dumps(marker))  # skipped again
+    counts, skipped = count_statuses(in_tmp / "sweep", before)
+    assert counts == {"ok": 1, "oom": 1} and skipped == 1
 
 
 @pytest.mark.slow
