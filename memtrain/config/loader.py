@@ -72,6 +72,9 @@ _search_path: tuple | None = None  # the session's search path: (provider, path)
 _search_state: tuple | None = None  # its files and structured configs, read once per session
 _composed: dict[tuple, tuple] = {}
 _COMPOSED_MAX = 256
+# the configs without their hydra node, which are the same in any folder (`hydra_compose`)
+_anywhere: dict[tuple, tuple] = {}
+_ANYWHERE_MAX = 128
 
 
 def _source_files(path: str) -> tuple | None:
@@ -173,9 +176,27 @@ def group_options(group: str, name: str, search: list[str]) -> list[str]:
     return list(found)
 
 
-def _trim() -> None:
-    while len(_composed) > _COMPOSED_MAX:
-        _composed.pop(next(iter(_composed)))
+def _trim(cache: dict | None = None, most: int = _COMPOSED_MAX) -> None:
+    cache = _composed if cache is None else cache
+    while len(cache) > most:
+        cache.pop(next(iter(cache)))
+
+
+def _valid(cache: dict, key: tuple | None) -> tuple | None:
+    """The cached composition under key, if what it was made of beyond the key (the files of a
+    config's own hydra.searchpath, the variables of hydra.job.env_copy) is unchanged; made the
+    most recently used."""
+    import os
+
+    entry = cache.get(key) if key is not None else None
+    if entry is None:
+        return None
+    extra_paths, extra_state, env, _ = entry
+    if (_sources_state(extra_paths) != extra_state
+            or {k: os.environ.get(k) for k in env} != env):
+        return None
+    cache[key] = cache.pop(key)  # most recently used last
+    return entry
 
 
 # Hydra parses every file of the defaults list again for each composition (its own cache lives
@@ -269,28 +290,24 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
     from hydra.version import getbase
 
     state = _session_state()
-    keys: tuple = ()
+    here = anywhere = None
     if state is not None and not any(o.split("=")[0].lstrip("+~") == "hydra.searchpath"
                                      for o in overrides):
-        # The current folder is in the hydra node alone (hydra.runtime.cwd; the search path is
-        # absolute): a config without it is the same in any folder, and is looked up so first
-        # (a test, a notebook, each job of a sweep composes the same configs in folders of
-        # their own).
-        base = ("compose", name, tuple(overrides), str(getbase()), JobRuntime().get("name"),
-                state)
-        keys = ((*base, os.getcwd()), (*base, None))
+        anywhere = ("compose", name, tuple(overrides), str(getbase()),
+                    JobRuntime().get("name"), state)
+        here = (*anywhere, os.getcwd())
+    # The current folder is in the hydra node alone (hydra.runtime.cwd; the search path is
+    # absolute): a config without that node is the same in any folder, and is looked up so
+    # first, in a cache of its own (the checks compose each selection and each chosen option
+    # so, for every test, notebook cell or sweep job in a folder of its own; the whole
+    # command's configs, one a run folder, would push them out of a shared one).
     entry = None
-    for key in keys[:1] if return_hydra_config else keys[::-1]:
-        entry = _composed.get(key)
-        if entry is None:
-            continue
-        extra_paths, extra_state, env, _ = entry
-        if (_sources_state(extra_paths) != extra_state
-                or {k: os.environ.get(k) for k in env} != env):
-            entry = None
-        else:
-            _composed[key] = _composed.pop(key)  # most recently used last
-        break
+    lookups = [(_composed, here)] if return_hydra_config else \
+        [(_anywhere, anywhere), (_composed, here)]
+    for cache, key in lookups:
+        entry = _valid(cache, key)
+        if entry is not None:
+            break
     if entry is None:
         cfg = hcompose(name, overrides=list(overrides), return_hydra_config=True)
         try:
@@ -299,15 +316,14 @@ def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = F
             extra_state = _sources_state(extra_paths)
         except Exception:  # an unresolvable search path: Hydra said what it could; no cache
             extra_state = None
-        if not keys or extra_state is None:
+        if here is None or extra_state is None:
             return cfg if return_hydra_config else _without_hydra(cfg)
         env = {k: os.environ.get(k) for k in cfg.hydra.job.get("env_copy") or []}
-        # under both keys: with the hydra node for this folder, without it for any (a lookup
-        # without the hydra node finds a variant of its own in the entry: `variants`)
-        entry = (extra_paths, extra_state, env, {True: cfg})
-        for key in keys:
-            _composed[key] = entry
-        _trim()
+        entry = _composed[here] = (extra_paths, extra_state, env, {True: cfg})
+        _trim(_composed, _COMPOSED_MAX)
+    if not return_hydra_config and anywhere is not None and _anywhere.get(anywhere) is not entry:
+        _anywhere[anywhere] = entry
+        _trim(_anywhere, _ANYWHERE_MAX)
     variants = entry[3]
     if return_hydra_config not in variants:
         variants[return_hydra_config] = _without_hydra(copy.deepcopy(variants[True]))
