@@ -38,7 +38,7 @@ from pathlib import Path
 
 # variables the preloaded modules read when imported: a command that changes one runs fresh
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVIDIA", "PYTHON",
-               "LD_", "MALLOC", "TMPDIR")
+               "LD_", "MALLOC", "TMPDIR", "MPL")
 # of those, what is read only when it is used, not at import: torchrun's interpreter and the
 # variables its agent gives each rank, and Inductor's cache folder (which torch writes into the
 # environment of a process once it first asks for it: a test worker that compiled, or built a
@@ -48,8 +48,10 @@ IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVI
 RUN_TIME = ("PYTHON_EXEC", "TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
             "TORCHINDUCTOR_CACHE_DIR", "PYTHONUNBUFFERED")
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.distributed.run",
-           "hydra", "hydra.main", "omegaconf", "memtrain.cli", "memtrain.run.runner",
-           "memtrain.run.train", "memtrain.optim", "memtrain.hydra_callbacks")
+           "torch.distributed._tools.mem_tracker", "scipy.optimize", "pandas",
+           "hydra", "hydra.main", "omegaconf", "hydra_plugins.memtrain_launcher", "memtrain.cli",
+           "memtrain.run.runner", "memtrain.run.train", "memtrain.optim",
+           "memtrain.hydra_callbacks", "memtrain.report.build", "memtrain.report.callback")
 # the modules a forked command may run (`python -m MODULE`)
 MODULES = ("memtrain", "torch.distributed.run")
 
