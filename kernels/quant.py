@@ -265,7 +265,7 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
     # that a chunk runs only its rounding and packing
     inv_all = _group_stats(flat, mn, scale, group_size, levels) if chan is None else None
     # the views a chunk slices, made once (each op is a dispatch: under the memory tracker the
-    # dispatches, not the arithmetic, are most of a chunk's time on the CPU)
+    # dispatches, not the arithmetic, dominate a small chunk's time on the CPU)
     mn_col, rows = mn.view(-1, 1), codes.view(-1, group_size * bits // 8)
     inv_col = inv_all.view(-1, 1) if inv_all is not None else None
     step = _groups_per_chunk(n, group_size)

@@ -264,7 +264,7 @@ def _parse_once() -> None:
 
     # Each composition deep-copies Hydra's config repository (so that setting up its search
     # path leaves the original alone), and with it the structured source's ConfigStore: every
-    # stored config, a tenth of the composition's time. The store itself is never changed
+    # stored config, each time. The store itself is never changed
     # there (the copy's sources are replaced, and a load hands out a copy of its node), so the
     # copy of the source shares it.
     structured = SourcesRegistry.instance().resolve("structured")

@@ -190,8 +190,7 @@ def estimate_peak(make: Callable[[], tuple[nn.Module, Any]],
     session = distributed.fake_session(strategy, world_size) if sharded else \
         contextlib.nullcontext(None)
     # factories that name no device make the estimate's device's tensors: a device context,
-    # unless it is the default device already (a context sees every torch call of the step, a
-    # tenth of its time)
+    # unless it is the default device already (a context sees every torch call of the step)
     where = contextlib.nullcontext() if dev == torch.get_default_device() else dev
     with session as world, FakeTensorMode(), where:
         steps = probe_steps(make, batch_size // world_size if sharded else batch_size,
