@@ -172,12 +172,11 @@ def group_options(group: str, name: str, search: list[str]) -> list[str]:
         group, ObjectType.CONFIG, name, search)
     if key is not None:
         _composed[key] = tuple(found)
-        _trim()
+        _trim(_composed, _COMPOSED_MAX)
     return list(found)
 
 
-def _trim(cache: dict | None = None, most: int = _COMPOSED_MAX) -> None:
-    cache = _composed if cache is None else cache
+def _trim(cache: dict, most: int) -> None:
     while len(cache) > most:
         cache.pop(next(iter(cache)))
 
