@@ -22,6 +22,16 @@ os.environ["MEMTRAIN_STRICT_COLUMNS"] = "1"
 # `model=module` builds the factory MEMTRAIN_MODEL names: a test that wants one sets it
 # (the `user_factory` fixture); one set in the shell would change model=module's run_id
 os.environ.pop("MEMTRAIN_MODEL", None)
+# Inductor's compiled kernels go to a folder of this process, removed when it ends: each run
+# compiles afresh, as a clean machine (CI) does, rather than reading what an earlier run left
+# in the user's temporary folder (the suite's time measured here is then CI's).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="mt-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 # Under pytest-xdist (make test runs one worker per core) each worker gets one thread: more
 # would oversubscribe the cores and small convolutions get many times slower.

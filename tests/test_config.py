@@ -228,6 +228,47 @@ def test_composed_configs_are_cached_but_follow_the_files_and_are_copies(tmp_pat
         assert loader._session_state() == before
 
 
+def test_compositions_of_the_same_options_share_a_defaults_list_and_merge(tmp_path):
+    """Compositions that choose the same options with other values reuse one defaults list and
+    one merge of its files (loader._parse_once), and equal Hydra's composition without them;
+    other options, another option order or a config's own search path make their own."""
+    from memtrain.config import loader
+
+    extra = tmp_path / "extra" / "trainer"
+    extra.mkdir(parents=True)
+    (extra / "mine.yaml").write_text("defaults:\n  - smoke\n  - _self_\nbatch_size: 3\n")
+    commands = [["trainer=smoke", "trainer.seed=3"],
+                ["trainer=smoke", "trainer.seed=4", "method.budget_fraction=0.25",
+                 "method=checkpoint"],
+                ["method=checkpoint", "trainer=smoke", "hydra.job.name=x"],
+                ["trainer=smoke", "trainer.batch_size=5", "method=checkpoint",
+                 "+trainer.note=1", "hydra/launcher=parallel"],
+                ["trainer=smoke", f"hydra.searchpath=[file://{tmp_path / 'extra'}]",
+                 "trainer=mine"]]
+
+    def composed(overrides, cold):
+        if cold:  # every cache of the loader emptied: Hydra's own composition
+            for cache in (loader._composed, loader._anywhere, loader._defaults, loader._merged):
+                cache.clear()
+        cfg = loader.hydra_compose("config", overrides, return_hydra_config=True)
+        return OmegaConf.to_container(cfg, resolve=False)
+
+    with loader.session():
+        cold = [composed(o, cold=True) for o in commands]
+        loader._defaults.clear(), loader._merged.clear()
+        warm = [composed(o, cold=False) for o in commands]
+        # smoke; smoke + checkpoint in two orders; those with the launcher: four defaults
+        # lists, three merges (both orders list the same files); the searchpath's repository
+        # has more than the session's: composed anew
+        assert (len(loader._defaults), len(loader._merged)) == (4, 3)
+        assert [composed(o, cold=False) for o in commands] == warm  # the same, from the cache
+    assert warm == cold
+    assert [c["trainer"]["seed"] for c in warm[:2]] == [3, 4]
+    assert warm[1]["method"]["budget_fraction"] == 0.25 and warm[2]["hydra"]["job"]["name"] == "x"
+    assert warm[3]["trainer"]["note"] == 1 and warm[4]["trainer"]["batch_size"] == 3
+    assert warm[3]["hydra"]["runtime"]["choices"]["hydra/launcher"] == "parallel"
+
+
 def test_each_config_file_is_parsed_once_per_bytes_and_handed_out_as_a_copy(tmp_path,
                                                                              monkeypatch):
     """Across compositions that miss hydra_compose's cache (other overrides), a file Hydra loads

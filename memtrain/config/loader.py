@@ -205,6 +205,9 @@ def _valid(cache: dict, key: tuple | None) -> tuple | None:
 # Hydra gets a copy of it (it edits what it loads: it takes the defaults list out).
 _parsed: dict[tuple, Any] = {}
 _PARSED_MAX = 1024
+_merged: dict[tuple, Any] = {}  # defaults list and session state -> merged config
+_defaults: dict[tuple, Any] = {}  # options chosen and session state -> defaults list
+_MERGED_MAX = 128
 
 
 def _parse_once() -> None:
@@ -274,6 +277,78 @@ def _parse_once() -> None:
 
         structured.__deepcopy__ = share_store
         structured._memtrain_shares_store = True
+
+    # Most compositions in a session differ in their values alone (trainer.seed=1, the checks'
+    # config of the command and of its selection): their defaults lists are the same, and so
+    # is the merge of the files they name, the larger part of a composition. That merge is kept
+    # per defaults list and session state (the search path's files and stored configs, as
+    # `hydra_compose` keys them) and Hydra gets a copy to apply the values to. A repository
+    # with more than the session's search path (a config's own hydra.searchpath) is merged anew.
+    from hydra._internal import config_loader_impl
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.defaults_list import DefaultsList
+
+    def session_repo(repo) -> tuple | None:
+        """The session's state and Hydra's version base (which decides where a defaults list
+        without `_self_` puts it), if repo reads the session's search path alone."""
+        from hydra.version import getbase
+
+        state = _session_state()
+        sources = tuple((s.provider, s.path) for s in repo.get_sources())
+        if state is None or sources != tuple((provider, path.split("://", 1)[-1])
+                                             for provider, path in _search_path):
+            return None
+        return str(getbase()), state
+
+    # The defaults list (the tree of the configs a composition merges) depends on the
+    # overrides that choose a group's option alone, not on the values: kept per choice of
+    # options. Overrides are told apart as Hydra's own `Overrides` does (a sweep's are neither).
+    create = config_loader_impl.create_defaults_list
+    if not getattr(create, "_memtrain_once", False):
+        def defaults_list(repo, config_name, overrides_list, prepend_hydra, skip_missing):
+            state = session_repo(repo)
+            if state is None:
+                return create(repo, config_name, overrides_list, prepend_hydra, skip_missing)
+            groups, values = [], []
+            for o in overrides_list:
+                if o.is_sweep_override():
+                    continue
+                if isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group):
+                    values.append(o)
+                else:
+                    groups.append(o.input_line)
+            key = (config_name, tuple(groups), prepend_hydra, skip_missing, state)
+            kept = _defaults.get(key)
+            if kept is None:
+                kept = _defaults[key] = create(repo, config_name, overrides_list,
+                                               prepend_hydra, skip_missing)
+                _trim(_defaults, _MERGED_MAX)
+            else:
+                _defaults[key] = _defaults.pop(key)  # most recently used last
+            return DefaultsList(defaults=list(kept.defaults), defaults_tree=kept.defaults_tree,
+                                config_overrides=values, overrides=kept.overrides)
+
+        defaults_list._memtrain_once = True
+        config_loader_impl.create_defaults_list = defaults_list
+
+    merge = ConfigLoaderImpl._compose_config_from_defaults_list
+    if not getattr(merge, "_memtrain_merge_once", False):
+        def merged(self, defaults, repo):
+            state = session_repo(repo)
+            if state is None:
+                return merge(self, defaults, repo)
+            key = (tuple((d.config_path, d.parent, d.package, d.is_self, d.primary)
+                         for d in defaults), state)
+            kept = _merged.get(key)
+            if kept is None:
+                kept = _merged[key] = merge(self, defaults, repo)
+                _trim(_merged, _MERGED_MAX)
+            else:
+                _merged[key] = _merged.pop(key)  # most recently used last
+            return copy.deepcopy(kept)
+
+        merged._memtrain_merge_once = True
+        ConfigLoaderImpl._compose_config_from_defaults_list = merged
 
 
 def hydra_compose(name: str, overrides: list[str], return_hydra_config: bool = False, *,
