@@ -72,16 +72,26 @@ test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels i
 
 # The oldest torch the project supports (what GPU boxes have: torch 2.11, torchvision 0.26, Triton
 # 3.6), in a second virtual environment; pyproject's torch range names exactly these two ends.
+# It holds those three (and the setuptools torch 2.11 asks for) and memtrain alone; the rest
+# (Hydra, pandas, pytest, the CUDA libraries torch loads, ...) it reads from .venv, whose
+# site-packages a .pth file adds after its own: one copy of the dependencies (the CUDA libraries
+# alone are some GB), and the two environments differ only in what test-compat is about.
 COMPAT       ?= .venv-compat
-COMPAT_TORCH ?= torch==2.11.0 torchvision==0.26.0
-# torch and torchvision alone first (most of the install: unpacking their wheels), a target of
-# its own so that .ci/run can make it beside .venv's install, one pip per core
+COMPAT_TORCH ?= torch==2.11.0 torchvision==0.26.0 triton==3.6.0 'setuptools>=77,<82'
+SITE         := -c 'import sysconfig; print(sysconfig.get_path("purelib"))'
+# torch and torchvision first (most of the install: unpacking their wheels), a target of its
+# own so that .ci/run can make it beside .venv's install, one pip per core
 $(COMPAT)/.torch:
 	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	$(COMPAT)/bin/python -m pip install -q $(COMPAT_TORCH)
+	$(COMPAT)/bin/python -m pip install -q --no-deps $(COMPAT_TORCH)
 	touch $@
-$(COMPAT)/.installed: pyproject.toml $(COMPAT)/.torch
-	$(COMPAT)/bin/python -m pip install -q $(COMPAT_TORCH) -e '.[dev]'
+$(COMPAT)/.installed: pyproject.toml $(COMPAT)/.torch $(STAMP)
+	echo "import site; site.addsitedir('$$($(BIN)/python $(SITE))')" \
+	  > "$$($(COMPAT)/bin/python $(SITE))/zz-memtrain-shared.pth"
+	$(COMPAT)/bin/python -m pip install -q --no-deps -e .
+	$(COMPAT)/bin/python -c 'import torch, torchvision, triton, hydra, memtrain; \
+	  print("make: .venv-compat has torch", torch.__version__, "torchvision", \
+	        torchvision.__version__, "triton", triton.__version__)'
 	touch $@
 
 # The tests of what depends on the torch/Triton version (marked compat: the kernels, selective
