@@ -84,7 +84,9 @@ def test_the_wheel_holds_the_product_only(wheel):
 @pytest.mark.slow
 def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # no pip of its own (ensurepip takes seconds): this environment's pip installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
     site = Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
     # the dependencies come from this environment's site folders, those it chains to included
     # (plain paths: their .pth files, the editable memtrain's among them, are not run, so
@@ -95,8 +97,9 @@ def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
     py = venv / "bin" / "python"
     # --ignore-installed: the dependencies' path holds the editable memtrain of the same
     # version, which pip would take as this wheel installed already (and must never remove)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--ignore-installed", str(wheel)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                    "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True,
+                   timeout=300)
     where = subprocess.run([str(py), "-c", "import memtrain; print(memtrain.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path)
     assert where.stdout.strip().startswith(str(site)), where.stdout
