@@ -9,12 +9,11 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 import slurm_cluster
 import torch
-from conftest import job_dir, run_memtrain
+from conftest import job_dir, warm_python
 
 from memtrain import api
 
@@ -50,13 +49,22 @@ def _env(cluster, cwd, **extra: str) -> dict[str, str]:
 
 
 def _memtrain(cluster, *args: str, cwd, env=None, timeout: float = 600):
-    return run_memtrain(*args, cwd=cwd, env=_env(cluster, cwd, **(env or {})), timeout=timeout)
+    with _popen(cluster, *args, cwd=cwd, env=env) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def _popen(cluster, *args: str, cwd, env=None) -> subprocess.Popen:
     """`memtrain` in the background (the test acts on the cluster meanwhile); as a context
-    manager it is killed if the test fails first."""
-    return _Killed([sys.executable, "-m", "memtrain", *args], cwd=cwd, text=True,
+    manager it is killed if the test fails first. Its interpreter is the zygote's stand-in
+    (`warm_python`): the command is forked from the warm interpreter and so is each SLURM job
+    (submitit starts a job with the sweep's interpreter, `python -u -m submitit.core._submit`,
+    which the stand-in forks too), a job's signals forwarded to it."""
+    return _Killed([warm_python(), "-m", "memtrain", *args], cwd=cwd, text=True,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                    env={**_env(cluster, cwd, **(env or {})), "PYTHONUNBUFFERED": "1"})
 

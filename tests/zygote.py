@@ -18,7 +18,10 @@ a variable that the preloaded modules read at import (torch's, Triton's, OpenMP'
 signals): a few lines of Python without site packages that hand their own standard streams,
 folder, environment and arguments to the zygote, forward every signal they get to the forked
 child, and exit as it did (by the same signal where it was killed); when they are killed
-themselves, the zygote kills the child. Any other command line, or an environment the zygote
+themselves, the zygote kills the child. The command's `sys.executable` is the stand-in, as
+a real interpreter started by that path would have it, so the job processes submitit starts
+with it (`python -u -m submitit.core._submit`: a SLURM job, a local launcher's job) come
+through the stand-in and are forked too. Any other command line, or an environment the zygote
 cannot take, runs the real interpreter instead.
 
 Run as a script, this file is the server: it reads requests (a JSON line of argv, folder and
@@ -37,8 +40,10 @@ import threading
 from pathlib import Path
 
 # variables the preloaded modules read when imported: a command that changes one runs fresh
+# (TMPDIR is not one: no preloaded module asks for the temporary folder once Inductor's cache
+# folder is set, which tests/conftest.py does, so a child asks afresh; `serve` checks it)
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL", "KMP_", "CUDA", "NVIDIA", "PYTHON",
-               "LD_", "MALLOC", "TMPDIR", "MPL")
+               "LD_", "MALLOC", "MPL")
 # of those, what is read only when it is used, not at import: torchrun's interpreter and the
 # variables its agent gives each rank, and Inductor's cache folder (which torch writes into the
 # environment of a process once it first asks for it: a test worker that compiled, or built a
@@ -51,7 +56,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.d
            "torch.distributed._tools.mem_tracker", "scipy.optimize", "pandas",
            "hydra", "hydra.main", "omegaconf", "hydra_plugins.memtrain_launcher", "memtrain.cli",
            "memtrain.run.runner", "memtrain.run.train", "memtrain.optim",
-           "memtrain.hydra_callbacks", "memtrain.report.build", "memtrain.report.callback")
+           "memtrain.hydra_callbacks", "memtrain.report.build", "memtrain.report.callback",
+           "submitit.core.submission")
 # the modules a forked command may run (`python -m MODULE`)
 MODULES = ("memtrain", "torch.distributed.run")
 
@@ -64,20 +70,27 @@ def differs(env: dict[str, str], base: dict[str, str]) -> str | None:
     return None
 
 
+# the modules a stand-in interpreter forks (`python [-u] -m MODULE`): memtrain, and the job
+# process submitit starts for a launcher's job (with the sweep's interpreter, the stand-in
+# where the sweep was started through it)
+STAND_IN_MODULES = ("memtrain", "submitit.core._submit")
+
 # The stand-in interpreter: run with the real one's -S -E (no site packages, no PYTHON*
 # variables: it starts in milliseconds); argv[1] is the zygote's socket address, argv[2] the
-# real interpreter, the rest the command line it was given.
+# real interpreter, argv[3] the stand-in's own path (the forked command's sys.executable, as a
+# real interpreter started by that path would have it), the rest the command line it was given.
 SHIM = r"""
 import json, os, signal, socket, sys
-address, real, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-rest = args[1:] if args[:1] == ["-u"] else args  # torchrun's unbuffered output: the zygote's too
+address, real, executable, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+# -u: torchrun's and submitit's unbuffered output, the zygote's too
+rest = args[1:] if args[:1] == ["-u"] else args
 sock = None
-if rest[:2] == ["-m", "memtrain"]:
+if rest[:1] == ["-m"] and rest[1:2] and rest[1] in __MODULES__:
     sock = socket.socket(socket.AF_UNIX)
     try:
         sock.connect("\0" + address)
-        request = {"module": "memtrain", "argv": rest[2:], "cwd": os.getcwd(),
-                   "env": dict(os.environ)}
+        request = {"module": rest[1], "argv": rest[2:], "cwd": os.getcwd(),
+                   "env": dict(os.environ), "executable": executable}
         socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         reply = json.loads(sock.makefile().readline() or "{}")
     except OSError:
@@ -97,7 +110,7 @@ if code < 0:  # killed by a signal: so is this process
     signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 os._exit(code if code >= 0 else 128 - code)
-"""
+""".replace("__MODULES__", repr(STAND_IN_MODULES))
 
 
 class Zygote:
@@ -173,7 +186,7 @@ class Zygote:
             # a shell script that execs the interpreter: the same process, so its pid is the
             # one the caller signals
             script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -E "{folder / "shim.py"}" '
-                              f'"{self.address}" "{sys.executable}" "$@"\n')
+                              f'"{self.address}" "{sys.executable}" "{script}" "$@"\n')
             script.chmod(0o755)
             self._python = str(script)
         return self._python
@@ -242,8 +255,13 @@ def _child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
     sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
     os.environ.clear()
     os.environ.update(request["env"])
+    import tempfile
+
+    tempfile.tempdir = None  # the temporary folder of the child's environment, asked afresh
     module = request.get("module", "memtrain")
     sys.argv = [module, *request["argv"]]
+    if request.get("executable"):  # started through the stand-in: its path, as an interpreter's
+        sys.executable = request["executable"]
     code: int = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -282,10 +300,14 @@ def serve(server: int, address: str) -> None:
     import importlib
     import selectors
     import signal
+    import tempfile
 
     base = dict(os.environ)  # before the imports, some of which set variables (torch's CUDA ones)
     for name in PRELOAD:
         importlib.import_module(name)
+    if tempfile.tempdir is not None:  # a module kept the temporary folder: children would too
+        raise SystemExit("a preloaded module asked for the temporary folder at import; "
+                         "TMPDIR would have to be a variable read at import (IMPORT_TIME)")
     worker = socket.socket(fileno=server)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind("\0" + address)
@@ -350,7 +372,7 @@ def serve(server: int, address: str) -> None:
                 conn = key.fileobj
                 msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
                 request = json.loads(msg) if msg.endswith(b"\n") and len(fds) == 3 else None
-                if request is None or request.get("module") != "memtrain" or \
+                if request is None or request.get("module") not in STAND_IN_MODULES or \
                         differs(request["env"], base) is not None:
                     for fd in fds:
                         os.close(fd)
