@@ -48,25 +48,25 @@ def _env(cluster, cwd, **extra: str) -> dict[str, str]:
     return {**cluster.env, **CPU_ONLY, "TMPDIR": str(tmp), **extra}
 
 
+def _command(cluster, args, cwd, env) -> dict:
+    """`memtrain ARGS` through the zygote's stand-in interpreter (`warm_python`): the command is
+    forked from the warm interpreter and so is each SLURM job (submitit starts a job with the
+    sweep's interpreter, `python -u -m submitit.core._submit`, which the stand-in forks too), a
+    job's signals forwarded to it."""
+    return dict(args=[warm_python(), "-m", "memtrain", *args], cwd=cwd, text=True,
+                env={**_env(cluster, cwd, **(env or {})), "PYTHONUNBUFFERED": "1"})
+
+
 def _memtrain(cluster, *args: str, cwd, env=None, timeout: float = 600):
-    with _popen(cluster, *args, cwd=cwd, env=env) as p:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return subprocess.run(**_command(cluster, args, cwd, env), capture_output=True,
+                          timeout=timeout)
 
 
 def _popen(cluster, *args: str, cwd, env=None) -> subprocess.Popen:
     """`memtrain` in the background (the test acts on the cluster meanwhile); as a context
-    manager it is killed if the test fails first. Its interpreter is the zygote's stand-in
-    (`warm_python`): the command is forked from the warm interpreter and so is each SLURM job
-    (submitit starts a job with the sweep's interpreter, `python -u -m submitit.core._submit`,
-    which the stand-in forks too), a job's signals forwarded to it."""
-    return _Killed([warm_python(), "-m", "memtrain", *args], cwd=cwd, text=True,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                   env={**_env(cluster, cwd, **(env or {})), "PYTHONUNBUFFERED": "1"})
+    manager it is killed if the test fails first."""
+    return _Killed(**_command(cluster, args, cwd, env), stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)
 
 
 class _Killed(subprocess.Popen):

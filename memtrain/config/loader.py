@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +181,17 @@ def _trim(cache: dict, most: int) -> None:
         cache.pop(next(iter(cache)))
 
 
+def _kept(cache: dict, most: int, key: tuple, make: Callable[[], Any]) -> Any:
+    """cache[key], made by `make()` where it is missing (nothing kept if it raises); the most
+    recently used last, at most `most` kept."""
+    kept = cache.pop(key, None)
+    if kept is None:
+        kept = make()
+    cache[key] = kept
+    _trim(cache, most)
+    return kept
+
+
 def _valid(cache: dict, key: tuple | None) -> tuple | None:
     """The cached composition under key, if what it was made of beyond the key (the files of a
     config's own hydra.searchpath, the variables of hydra.job.env_copy) is unchanged; made the
@@ -318,13 +329,8 @@ def _parse_once() -> None:
                 else:
                     groups.append(o.input_line)
             key = (config_name, tuple(groups), prepend_hydra, skip_missing, state)
-            kept = _defaults.get(key)
-            if kept is None:
-                kept = _defaults[key] = create(repo, config_name, overrides_list,
-                                               prepend_hydra, skip_missing)
-                _trim(_defaults, _MERGED_MAX)
-            else:
-                _defaults[key] = _defaults.pop(key)  # most recently used last
+            kept = _kept(_defaults, _MERGED_MAX, key, lambda: create(
+                repo, config_name, overrides_list, prepend_hydra, skip_missing))
             return DefaultsList(defaults=list(kept.defaults), defaults_tree=kept.defaults_tree,
                                 config_overrides=values, overrides=kept.overrides)
 
@@ -339,13 +345,8 @@ def _parse_once() -> None:
                 return merge(self, defaults, repo)
             key = (tuple((d.config_path, d.parent, d.package, d.is_self, d.primary)
                          for d in defaults), state)
-            kept = _merged.get(key)
-            if kept is None:
-                kept = _merged[key] = merge(self, defaults, repo)
-                _trim(_merged, _MERGED_MAX)
-            else:
-                _merged[key] = _merged.pop(key)  # most recently used last
-            return copy.deepcopy(kept)
+            return copy.deepcopy(_kept(_merged, _MERGED_MAX, key,
+                                       lambda: merge(self, defaults, repo)))
 
         merged._memtrain_merge_once = True
         ConfigLoaderImpl._compose_config_from_defaults_list = merged
