@@ -298,6 +298,44 @@ def test_the_api_runs_a_module_as_the_command_line_runs_its_factory(tmp_path):
     assert cli["run_id"] != rows[1]["run_id"]
 
 
+@pytest.mark.parametrize("reads_a_value", [False, True], ids=["meta", "reads-a-value"])
+def test_a_run_of_probes_alone_makes_its_model_without_weights(tmp_path, monkeypatch,
+                                                                reads_a_value):
+    """trainer.max_steps=0 (the estimate alone): the run's own model is made on the meta device
+    (no storage, no initialisation: a model larger than the machine's memory is estimated) and
+    its estimate's on fake tensors; a model whose construction reads a tensor's value, which
+    the meta device has not, is made as usual (and the row says why it has no estimate: fake
+    tensors have no value either). Either way the row counts its parameters."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import memtrain.models
+
+    made, mlp6 = [], memtrain.models.mlp6
+
+    def recorded(*args, **kwargs):
+        if reads_a_value:
+            torch.tensor([1.0, 2.0]).sum().item()
+        net = mlp6(*args, **kwargs)
+        p = next(net.parameters())
+        made.append("meta" if p.is_meta else "fake" if isinstance(p, FakeTensor) else "real")
+        return net
+
+    recorded.__module__ = mlp6.__module__  # memtrain's builder, recording what it made
+    monkeypatch.setattr(memtrain.models, "mlp6", recorded)
+    over = ["model=mlp6", "model.widths=[16,16,16,16,16]", "dataset=synthetic",
+            "dataset.image_size=8", *ESTIMATE]
+    row = api.run(over, out_dir=tmp_path)
+    assert row["status"] == "ok", row.get("error")
+    assert row["params"] == sum(p.numel() for p in mlp6(10, (3, 8, 8), widths=[16] * 5)
+                                .parameters())
+    if reads_a_value:  # nor have fake tensors a value: the row says why it has no estimate
+        assert "DataDependentOutput" in row["mem_estimate_error"], row
+        assert made == ["real"], made
+    else:
+        assert row["mem_estimate_bytes"] > 0
+        assert made == ["meta", "fake"], made
+
+
 @pytest.mark.slow
 def test_two_modules_never_share_a_run_id(user_factory, monkeypatch, tmp_path):
     def rid(model=None):  # no model: the command line's model=module

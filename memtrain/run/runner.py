@@ -54,20 +54,33 @@ log = logging.getLogger("memtrain")
 
 
 
-def build(cfg: DictConfig, trainer: Trainer | None = None) -> tuple[Data, torch.nn.Module, Method]:
+def build(cfg: DictConfig, trainer: Trainer | None = None,
+          meta: bool = False) -> tuple[Data, torch.nn.Module, Method]:
     """(data, model, method) from a composed config; the method already applied to the model.
-    `trainer`: the config's trainer options when the caller has them already (validated)."""
+    `trainer`: the config's trainer options when the caller has them already (validated).
+    `meta`: the model on the meta device (make_model), for a job that never trains it."""
     torch.manual_seed((trainer or trainer_of(cfg)).seed)
     data = build_data(cfg)
-    model, method = make_model(cfg, data)
+    model, method = make_model(cfg, data, meta)
     return data, model, method
 
 
-def make_model(cfg: DictConfig, data: Data) -> tuple[torch.nn.Module, Method]:
+def make_model(cfg: DictConfig, data: Data, meta: bool = False) -> tuple[torch.nn.Module, Method]:
     """The model for `data` with the method applied, and the method. Under
     trainer.precision=bf16-true both are made with bf16 as the default dtype (Lightning's
     bf16-true does the same): every parameter and buffer is created in bf16, nothing converted
-    afterwards (a conversion of tied weights cannot run on the estimate's fake tensors)."""
+    afterwards (a conversion of tied weights cannot run on the estimate's fake tensors).
+    `meta`: made on the meta device, shapes without storage or initialisation (a job of probes
+    alone counts its parameters; its probes make their own models on fake tensors), or made
+    as usual where the model's or method's construction needs data (an op meta cannot run)."""
+    if meta:
+        try:
+            with torch.device("meta"):
+                return make_model(cfg, data)
+        except (NotImplementedError, RuntimeError) as e:
+            if "meta" not in str(e):
+                raise
+            log.debug("model on the meta device failed (%s): made on the CPU", e)
     precision = OmegaConf.select(cfg, "trainer.precision", default="fp32")  # a bare cfg: fp32
     with default_dtype(param_dtype(str(precision))):
         try:
@@ -356,7 +369,7 @@ def _job(cfg: DictConfig, run_dir: Path, summary: dict[str, Any], stop: faults.S
     summary.update(provenance.of_run(device))
     summary.update(capacity.apply_gpu_cap(device, t.gpu_memory_gb))
     with stop.at_once("building the data, the model and the method"):
-        data, model, method = build(cfg, t)
+        data, model, method = build(cfg, t, meta=t.max_steps == 0)  # probes alone: no training
     summary.update(base.columns(method))  # what it declares: whether its gradients are exact
     base.check_device(method, device)  # a method that needs a device kind (offload)
     distributed.check_method(method, world)  # a method that cannot run sharded: one line
