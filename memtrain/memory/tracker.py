@@ -438,33 +438,37 @@ class PeakTracker:
         self._hooks, self._forwards = [], []
         self._unpatch()
         self._mt.__exit__(*exc)
-        series = self._refile()
+        series = self._refile()  # [op, category] (numpy: a step has thousands of ops)
         P, B, OPT, U, G, A, T, X = range(len(TRACKED))
         if self.events is not None:
-            self.events = [(*e, *v) for e, v in zip(self.events, series)]
+            self.events = [(*e, *v) for e, v in zip(self.events, series.tolist())]
         self._made = {}
-        totals = [sum(v) for v in series]
-        self.peak_bytes = max(totals, default=0)
-        at = series[totals.index(self.peak_bytes)] if series else [0] * len(TRACKED)
+
+        def row(values) -> list[int]:  # the series at the first op where `values` is largest
+            return [int(v) for v in series[int(values.argmax())]] if len(series) \
+                else [0] * len(TRACKED)
+
+        totals = series.sum(axis=1)
+        at = row(totals)
+        self.peak_bytes = sum(at)
         self.at_peak = {"params": at[P], "buffers": at[B], "grads": at[G], "optim": at[OPT],
                         "update": at[U], "act": at[A] + at[T], "other": at[X]}
-        self.act_temp_peak_bytes = max((v[A] + v[T] for v in series), default=0)
-        acts = [v[A] for v in series]
-        self.act_peak_bytes = max(acts, default=0)
+        self.act_temp_peak_bytes = int((series[:, A] + series[:, T]).max()) if len(series) else 0
         # At the activation peak, act is exactly act_peak_bytes; backward temporaries go to other.
-        a = series[acts.index(self.act_peak_bytes)] if series else [0] * len(TRACKED)
+        a = row(series[:, A])
+        self.act_peak_bytes = a[A]
         self.at_act_peak = {"params": a[P], "grads": a[G], "optim": a[OPT], "act": a[A],
                             "other": a[B] + a[X] + a[T] + a[U]}
         self._series = []
 
-    def _refile(self) -> list[list[int]]:
+    def _refile(self):
         """The series of the step in TRACKED's categories, each move applied: what it turned
         out to be, from the op it was made at (`from`, inclusive) to the op it was named at
         (`to`, exclusive)."""
         import numpy as np
 
         if not self._series:
-            return []
+            return np.zeros((0, len(TRACKED)), dtype=np.int64)
         raw = np.asarray(self._series, dtype=np.int64).reshape(len(self._series), -1)
         series = np.insert(raw, TRACKED.index("update"), 0, axis=1)
         diff = np.zeros((series.shape[0] + 1, series.shape[1]), dtype=np.int64)
@@ -475,7 +479,7 @@ class PeakTracker:
                 diff[end, cat] += nbytes
                 diff[end, to] -= nbytes
         self._moves = []
-        return (series + np.cumsum(diff[:-1], axis=0)).tolist()
+        return series + np.cumsum(diff[:-1], axis=0)
 
 
 def _map_only(tree_map_only):
