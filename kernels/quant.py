@@ -295,7 +295,8 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
             v.view(-1)[:real].add_(u)
         else:
             v.add_(0.5)
-        q = v.floor_().clamp_(0, levels).to(torch.uint8)
+        # v >= 0, so the cast's truncation is the floor: clamped first, one op fewer
+        q = v.clamp_(0, levels).to(torch.uint8)
         if pad:
             q.view(-1)[-pad:] = 0
         torch.sum(q.view(groups, group_size // per, per) << shifts, -1, dtype=torch.uint8,
