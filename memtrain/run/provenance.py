@@ -4,6 +4,7 @@ commit, the machine and the SLURM job."""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import socket
@@ -28,6 +29,14 @@ def git_commit(here: Path | None = None) -> str:
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else ""
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+@functools.cache
+def own_commit() -> str:
+    """memtrain's commit (`git_commit`), read once per process: what a process runs is the code
+    it imported, and the two git commands cost tens of ms a run where the index is stale (a
+    fresh clone's, which git cannot refresh without its lock)."""
+    return git_commit()
 
 
 def of_run(device: torch.device) -> dict[str, str | int]:
@@ -55,7 +64,7 @@ def of_run(device: torch.device) -> dict[str, str | int]:
         "cudnn_version": str(torch.backends.cudnn.version() or "") if device.type == "cuda" else "",
         "triton_version": triton_version,
         "python_version": platform.python_version(),
-        "git_commit": git_commit(),
+        "git_commit": own_commit(),
         "hostname": socket.gethostname(),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
     }
