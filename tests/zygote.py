@@ -305,6 +305,15 @@ def serve(server: int, address: str) -> None:
     base = dict(os.environ)  # before the imports, some of which set variables (torch's CUDA ones)
     for name in PRELOAD:
         importlib.import_module(name)
+    from memtrain.run import provenance
+
+    provenance.own_commit()  # read once here (two git commands): every child's row shares it
+    import gc
+
+    # what the imports made, out of the cycle collector's reach: a child's collections neither
+    # walk it (hundreds of thousands of objects) nor write to its pages (copied on write)
+    gc.collect()
+    gc.freeze()
     if tempfile.tempdir is not None:  # a module kept the temporary folder: children would too
         raise SystemExit("a preloaded module asked for the temporary folder at import; "
                          "TMPDIR would have to be a variable read at import (IMPORT_TIME)")
