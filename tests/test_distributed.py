@@ -34,7 +34,10 @@ def torchrun(*args: str, cwd: Path, ranks: int = 2, timeout: float = 600,
     """`torchrun --standalone --nproc-per-node RANKS -m memtrain ARGS`, as a user runs it; the
     agent and, through torchrun's own `PYTHON_EXEC`, every rank forked from the worker's warm
     interpreter (conftest.warm_python) where it can."""
-    full = {"OMP_NUM_THREADS": "1", "PYTHON_EXEC": warm_python(), **(env or {})}
+    scratch = cwd.parent / f"{cwd.name}-tmp"  # torchrun's own folders (and a killed rank's)
+    scratch.mkdir(exist_ok=True)  # in the test's temporary tree, not the machine's /tmp
+    full = {"OMP_NUM_THREADS": "1", "PYTHON_EXEC": warm_python(), "TMPDIR": str(scratch),
+            **(env or {})}
     return run_memtrain("--standalone", f"--nproc-per-node={ranks}", "-m", "memtrain", *args,
                         cwd=cwd, timeout=timeout, env=full, module="torch.distributed.run")
 
