@@ -136,7 +136,20 @@ def test_recomputed_dropout_replays_its_mask(model):
         _assert_same_step(ref, ref_loss, got, tensors, x, y, f"{model}/{strategy} {kw}")
 
 
-@pytest.mark.slow  # two Inductor compilations: ~40 s on the CPU
+@pytest.fixture
+def scalar_kernels():
+    """Inductor's C++ kernels without vector instructions, for the tests that compile on the
+    CPU: what they check is which values backward keeps, recomputes and draws again, not the
+    kernels' speed, and vectorised kernels (with the compiler's check of each vector ISA) took
+    a third longer to build, most of these tests' time."""
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.vec_isa_ok": False}):
+        yield
+
+
+@pytest.mark.slow  # two Inductor compilations: ~30 s on the CPU
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compile_budget_replays_dropout_masks():
     """strategy=compile with model.dropout=0.1: the partitioner at a budget of ~0 recomputes
     the dropouts in backward, and the gradients equal those of budget 1 (nothing recomputed)
@@ -365,6 +378,7 @@ def test_dry_run_prints_plan_and_does_not_train(in_tmp):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compile_strategy_matches_none():
     # Inductor compiles on the CPU in tens of seconds per model: one small MLP shows the
     # budgeted compile trains the same function (the partitioner only changes what is saved).
@@ -415,6 +429,7 @@ def test_compiled_model_keeps_the_plain_state_dict_keys():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compile_weights_load_strictly_and_resume(tmp_path):
     # Inductor on the CPU (a C compiler): weights of strategy=compile load into method=none's
     # model, and a run stopped after step 2 resumes to the uninterrupted run's weights.
