@@ -57,7 +57,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.utils.data", "torch.d
            "hydra", "hydra.main", "omegaconf", "hydra_plugins.memtrain_launcher", "memtrain.cli",
            "memtrain.run.runner", "memtrain.run.train", "memtrain.optim",
            "memtrain.hydra_callbacks", "memtrain.report.build", "memtrain.report.callback",
-           "submitit.core.submission")
+           "memtrain.report.command", "memtrain.report.plots", "submitit.core.submission")
 # the modules a forked command may run (`python -m MODULE`)
 MODULES = ("memtrain", "torch.distributed.run")
 
@@ -70,10 +70,10 @@ def differs(env: dict[str, str], base: dict[str, str]) -> str | None:
     return None
 
 
-# the modules a stand-in interpreter forks (`python [-u] -m MODULE`): memtrain, and the job
+# the modules a stand-in interpreter forks (`python [-u] -m MODULE`): memtrain, the job
 # process submitit starts for a launcher's job (with the sweep's interpreter, the stand-in
-# where the sweep was started through it)
-STAND_IN_MODULES = ("memtrain", "submitit.core._submit")
+# where the sweep was started through it), and memtrain-report (the results view's)
+STAND_IN_MODULES = ("memtrain", "submitit.core._submit", "memtrain.report.command")
 
 # The stand-in interpreter: run with the real one's -S -E (no site packages, no PYTHON*
 # variables: it starts in milliseconds); argv[1] is the zygote's socket address, argv[2] the

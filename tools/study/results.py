@@ -245,7 +245,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-report", action="store_true", help="leave the view as it is")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and budgets only")
     ap.add_argument("--python", default=sys.executable,
-                    help="the interpreter that runs each step's command (default: this one)")
+                    help="the interpreter that runs each step's command and the view's "
+                         "memtrain-report (default: this one)")
     return ap
 
 
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"results: stopped by signal {_STOP[0]}; raw results in {runs}", file=sys.stderr)
         return 128 + _STOP[0]
     if not a.no_report:
-        view.make(runs, out, env)
+        view.make(runs, out, env, python=a.python)
         if a.archive:
             pack(a.archive, [runs, out])
     print(f"results: done in {time.monotonic() - t0:.0f} s -> "

@@ -34,13 +34,13 @@ HIGHLIGHTS = {"tradeoff": "tradeoff", "checkpoint": "budget"}
 MAX_WIDTH = 1200  # pixels: the report's multi-panel figures are ~3300 wide, too heavy to commit
 
 
-def report(dirs: list[Path], out: Path, env: dict,
-           only: str | None = None) -> tuple[str, list[Path]]:
-    """memtrain-report (PNG figures) into a scratch folder, then into `out` all but the parquet
-    copy of summary.csv (binary; the view is committed), or only figure `only` as
-    `out/<only>.png`; returns a status line and the PNGs."""
+def report(dirs: list[Path], out: Path, env: dict, only: str | None = None,
+           python: str = sys.executable) -> tuple[str, list[Path]]:
+    """memtrain-report (PNG figures, run by the interpreter `python`) into a scratch folder,
+    then into `out` all but the parquet copy of summary.csv (binary; the view is committed),
+    or only figure `only` as `out/<only>.png`; returns a status line and the PNGs."""
     with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "memtrain.report.command", *map(str, dirs), "--out", tmp,
+        argv = [python, "-m", "memtrain.report.command", *map(str, dirs), "--out", tmp,
                 "--format", "png", "--match", MATCH]
         try:
             p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
@@ -185,15 +185,16 @@ def figures(out: Path, made: list[Path], stamp_text: str) -> tuple[list[str], li
     return [f"- [{rel}]({rel})" for rel in rels], problems
 
 
-def make(runs: Path, out: Path, env: dict) -> Path:
-    """Write the view; never raises for one broken piece."""
+def make(runs: Path, out: Path, env: dict, python: str = sys.executable) -> Path:
+    """Write the view (its reports run by the interpreter `python`, the study's for its
+    steps); never raises for one broken piece."""
     out.mkdir(parents=True, exist_ok=True)
     df = study_tables.prepare(study_tables.load_rows(runs))
     prov = provenance(df)
     problems = []
     reports, made = {}, []
     if len(df):
-        reports["all runs"], made = report([runs], out, env)
+        reports["all runs"], made = report([runs], out, env, python=python)
     shutil.rmtree(out / "highlights", ignore_errors=True)
     for part, fig in HIGHLIGHTS.items():
         rows = df[df["part"] == part]
@@ -201,7 +202,8 @@ def make(runs: Path, out: Path, env: dict) -> Path:
             nones = df[(df["method"] == "none") & df["_cell"].isin(rows["_cell"])
                        & (df["part"] != part)]
             dirs = [runs / part, *map(Path, nones["run_dir"])]
-            reports[f"{part} ({fig})"], pngs = report(dirs, out / "highlights", env, fig)
+            reports[f"{part} ({fig})"], pngs = report(dirs, out / "highlights", env, fig,
+                                                      python)
             made += pngs
     text = f"{prov['device']} · measured {prov['date']} · torch {prov['torch']} · memtrain " \
            f"{prov['git'][:12]}"
