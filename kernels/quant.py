@@ -264,14 +264,19 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
     # without channels, every group's min and step at once (one value per group: small), so
     # that a chunk runs only its rounding and packing
     inv_all = _group_stats(flat, mn, scale, group_size, levels) if chan is None else None
-    # the views a chunk slices, made once (each op is a dispatch: under the memory tracker the
-    # dispatches, not the arithmetic, dominate a small chunk's time on the CPU)
+    # every chunk's views from one split per tensor (each op is a dispatch: under the memory
+    # tracker the dispatches, not the arithmetic, dominate a small chunk's time on the CPU)
     mn_col, rows = mn.view(-1, 1), codes.view(-1, group_size * bits // 8)
     inv_col = inv_all.view(-1, 1) if inv_all is not None else None
     step = _groups_per_chunk(n, group_size)
+    parts, row_parts = flat.split(step * group_size), rows.split(step)
+    lo_parts, inv_parts = (mn_col.split(step), inv_col.split(step)) if inv_col is not None \
+        else (None, None)
+    noise_parts = noise.reshape(-1).split(step * group_size) if noise is not None else None
     for g0 in chunk_starts(n_groups(n, group_size), step, is_fake(x)):
+        i = g0 // step
         # a private fp32 copy (also for fp32 input: .float() would alias x), modified in place
-        part = flat[g0 * group_size:(g0 + step) * group_size].to(torch.float32, copy=True)
+        part = parts[i].to(torch.float32, copy=True)
         if chan is not None:
             c = _channel_of(g0 * group_size, part.numel(), chan, x.device)
             part.sub_(cmin[c]).mul_(cinv[c])
@@ -286,21 +291,27 @@ def quantize_torch(x: torch.Tensor, bits: int, group_size: int, stochastic: bool
             inv = _inverse(rng, levels)
             mn_col[g0:g0 + groups], scale[g0:g0 + groups] = lo, rng.view(-1) / levels
         else:
-            lo, inv = mn_col[g0:g0 + groups], inv_col[g0:g0 + groups]
+            lo, inv = lo_parts[i], inv_parts[i]
         v = xg.sub_(lo).mul_(inv)
-        if stochastic:
+        if stochastic and pad:
             real = v.numel() - pad  # the padding's codes are zeroed below: no noise needed
-            u = noise.reshape(-1)[g0 * group_size:g0 * group_size + real].float() \
-                if noise is not None else torch.rand(real, device=x.device)
+            u = noise_parts[i][:real].float() if noise is not None else \
+                torch.rand(real, device=x.device)
             v.view(-1)[:real].add_(u)
+        elif stochastic:  # the same draws, in the chunk's shape
+            v.add_(noise_parts[i].view(v.shape).float() if noise is not None else
+                   torch.rand(v.shape, device=x.device))
         else:
             v.add_(0.5)
         # v >= 0, so the cast's truncation is the floor: clamped first, one op fewer
-        q = v.clamp_(0, levels).to(torch.uint8)
+        v.clamp_(0, levels)
         if pad:
-            q.view(-1)[-pad:] = 0
-        torch.sum(q.view(groups, group_size // per, per) << shifts, -1, dtype=torch.uint8,
-                  out=rows[g0:g0 + groups])
+            v.view(-1)[-pad:] = 0
+        if per == 1:  # 8 bits: a code per byte, cast into the buffer (truncating, as .to does)
+            row_parts[i].copy_(v)
+        else:
+            torch.sum(v.to(torch.uint8).view(groups, group_size // per, per) << shifts, -1,
+                      dtype=torch.uint8, out=row_parts[i])
     return buf
 
 
