@@ -140,15 +140,15 @@ def test_recomputed_dropout_replays_its_mask(model):
 def scalar_kernels():
     """Inductor's C++ kernels without vector instructions, for the tests that compile on the
     CPU: what they check is which values backward keeps, recomputes and draws again, not the
-    kernels' speed, and vectorised kernels (with the compiler's check of each vector ISA) took
-    a third longer to build, most of these tests' time."""
+    kernels' speed, and building vectorised kernels (with the compiler's check of each vector
+    ISA) was most of these tests' time."""
     import torch._inductor.config as inductor
 
     with inductor.patch({"cpp.vec_isa_ok": False}):
         yield
 
 
-@pytest.mark.slow  # two Inductor compilations: ~30 s on the CPU
+@pytest.mark.slow  # two Inductor compilations on the CPU
 @pytest.mark.usefixtures("scalar_kernels")
 def test_compile_budget_replays_dropout_masks():
     """strategy=compile with model.dropout=0.1: the partitioner at a budget of ~0 recomputes
