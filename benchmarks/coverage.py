@@ -70,7 +70,8 @@ ARCHS = [
     _timm("resnet18", "ResNet"), _timm("resnet10t", "ResNet"), _timm("resnext26ts", "ResNeXt"),
     _timm("regnetx_002", "RegNet"), _timm("regnety_002", "RegNet"),
     _timm("densenet121", "DenseNet"), _timm("efficientnet_b0", "EfficientNet"),
-    _timm("tf_efficientnet_b0", "EfficientNet"), _timm("mobilenetv3_small_100", "MobileNetV3"),
+    _timm("tf_efficientnet_b0", "EfficientNet"), _timm("efficientnet_cc_b0_4e", "EfficientNet"),
+    _timm("mobilenetv3_small_100", "MobileNetV3"),
     _timm("mobilenetv3_large_100", "MobileNetV3"), _timm("convnext_atto", "ConvNeXt"),
     _timm("convnextv2_atto", "ConvNeXt"), _timm("vit_tiny_patch16_224", "ViT"),
     _timm("deit_tiny_patch16_224", "DeiT"),
@@ -126,7 +127,8 @@ def table(rows: Sequence[dict], methods: Sequence[str]) -> str:
     `FAILED`; then every refusal's and failure's line."""
     none = {r["arch"]: r.get("mem_peak_act_bytes") for r in rows
             if r["method"] == "none" and r["status"] == "ok"}
-    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    order = {a: i for i, (a, _, _) in enumerate(ARCHS)}  # rows appended later find their place
+    archs = sorted(dict.fromkeys(r["arch"] for r in rows), key=lambda a: order.get(a, len(order)))
     by = {(r["arch"], r["method"]): r for r in rows}
     lines = ["| family | architecture | " + " | ".join(methods) + " |",
              "| --- | --- | " + " | ".join("---" for _ in methods) + " |"]

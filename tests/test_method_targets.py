@@ -1,7 +1,7 @@
-"""What pool and quantize act on in other libraries' models, found by what a module or saved
-tensor is: timm's Conv2dSame and BatchNormAct2d (pool), and views with gaps such as the q, k and v
-split from one fused projection (quantize). Tiny sizes; exact references where the method claims
-exactness, counts by hand elsewhere."""
+"""What pool, prune and quantize act on in other libraries' models, found by what a module or
+saved tensor is: timm's Conv2dSame, CondConv2d and BatchNormAct2d (pool; CondConv2d's 1x1s for
+prune), and views with gaps such as the q, k and v split from one fused projection (quantize).
+Tiny sizes; exact references where the method claims exactness, counts by hand elsewhere."""
 
 import copy
 
@@ -106,6 +106,125 @@ def test_pool_trains_a_step_of_timm_tf_mobilenetv3():
     PoolMethod(kernel_size=2, targets="conv+bn").wrap(net).train()
     net(torch.randn(2, 3, 32, 32)).sum().backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+def _cond_conv_by_hand(conv, x, r, pads=None):
+    """CondConv2d's output written out: each sample's kernel and bias mixed from the experts
+    by its routing weights, each sample convolved with its own (pads: F.pad's, else the
+    module's padding)."""
+    n = x.shape[0]
+    w = (r @ conv.weight).view(n, conv.out_channels, conv.in_channels, *conv.kernel_size)
+    b = r @ conv.bias
+    if pads is not None:
+        x = F.pad(x, pads)
+    return torch.cat([F.conv2d(x[i:i + 1], w[i], b[i], conv.stride,
+                               0 if pads is not None else conv.padding, conv.dilation)
+                      for i in range(n)])
+
+
+@pytest.mark.parametrize("hw,kernel,stride,padding", [
+    ((9, 9), 3, 1, ""), ((9, 10), 3, 2, "same"), ((8, 7), 5, 1, "same")])
+def test_pool_swaps_timm_cond_conv2d_keeping_only_the_pooled_input(hw, kernel, stride, padding):
+    """timm's CondConv2d (static padding, and "SAME" where it depends on the size): forward
+    and grad_input as timm's own module; the experts', the biases' and the routing's gradients
+    those of the samples' mixed kernels correlated with the pooled padded input, upsampled;
+    and what it keeps of the input is the pooled map, not the input."""
+    torch.manual_seed(0)
+    conv = timm_layers.CondConv2d(4, 6, kernel, stride=stride, padding=padding, bias=True,
+                                  num_experts=3).double()
+    assert conv.dynamic_padding == (stride == 2)  # "SAME" at stride 1 is a static padding
+    net = PoolMethod(kernel_size=2).wrap(nn.Sequential(copy.deepcopy(conv)))
+    assert type(net[0]).__name__ == "PooledCondConv2d"
+    assert net.state_dict().keys() == nn.Sequential(conv).state_dict().keys()
+    x = torch.randn(2, 4, *hw, dtype=torch.float64, requires_grad=True)
+    r = torch.rand(2, 3, dtype=torch.float64, requires_grad=True)
+    x2, r2 = (t.detach().clone().requires_grad_() for t in (x, r))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        out = net[0](x2, r2)
+    ref = conv(x, r)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert (1, 8, *x.shape[-2:]) not in saved and x.shape not in saved
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
+    # "SAME" pads the input before the convolution (the padded map pooled); static padding
+    # is the convolution's own (the input pooled)
+    pads = _same_pads(x, conv.kernel_size, conv.stride, conv.dilation) if \
+        conv.dynamic_padding else None
+    xp = F.pad(x.detach(), pads) if pads else x.detach()
+    by_hand = copy.deepcopy(conv)
+    r3 = r.detach().clone().requires_grad_()
+    _cond_conv_by_hand(by_hand, upsample(pool(xp, 2, "avg"), 2, xp.shape[-2:]), r3,
+                       pads=[0, 0, 0, 0] if pads else None).backward(g)
+    for got, want in [(net[0].weight.grad, by_hand.weight.grad),
+                      (net[0].bias.grad, by_hand.bias.grad), (r2.grad, r3.grad)]:
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_prune_swaps_timm_1x1_cond_conv2d_and_plans_it():
+    """A 1x1 CondConv2d is prunable as a 1x1 convolution (the other sizes are not); the plan
+    prunes its input, and a step gives its experts and the routing gradients."""
+    from memtrain.methods.prune import PruneMethod
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 48, 3, padding=1)
+            self.route = nn.Linear(48, 3)
+            self.cc = timm_layers.CondConv2d(48, 8, 1, num_experts=3)
+            self.cc3 = timm_layers.CondConv2d(8, 8, 3, num_experts=3)
+
+        def forward(self, x):
+            h = self.stem(x)  # saved by the cc alone (the mean saves nothing)
+            r = torch.sigmoid(self.route(h.mean((2, 3))))
+            return self.cc3(self.cc(h, r) * 1.0, r).sum((2, 3))
+
+    torch.manual_seed(0)
+    net = Net()
+    method = PruneMethod(sparsity=0.5, block_size=16)
+    method.wrap(net)
+    assert type(net.cc).__name__ == "PrunedCondConv1x1"
+    assert type(net.cc3).__name__ == "CondConv2d"
+    x = torch.randn(3, 3, 6, 6)
+    assert method.plan(net, x)["prune_layer_calls"] >= 1 and net.cc.plan == (True,)
+    net(x).sum().backward()
+    assert net.cc.weight.grad is not None and net.route.weight.grad is not None
+
+
+@pytest.mark.parametrize("stride", [(1, 1), (2, 2)])
+def test_pruned_cond_conv1x1_grads_per_sample_from_the_kept_blocks(stride):
+    """Each sample's kernel: forward bit for bit CondConv2d's grouped convolution, grad_input
+    and the biases' exact, each sample's kernel gradient G_b^T A_b with A's dropped blocks
+    zero (a densified copy of the kept blocks, counted apart); 5x5 maps make 25 rows a sample,
+    so 16-row blocks straddle samples."""
+    from memtrain.kernels import bsr
+
+    from memtrain.methods.prune import PrunedCondConv1x1Fn
+
+    torch.manual_seed(0)
+    n, c, out = 3, 40, 8
+    x = torch.randn(n, c, 5, 5, requires_grad=True)
+    w = torch.randn(n * out, c, requires_grad=True)
+    b = torch.randn(n * out, requires_grad=True)
+    spec = bsr.PruneSpec(0.5, 16, backend="torch")
+    y = PrunedCondConv1x1Fn.apply(x, w, b, spec, stride)
+    per_sample = torch.cat([F.conv2d(x[i:i + 1], w.view(n, out, c, 1, 1)[i], b.view(n, out)[i],
+                                     stride) for i in range(n)])
+    torch.testing.assert_close(y, per_sample, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    gx, gw, gb = torch.autograd.grad(y, [x, w, b], g)
+    gx0, gb0 = torch.autograd.grad(per_sample, [x, b], g)
+    torch.testing.assert_close(gx, gx0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, gb0, rtol=1e-5, atol=1e-5)
+    a = x.detach()[:, :, ::stride[0], ::stride[1]].permute(0, 2, 3, 1).reshape(-1, c)
+    kept = bsr.compress(a, spec).to_torch_bsc().to_dense()[:a.shape[0], :c]
+    assert 0 < (kept != 0).sum() < a.numel()
+    p = a.shape[0] // n
+    want = torch.bmm(g.reshape(n, out, p), kept.view(n, p, c)).reshape(n * out, c)
+    torch.testing.assert_close(gw, want, rtol=1e-5, atol=1e-5)
 
 
 def test_pool_leaves_other_conv_subclasses_and_says_so_in_one_line():

@@ -15,6 +15,7 @@ whole step, so a compressed copy adds memory and only degrades the first layer's
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,13 @@ from torch import nn
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods.common.compact import RELUS, CompactMaxPool2d, MaskedReLU
-from memtrain.methods.common.swap import is_timm_bn_act, is_timm_conv2d_same, recast, swap_modules
+from memtrain.methods.common.swap import (
+    is_timm_bn_act,
+    is_timm_cond_conv2d,
+    is_timm_conv2d_same,
+    recast,
+    swap_modules,
+)
 from memtrain.models.chain import registered
 
 log = logging.getLogger(__name__)
@@ -34,11 +41,23 @@ TARGETS = ("conv", "conv+bn")
 
 
 def _conv_class(m: nn.Module) -> type | None:
-    """The pooled class for a convolution this method knows (nn.Conv2d, timm's Conv2dSame), or
-    None (other subclasses, such as weight-standardised convolutions, compute something else)."""
+    """The pooled class for a convolution this method knows (nn.Conv2d, timm's Conv2dSame and
+    CondConv2d), or None (other subclasses, such as weight-standardised convolutions, compute
+    something else)."""
     if type(m) is nn.Conv2d:
         return PooledConv2d
-    return PooledConv2dSame if is_timm_conv2d_same(m) else None
+    if is_timm_conv2d_same(m):
+        return PooledConv2dSame
+    return PooledCondConv2d if is_timm_cond_conv2d(m) else None
+
+
+def _pooled(m: nn.Module, mode: str, **pooling) -> nn.Module:
+    """`m` recast as its pooled class (a CondConv2d keeps its own forward for the calls that
+    pool nothing: eval, no gradient, a small map)."""
+    cls = _conv_class(m)
+    if cls is PooledCondConv2d:
+        pooling["plain_forward"] = type(m).forward
+    return recast(m, cls, mode=mode, **pooling)
 
 
 def _bn_class(m: nn.Module) -> type | None:
@@ -52,8 +71,9 @@ def _bn_class(m: nn.Module) -> type | None:
 class PoolMethod:
     """Swaps Conv2d (and BatchNorm2d with targets=conv+bn) for pooled-backward versions, ReLU
     for a masked ReLU (unless relu_mask=none) and MaxPool2d for a compact-index one. Also
-    timm's Conv2dSame and BatchNormAct2d, by what they compute (a padded conv; a batch norm
-    followed by its dropout and activation, whose ReLU is masked as any other)."""
+    timm's Conv2dSame, CondConv2d and BatchNormAct2d, by what they compute (a padded conv; a
+    conv whose kernel each sample mixes from experts; a batch norm followed by its dropout and
+    activation, whose ReLU is masked as any other)."""
 
     name = "pool"
     grads_exact = False  # grad_weight (and with conv+bn BatchNorm's backward) from pooled maps
@@ -80,7 +100,7 @@ class PoolMethod:
                        compress_input=self.compress_input)
         stem = _stem_convs(model)
         convs = swap_modules(model, lambda _, m: _conv_class(m) is not None,
-                             lambda _, m: recast(m, _conv_class(m), mode=self.mode, **pooling))
+                             lambda _, m: _pooled(m, self.mode, **pooling))
         relus = any(type(m) in (*RELUS, nn.MaxPool2d) for m in model.modules())
         bns = self.targets == "conv+bn" and any(_bn_class(m) for m in model.modules())
         input_only = not convs or (set(convs) <= stem and not self.compress_input)
@@ -124,6 +144,27 @@ def _compress(module: nn.Module, x: torch.Tensor) -> bool:
             and min(x.shape[-2:]) >= module.min_size and x.dim() == 4)
 
 
+def _same_pads(x: torch.Tensor, kernel_size, stride, dilation) -> list[int]:
+    """F.pad's pads for TensorFlow's "SAME" padding of x (the odd pixel at the end)."""
+    pads = []
+    for size, k, s, d in zip(x.shape[:-3:-1], kernel_size[::-1], stride[::-1], dilation[::-1]):
+        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return pads
+
+
+def _pooled_conv(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 padding, groups: int) -> torch.Tensor:
+    """PooledConv2dFn with the module's settings, run as autocast would run the convolution."""
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None:  # what autocast does to a convolution, done before the Function
+        x, w = x.to(dtype), w.to(dtype)
+        b = b.to(dtype) if b is not None else None
+    with torch.autocast(x.device.type, enabled=False):
+        return PooledConv2dFn.apply(x, w, b, module.stride, padding, module.dilation, groups,
+                                    module.k, module.pool_type, module.mode)
+
+
 class PooledConv2d(nn.Conv2d):
     """nn.Conv2d whose backward keeps pool_k(input) (see PooledConv2dFn)."""
 
@@ -144,14 +185,7 @@ class PooledConv2d(nn.Conv2d):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = (0, 0)
-        w, b = self.weight, self.bias
-        dtype = autocast_dtype(x.device.type)
-        if dtype is not None:  # what autocast does to a convolution, done before the Function
-            x, w = x.to(dtype), w.to(dtype)
-            b = b.to(dtype) if b is not None else None
-        with torch.autocast(x.device.type, enabled=False):
-            return PooledConv2dFn.apply(x, w, b, self.stride, padding, self.dilation,
-                                        self.groups, self.k, self.pool_type, self.mode)
+        return _pooled_conv(self, x, self.weight, self.bias, padding, self.groups)
 
 
 class PooledConv2dSame(PooledConv2d):
@@ -159,12 +193,38 @@ class PooledConv2dSame(PooledConv2d):
     pixel at the end), then PooledConv2d's unpadded convolution on it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pads = []
-        for size, k, s, d in zip(x.shape[:-3:-1], self.kernel_size[::-1], self.stride[::-1],
-                                 self.dilation[::-1]):
-            total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
-            pads += [total // 2, total - total // 2]
+        pads = _same_pads(x, self.kernel_size, self.stride, self.dilation)
         return super().forward(F.pad(x, pads) if any(pads) else x)
+
+
+class PooledCondConv2d(nn.Module):
+    """timm's CondConv2d, pooled (recast in place: its experts, state_dict keys and settings):
+    each sample's kernel mixed from the experts by its routing weights, as the module does,
+    then the batch as one grouped convolution (groups x B) through PooledConv2dFn, which keeps
+    the pooled input. The kernel mix stays in autograd (the routing and the experts get their
+    gradients through it); calls that pool nothing run the module's own forward."""
+
+    k: int
+    pool_type: str
+    mode: str
+    min_size: int
+    compress_input: bool
+    plain_forward: Callable  # CondConv2d.forward (a function, called with self)
+
+    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+        if not _compress(self, x):
+            return self.plain_forward(self, x, routing_weights)
+        n, c, h, w = x.shape
+        weight = torch.matmul(routing_weights, self.weight).view(
+            n * self.out_channels, self.in_channels // self.groups, *self.kernel_size)
+        bias = None if self.bias is None else torch.matmul(routing_weights, self.bias).view(-1)
+        x = x.reshape(1, n * c, h, w)
+        padding = self.padding
+        if self.dynamic_padding:
+            pads = _same_pads(x, self.kernel_size, self.stride, self.dilation)
+            x, padding = (F.pad(x, pads) if any(pads) else x), (0, 0)
+        out = _pooled_conv(self, x, weight, bias, padding, self.groups * n)
+        return out.permute(1, 0, 2, 3).view(n, self.out_channels, *out.shape[-2:])
 
 
 class PooledBatchNorm2d(nn.BatchNorm2d):

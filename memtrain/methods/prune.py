@@ -18,6 +18,7 @@ instead (`method.relu_mask`), which frees mlp6's hidden layers' inputs.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
@@ -26,12 +27,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.kernels import bsr
 from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.common.compact import MaskedReLUFn
-from memtrain.methods.common.swap import is_hf_conv1d, is_linear, linear_of_conv1d, swap_modules
+from memtrain.methods.common.swap import (
+    is_hf_conv1d,
+    is_linear,
+    is_timm_cond_conv2d,
+    linear_of_conv1d,
+    swap_modules,
+)
 
 LAYERS = ("linear", "conv1x1", "both")
 BLOCK_SIZES = (16, 32, 64)
@@ -148,6 +156,76 @@ class PrunedConv1x1Fn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _grad_weight_per_sample(ctx, g2d: torch.Tensor, saved: tuple[torch.Tensor, ...], n: int,
+                           out: int) -> torch.Tensor | None:
+    """[n * out, in]: each sample's G_b^T @ A_b (A pruned), for a layer whose weight is each
+    sample's own (CondConv2d). A's rows are sample-major, `rows` of them a sample; the kept
+    blocks are grouped per sample by the block rows a sample's rows touch (a block across a
+    boundary serves both samples, each with its own rows of G), so the work is one pass over
+    the blocks, as for a shared weight."""
+    if not ctx.needs_input_grad[1]:
+        return None
+    k, p = ctx.shape[1] if ctx.sparse else saved[0].shape[1], g2d.shape[0] // n
+    if not ctx.sparse:
+        a = ctx.to_matrix(saved[0]).to(g2d.dtype).view(n, p, -1)
+        return torch.bmm(g2d.view(n, p, out).transpose(1, 2), a).reshape(n * out, -1)
+    values, rows, col_ptr = saved
+    b = values.shape[-1]
+    if is_fake(values) or is_fake(g2d):  # the estimate: a shared weight's transient
+        bsr.grad_weight(g2d, bsr.BlockSparse(values, rows, col_ptr, ctx.shape), ctx.spec.backend)
+        return g2d.new_zeros(n * out, k)
+    nbc = col_ptr.numel() - 1
+    cols = torch.repeat_interleave(torch.arange(nbc, device=rows.device),
+                                   (col_ptr[1:] - col_ptr[:-1]).long())
+    grads = []
+    for i in range(n):
+        r0, r1 = i * p // b, -(-(i + 1) * p // b)  # the block rows sample i's rows touch
+        sel = (rows >= r0) & (rows < r1)
+        sub_cols = cols[sel]
+        sub = bsr.BlockSparse(values[sel], (rows[sel] - r0).int(), torch.searchsorted(
+            sub_cols, torch.arange(nbc + 1, device=rows.device, dtype=sub_cols.dtype)).int(),
+            (min(r1 * b, ctx.shape[0]) - r0 * b, k))
+        g = g2d.new_zeros(sub.shape[0], out)  # G's rows of sample i, zero for the neighbours'
+        g[i * p - r0 * b:(i + 1) * p - r0 * b] = g2d[i * p:(i + 1) * p]
+        grads.append(bsr.grad_weight(g, sub, ctx.spec.backend))
+    return torch.cat(grads)
+
+
+class PrunedCondConv1x1Fn(torch.autograd.Function):
+    """A 1x1 convolution whose kernel is each sample's own (timm's CondConv2d: weight
+    [n * out, in], the n samples' mixed kernels stacked), run as CondConv2d runs it (one
+    convolution with groups n, so the output is its own bit for bit), saving that weight and
+    x's pixels as A [n*Ho*Wo, in], block-pruned; grad_weight per sample."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: bsr.PruneSpec, stride: tuple[int, int]):
+        n, c, h, w = x.shape
+        y = F.conv2d(x.reshape(1, n * c, h, w), weight[..., None, None], bias, stride,
+                     groups=n)
+        y = y.permute(1, 0, 2, 3).view(n, -1, y.shape[-2], y.shape[-1])
+        ctx.has_bias, ctx.x_shape, ctx.stride = bias is not None, x.shape, stride
+        _save(ctx, x, weight, spec, partial(_conv_rows, stride=stride),
+              y.numel() // y.shape[1])
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight, *saved = ctx.saved_tensors
+        n, out, ho, wo = grad_out.shape
+        g = grad_out.reshape(n, out, ho * wo)
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # exact: each sample's W_b^T G_b
+            w = weight.view(n, out, -1).to(g.dtype)
+            grad_x = torch.bmm(w.transpose(1, 2), g).view(n, -1, ho, wo)
+            if ctx.stride != (1, 1):
+                full = grad_x.new_zeros(ctx.x_shape)
+                full[:, :, ::ctx.stride[0], ::ctx.stride[1]] = grad_x
+                grad_x = full
+        grad_b = g.sum(2).reshape(-1) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_w = _grad_weight_per_sample(ctx, _rows(grad_out), tuple(saved), n, out)
+        return grad_x, grad_w, grad_b, None, None
+
+
 # ---------------------------------------------------------------- modules
 
 
@@ -224,8 +302,14 @@ class _PrunedLayer(_Planned):
     """What PrunedLinear and PrunedConv1x1 share: the plan, then the function."""
 
     prune_spec: bsr.PruneSpec
+    conv = False  # x is [N, C, H, W] with C the input features (else the last dimension)
 
-    def _run(self, x: torch.Tensor, fn, *extra) -> torch.Tensor | None:
+    def _in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def _run(self, x: torch.Tensor, fn, *extra, params=None) -> torch.Tensor | None:
+        """fn on x with the layer's weight and bias (or `params()`'s, made only for a call that
+        runs fn), pruned as planned; None where the layer's own forward should run."""
         planned = self._planned()
         if not _active(self):
             return None
@@ -239,15 +323,16 @@ class _PrunedLayer(_Planned):
             spec = replace(spec, keep_dense=True)
         elif planned is False and not spec.prune_shared:
             return None  # someone else keeps x for backward: blocks would add memory
-        return _apply(fn, x, self.weight, self.bias, spec, *extra)
+        weight, bias = (self.weight, self.bias) if params is None else params()
+        return _apply(fn, x, weight, bias, spec, *extra)
 
     def _blocks_bytes(self, x: torch.Tensor, copies: bool) -> int:
         """The bytes of this call's kept blocks and their int32 indices, or 0 when they would
         take no less than the input or it may not be pruned (the batch, but with
         compress_input)."""
-        k = self.weight.shape[1]
-        m = x.numel() // x.shape[1 if x.dim() == 4 and self.weight.dim() == 4 else -1]
-        if self.weight.dim() == 4 and self.stride != (1, 1):
+        k = self._in_features()
+        m = x.numel() // x.shape[1 if x.dim() == 4 and self.conv else -1]
+        if self.conv and self.stride != (1, 1):
             m = x.shape[0] * len(range(0, x.shape[2], self.stride[0])) * len(
                 range(0, x.shape[3], self.stride[1]))
         spec, elements = self.prune_spec, bsr.compressed_elements(m, k, self.prune_spec)
@@ -275,9 +360,38 @@ class PrunedConv1x1(_PrunedLayer, nn.Conv2d):
     """A 1x1 nn.Conv2d (groups 1, no padding) whose saved input is block-pruned (swapped in
     place, as PrunedLinear)."""
 
+    conv = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._run(x, PrunedConv1x1Fn, tuple(self.stride))
         return super().forward(x) if out is None else out
+
+
+class PrunedCondConv1x1(_PrunedLayer, nn.Module):
+    """timm's 1x1 CondConv2d (groups 1, no padding) whose saved input is block-pruned (recast
+    in place: its experts, state_dict keys and settings). Each sample's kernel is mixed from
+    the experts by its routing weights, as the module does, in autograd; PrunedCondConv1x1Fn
+    takes the mixed kernels. Calls that prune nothing run the module's own forward."""
+
+    conv = True
+    plain_forward: Callable  # CondConv2d.forward (a function, called with self)
+
+    def _in_features(self) -> int:
+        return self.in_channels
+
+    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+        def mixed() -> tuple[torch.Tensor, torch.Tensor | None]:
+            """The samples' kernels mixed from the experts, stacked [n * out, in], and biases."""
+            weight = torch.matmul(routing_weights, self.weight).view(
+                x.shape[0] * self.out_channels, self.in_channels)
+            bias = None if self.bias is None else torch.matmul(routing_weights,
+                                                                 self.bias).view(-1)
+            return weight, bias
+
+        out = self._run(x, PrunedCondConv1x1Fn, tuple(self.stride), params=mixed)
+        if out is not None:
+            return out
+        return self.plain_forward(self, x, routing_weights)
 
 
 class _PruneMask(_Planned):
@@ -321,6 +435,13 @@ def is_conv1x1(mod: nn.Module) -> bool:
     what PrunedConv1x1Fn computes as a matrix product."""
     return (type(mod) is nn.Conv2d and mod.kernel_size == (1, 1)
             and mod.padding in ((0, 0), "valid") and mod.groups == 1)
+
+
+def is_cond_conv1x1(mod: nn.Module) -> bool:
+    """timm's CondConv2d as a 1x1 convolution without padding or groups (any stride; "SAME"
+    padding pads nothing at 1x1): each sample's own kernel, PrunedCondConv1x1Fn's product."""
+    return (is_timm_cond_conv2d(mod) and tuple(mod.kernel_size) == (1, 1)
+            and tuple(mod.padding) == (0, 0) and mod.groups == 1)
 
 
 # ---------------------------------------------------------------- the method
@@ -385,11 +506,15 @@ class PruneMethod:
                 return False
             if self.layers in ("linear", "both") and is_linear(mod):
                 return True
-            return self.layers in ("conv1x1", "both") and is_conv1x1(mod)
+            return self.layers in ("conv1x1", "both") and (is_conv1x1(mod)
+                                                         or is_cond_conv1x1(mod))
         return match
 
     def _make(self, name: str, mod: nn.Module) -> nn.Module:
-        mod.__class__ = PrunedLinear if isinstance(mod, nn.Linear) else PrunedConv1x1
+        if is_cond_conv1x1(mod):
+            mod.plain_forward, mod.__class__ = type(mod).forward, PrunedCondConv1x1
+        else:
+            mod.__class__ = PrunedLinear if isinstance(mod, nn.Linear) else PrunedConv1x1
         mod.prune_spec = self.spec
         return mod
 

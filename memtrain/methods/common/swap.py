@@ -45,6 +45,14 @@ def is_timm_conv2d_same(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv2dSame" and type(module).__module__.startswith("timm.")
 
 
+def is_timm_cond_conv2d(module: nn.Module) -> bool:
+    """timm's CondConv2d (create_conv2d's choice with num_experts > 0: EfficientNet-CondConv,
+    CoAtNet's cc variants): each sample's kernel mixed from `num_experts` kernels by routing
+    weights it is called with, then one grouped convolution over the batch (groups x B), the
+    input padded per call where `dynamic_padding` says so."""
+    return type(module).__name__ == "CondConv2d" and type(module).__module__.startswith("timm.")
+
+
 def is_linear(module: nn.Module) -> bool:
     """An nn.Linear computing F.linear(x, weight, bias) and nothing else: nn.Linear itself, or
     timm's Linear (its classifier heads; it differs only under TorchScript). Other subclasses
