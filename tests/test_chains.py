@@ -400,6 +400,73 @@ def test_synthetic_cuts_a_forward_with_code_around_its_blocks():
     assert "\n" not in str(e.value)
 
 
+class GridBlock(nn.Module):
+    """A block that takes the patch grid as side inputs, as XCiT's do: it mixes each token
+    with its neighbour on the grid."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, t, h, w):
+        b, _, c = t.shape
+        m = t.transpose(1, 2).reshape(b, c, h, w)
+        m = m + torch.roll(m, 1, -1)
+        return torch.relu(self.lin(m.flatten(2).transpose(1, 2)))
+
+
+class Grid(nn.Module):
+    """Python values of the input's shape around its blocks, as XCiT and PiT have: the blocks
+    take the patch grid (h, w); the head expands a class token to the batch size read before
+    the blocks and keeps the class tokens by their count."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 8, 2, stride=2)
+        self.blocks = nn.ModuleList(GridBlock() for _ in range(3))
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.classifier = nn.Linear(8, 3)
+
+    def forward(self, x):
+        b = x.shape[0]
+        t = self.stem(x)
+        h, w = t.shape[-2:]
+        t = t.flatten(2).transpose(1, 2)
+        n = self.cls.shape[1]
+        for blk in self.blocks:
+            t = blk(t, h, w)
+        t = torch.cat([self.cls.expand(b, -1, -1), t], 1)
+        return self.classifier(t[:, :n].flatten(1))
+
+
+def test_synthetic_binds_the_python_values_of_the_input_shape_a_cut_must_carry():
+    """The blocks' grid and the head's class-token count are constants of the cut (the same
+    on the sample and on one sample more), the head's batch size is read off the last block's
+    output: the units compose to the forward at another batch size than the sample's, in both
+    modes. A block whose side input is a tensor is refused in one line."""
+    torch.manual_seed(0)
+    model = remember_input(Grid(), (2, 6, 4))
+    parts = Synthetic(partitions=2, cuts=[2]).wrap(model)
+    assert len(parts.units) == 5 and list(parts.state_dict()) == list(model.state_dict())
+    assert chain_of(model).bound == ((("const", 3), ("const", 2)), ())
+    x = torch.randn(5, 2, 6, 4)
+    for mode in (False, True):
+        model.train(mode)
+        parts.train(mode)
+        with torch.no_grad():
+            want = model(x)
+            h = x
+            for unit in parts.units:
+                h = unit(h)
+        torch.testing.assert_close(h, want, rtol=0, atol=0)
+    parts(x).sum().backward()
+    assert model.cls.grad is not None and model.blocks[0].lin.weight.grad is not None
+    with pytest.raises(ConfigError, match="its blocks take side inputs besides the previous "
+                                          "block's output that are tensors") as e:
+        Synthetic(partitions=2).wrap(remember_input(Decoder(), (4,)))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow  # a whole run: two partitions and recovery
 def test_synthetic_runs_on_a_found_chain(tmp_path):
     row = api.run(["method=synthetic", *MODELS["convnext"], *STEPS], out_dir=tmp_path / "r")

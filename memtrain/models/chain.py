@@ -66,23 +66,52 @@ class Chain:
     # why they could not be
     ends: bool = False
     why_not: str = ""
+    # the side inputs a cut binds its segments to, ((arg, ...), ((name, arg), ...)), each
+    # ("const", value) or BATCH (ends.py: values of the input's shape, not tensors); None: none
+    bound: tuple | None = None
 
     def cuttable(self) -> str | None:
         """Why the model cannot be cut between its units (synthetic), or None."""
         if not self.found or self.whole or self.ends:
             return None
+        if self.why_not:
+            return self.why_not
         if self.side:
             return ("its blocks take side inputs besides the previous block's output (a mask, "
                     "position embeddings), which a cut would have to carry")
-        return self.why_not or ("the forward runs code of its own before or after its blocks, "
-                                "outside any module")
+        return "the forward runs code of its own before or after its blocks, outside any module"
 
     def units(self) -> list[nn.Module]:
         """entry, each segment, head, each as one module: their composition is the forward
-        (a segment of several modules becomes an nn.Sequential of them; nothing moves)."""
-        segs = [m[0] if len(m) == 1 else nn.Sequential(*m)
+        (a segment of several modules becomes an nn.Sequential of them, or a `Bound` of them
+        with the side inputs they are bound to; nothing moves)."""
+        segs = [Bound(m, *self.bound) if self.bound is not None else
+                m[0] if len(m) == 1 else nn.Sequential(*m)
                 for m in (s.modules() for s in self.segments)]
         return [u for u in (self.entry, *segs, self.head) if u is not None]
+
+
+BATCH = ("batch",)  # a bound side input that is the batch size: read off the segment's input
+
+
+class Bound(nn.Module):
+    """A segment's modules called in sequence with the side inputs the forward passed them,
+    fixed for a cut (`Chain.bound`: constants, or the batch size read off the input)."""
+
+    def __init__(self, modules: list[nn.Module], args: tuple, kwargs: tuple):
+        super().__init__()
+        self.blocks = nn.ModuleList(modules)
+        self.args, self.kwargs = args, kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def value(b: tuple) -> Any:
+            return x.shape[0] if b == BATCH else b[1]
+
+        args = [value(b) for b in self.args]
+        kwargs = {k: value(b) for k, b in self.kwargs}
+        for m in self.blocks:
+            x = m(x, *args, **kwargs)
+        return x
 
 
 Rule = Callable[[nn.Module], Chain]
