@@ -268,16 +268,19 @@ def test_predicted_peak_within_ten_percent(tmp_path, model, size, strategy, extr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("granularity", ["block", "op"])
 @pytest.mark.parametrize("model,data", [("gpt_nano", "dataset.seq_len=16"),
                                         ("vit_tiny", "dataset.image_size=32")])
-def test_a_transformers_block_plan_predicts_its_peak_to_the_byte(tmp_path, model, data):
-    """On a transformer the block plan's modelled peak is the tracker's: the chain's input the
+def test_a_transformers_plan_predicts_its_peak_to_the_byte(tmp_path, model, data, granularity):
+    """On a transformer the plan's modelled peak is the tracker's: the chain's input the
     entry made (the first block, recomputed, still holds it through backward), the model's
     output (the training step keeps it until the update: a decoder's logits) and the loss's
     saves (its log-softmax) are in the model's rows. Each block recomputed: the peak is the
-    last one's recompute, at its MLP."""
+    last one's recompute, at its MLP. An op plan's kept output that no op saves (the MLP's
+    last projection, read by the residual add alone) is held beside that recompute until it
+    reaches the op: counted, the op plan keeps only what fits."""
     s = _run(tmp_path, model, f"model={model}", "model.layers=2", data, "trainer.batch_size=8",
-             "method=checkpoint", "method.granularity=block", "method.time_plan=false")
+             "method=checkpoint", f"method.granularity={granularity}", "method.time_plan=false")
     assert s["plan_groups"] == "0-0;1-1"
     assert s["plan_peak_bytes"] == pytest.approx(s["mem_peak_act_bytes"], rel=1e-3)
 

@@ -68,6 +68,9 @@ class Op:
     keepable: bool = True  # fresh outputs, not the segment's output, never overwritten later
     # (but by an idempotent in-place op as its first use: `relu_` after BatchNorm)
     relu_after: bool = False  # its cached output then holds relu(output); recompute reapplies it
+    # bytes of its fresh outputs that no op saves for backward: kept, the recompute holds them
+    # beside what it saves again until it reaches the op (`planner.peak_bytes`' `cached`)
+    unsaved: int = 0
 
 
 @dataclass
@@ -103,6 +106,7 @@ class OpTimer(TorchDispatchMode):
         self.current, self.device = current, device
         self.ops: list[list[Op]] = [[] for _ in range(n)]
         self.producer: dict[tuple[str, int], Key] = {}
+        self.fresh: dict[Key, dict[tuple[str, int], int]] = {}  # op -> its fresh storages
         self.used: set[tuple[str, int]] = set()  # producers' outputs read by some op already
         self.mutable = _allows_mutation()
         self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
@@ -137,6 +141,7 @@ class OpTimer(TorchDispatchMode):
                 keepable=bool(outs) and len(fresh) == len({measure.storage_key(t) for t in outs}))
         for k in fresh:
             self.producer[k] = (seg, len(self.ops[seg]))
+        self.fresh[(seg, len(self.ops[seg]))] = fresh
         self.ops[seg].append(op)
         return out
 
@@ -199,6 +204,8 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
             o.time = statistics.median(later) * scale
             o.nbytes, o.cost = int(o.nbytes * scale), o.cost * scale
             o.flops, o.moved = o.flops * scale, int(o.moved * scale)
+            o.unsaved = int(scale * sum(b for k, b in timer.fresh.get((i, j), {}).items()
+                                        if k not in rec.saved))
             if any(timer.producer.get(k) == (i, j) for k in out_keys):
                 o.keepable = False  # the segment's output: a boundary, modelled per segment
     return OpProfile(ops)
@@ -221,10 +228,12 @@ def _first_change(a: list[list[Op]], b: list[list[Op]]) -> tuple[int, int, str, 
 # ---------------------------------------------------------------- plans and the program
 
 
-def held_extra(prof: OpProfile, n: int, keep: set[Key]) -> list[int]:
+def held_extra(prof: OpProfile, n: int, keep: set[Key], unsaved: bool = False) -> list[int]:
+    """Per segment, the bytes of its kept ops' outputs (`unsaved`: of those no op saves)."""
     extra = [0] * n
     for i, j in keep:
-        extra[i] += prof.ops[i][j].nbytes
+        o = prof.ops[i][j]
+        extra[i] += o.unsaved if unsaved else o.nbytes
     return extra
 
 
@@ -252,7 +261,7 @@ def op_plan(p: planner.Profile, prof: OpProfile, groups: list[planner.Group],
             transient[c.seg] = c.transient
     plan = planner.Plan(list(groups),
                         planner.peak_bytes(p, groups, held_extra(prof, p.n, keep), less,
-                                           transient),
+                                           transient, held_extra(prof, p.n, keep, True)),
                         rec + sum(c.time for c in comp), p.step_time)
     plan.extra["keep"] = sorted(keep)
     plan.extra["compact"] = sorted(c.seg for c in comp)
@@ -299,10 +308,14 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
     a_cover, a_fwd, a_rec = pad(cover), pad(fwd[None, :]), pad(rows)
     a_fwd[0, y] = b
     a_fwd[0, ck] = -saves
-    for r, (a, _) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
-        a_rec[r, y] = np.where(seg < a, b, 0.0)
+    unsaved = np.array([prof.ops[i][j].unsaved for i, j in keys]) / mib
+    for r, (a, e) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
+        # kept outputs before the group are held; the group's own that no op saves are held
+        # beside its recompute until it reaches them
+        inside = (seg >= a) & (seg <= e)
+        a_rec[r, y] = np.where(seg < a, b, 0.0) + np.where(inside, unsaved, 0.0)
         a_rec[r, ck] = np.where(cseg < a, -saves, 0.0)
-        big[r] += b[seg < a].sum()
+        big[r] += b[seg < a].sum() + unsaved[inside].sum()
         a_rec[r, n + r] += big[r]
     # y_o + kept_i <= 1; c - kept_i <= 0
     excl = [np.zeros((nk, width)), np.zeros((nc, width))]

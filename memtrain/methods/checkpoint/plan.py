@@ -153,22 +153,28 @@ def _recompute_bytes(p: Profile, a: int, e: int) -> int:
 
 
 def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
-               less: list[int] | None = None, transient: list[int] | None = None) -> int:
+               less: list[int] | None = None, transient: list[int] | None = None,
+               cached: list[int] | None = None) -> int:
     """Modelled activation peak of a plan (see the module docstring); `extra[i]`: bytes a
     recomputed segment i holds from its forward until its recompute (op-level plans: the
-    outputs of its kept ops, `ops.py`); `less[i]`: bytes a kept segment i holds less than
-    its profile says, and a recomputed one recomputes less (op-level plans: its compaction,
-    `compact.py`); `transient`: the segments' forward transients where they differ from the
-    profile's (compacted ones)."""
+    outputs of its kept ops, `ops.py`); `cached[i]`: the part of `extra[i]` that no op saves
+    for backward, so that its group's recompute holds it beside the recomputed saves until it
+    reaches the op (op-level plans: a kept output that only feeds an op which saves nothing,
+    as a block's last projection feeds its residual add); `less[i]`: bytes a kept segment i
+    holds less than its profile says, and a recomputed one recomputes less (op-level plans:
+    its compaction, `compact.py`); `transient`: the segments' forward transients where they
+    differ from the profile's (compacted ones)."""
     kept, live = _live(p, groups)
     extra = extra or [0] * p.n
     less = less or [0] * p.n
+    cached = cached or [0] * p.n
     held = [(p.inner[i] - less[i]) * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
             for i in range(p.n)]
     after = p.held_in + p.output  # held in every row from the forward's end on
     peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k) + after]
     for a, e in groups:
-        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1]) + after)
+        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1])
+                     + sum(cached[a:e + 1]) + after)
     transient = transient or p.transient
     for i, t in enumerate(transient):  # the forward of segment i: what is held before it, its
         # input, its own transient (what a recomputed segment's forward makes and drops), and
