@@ -230,6 +230,32 @@ def test_the_side_inputs_are_carried_into_every_group():
                                            budget_fraction=0.5, **kw), x, y)
 
 
+def test_side_inputs_the_step_makes_are_held_in_every_row_of_the_plan():
+    """The mask every block saves (made by the step, not the batch) is counted once, in every
+    row (`held_in`), not as the first block's own: a plan that recomputes every block still
+    holds it (the checkpoints keep it for their recompute); so are the position embeddings,
+    which no op saves but every checkpoint keeps (`side`). The modelled peak is the
+    tracker's."""
+    from memtrain.memory import measure
+
+    torch.manual_seed(0)
+    model = Decoder(d=64, n=4)
+    x, y = torch.randn(16, 4), torch.randint(0, 10, (16,))
+    method = CheckpointMethod(strategy="uniform", every=1, profile_repeats=1)
+    model = method.wrap(model).train()
+    method.prepare(model, x, y)
+    p, mask = method.profile, 16 * 64 * 4
+    assert p.held_in == 2 * mask  # the first block's input, and the mask
+    assert p.side == 64 * 4  # the position embeddings: no op saves them, the checkpoints do
+    assert p.inner[0] == p.inner[1] and method.plan.groups == [(i, i) for i in range(4)]
+    with measure.PeakTracker(model, x, y, device=x.device) as tracker:
+        out = model(x)
+        cross_entropy(out, y).backward()
+        del out  # the step keeps the output until the update (`Profile.output`)
+    # the model leaves out the loss and nll_loss's total weight, a scalar each
+    assert tracker.act_peak_bytes - method.plan.peak == 2 * 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["convnext", "llama"])
 def test_checkpoint_on_a_found_chain_saves_activation_memory(tmp_path, name):

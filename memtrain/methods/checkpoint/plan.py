@@ -5,8 +5,11 @@ segment is kept. The peak model, in bytes of activation memory (what the CPU tra
 `mem_peak_act_bytes` counts, recomputation included):
 
 - in every row below, the chain's input when the step made it (`held_in`: the first segment
-  keeps it, saved by its ops or by its checkpoint), and from the forward's end on the model's
-  output (`output`: the training step keeps it until the update; a language model's logits);
+  keeps it, saved by its ops or by its checkpoint) and the side inputs the step made (the same
+  for every segment: a decoder's rotary cos and sin, kept by the segments' ops or checkpoints
+  until the first one's backward; one that no op saves, `side`, only where a group is
+  recomputed), and from the forward's end on the model's output (`output`: the training step
+  keeps it until the update; a language model's logits);
 - end of forward: tail + inner bytes of every kept segment + the autocast weight casts of every
   checkpointed one (autocast caches them until the forward ends) + every live boundary, where a
   boundary (a segment's output) is live unless it lies strictly inside a checkpointed group
@@ -81,10 +84,14 @@ class Profile:
     # shard to run each segment's forward; a recomputed group gathers its earlier segments
     # again, one at a time, while its last one's are gathered for its backward anyway
     gathered: list[int] = field(default_factory=list)
-    # the chain's input where the step made it (an entry's output, not the batch): the first
-    # segment's ops or its checkpoint keep it from the entry's forward to the segment's
-    # backward, in every row (out of `inner` and `tail`)
+    # the chain's input where the step made it (an entry's output, not the batch), and the side
+    # inputs the step made that an op saves: the segments' ops or their checkpoints keep them
+    # from the entry's forward to the first segment's backward, in every row (out of `inner`
+    # and `tail`)
     held_in: int = 0
+    # the side inputs the step made that no op saves: a recomputed group's checkpoint keeps them
+    # for its recompute, so a plan that recomputes holds them in every row (none does not)
+    side: int = 0
     # the model's output where no segment made it and nothing saves it (a head's logits): the
     # training step keeps it until the update, so it is alive from the forward's end on
     output: int = 0
@@ -168,9 +175,10 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
     extra = extra or [0] * p.n
     less = less or [0] * p.n
     cached = cached or [0] * p.n
+    held_in = p.held_in + (p.side if groups else 0)
     held = [(p.inner[i] - less[i]) * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
             for i in range(p.n)]
-    after = p.held_in + p.output  # held in every row from the forward's end on
+    after = held_in + p.output  # held in every row from the forward's end on
     peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k) + after]
     for a, e in groups:
         peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1])
@@ -183,7 +191,7 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
         before = [(p.inner[j] - less[j]) * kept[j] + extra[j] * (not kept[j])
                   + p.cast[j] * (not kept[j]) + p.out[j] * (live[j] or j == i - 1)
                   for j in range(i)]
-        peaks.append(sum(before) + t + p.held_in + extra[i] * (not kept[i]))
+        peaks.append(sum(before) + t + held_in + extra[i] * (not kept[i]))
     return max(peaks)
 
 
@@ -219,7 +227,9 @@ def _program(p: Profile, max_group: int):
     fwd = np.zeros(nv)  # end-of-forward bytes = fwd_const + fwd @ x
     cast = np.array(p.cast) / mib
     fwd[:n] = inner - cast  # a recomputed segment still holds its casts until the forward ends
-    after = (p.held_in + p.output) / mib  # `peak_bytes`: held in every row from the forward's end
+    # `peak_bytes`: held in every row from the forward's end (the side inputs no op saves,
+    # which only a recomputing plan holds, in every row: a bound where nothing recomputes)
+    after = (p.held_in + p.side + p.output) / mib
     fwd_const = p.tail / mib + out.sum() + cast.sum() + after
     for g, (a, e) in enumerate(groups):
         cover[a:e + 1, n + g] = 1
@@ -264,7 +274,7 @@ def _transient_rows(p: Profile, groups: list[Group], nv: int) -> tuple[np.ndarra
             hi = min(e2, i - 1)
             if hi > a2:
                 rows[i, n + h] -= out[a2:hi].sum()
-        consts[i] = cast[:i].sum() + out[:i].sum() + (t + p.held_in) / mib
+        consts[i] = cast[:i].sum() + out[:i].sum() + (t + p.held_in + p.side) / mib
     return rows, consts
 
 
@@ -381,6 +391,7 @@ class _Recorder(measure.SavedBytes):
         self.casts: set[tuple[str, int]] = set()
         self.outputs: list[torch.Tensor | None] = [None] * len(segments)
         self.first_input: torch.Tensor | None = None  # the chain's input, where the step made it
+        self.side_inputs: list[torch.Tensor] = []  # the first segment's other tensor arguments
         self.times = [0.0] * len(segments)
         self.current = -1
         self._t0 = 0.0
@@ -388,7 +399,8 @@ class _Recorder(measure.SavedBytes):
         self.flops = [0] * len(segments)
         for i, seg in enumerate(segments):
             mods = seg.modules()
-            self.handles.append(mods[0].register_forward_pre_hook(self._enter(i)))
+            self.handles.append(mods[0].register_forward_pre_hook(self._enter(i),
+                                                                  with_kwargs=True))
             self.handles.append(mods[-1].register_forward_hook(self._leave(i)))
             for m in (m for top in mods for m in top.modules()):
                 if count_flops and isinstance(m, nn.Conv2d | nn.Linear):  # (its ops: not
@@ -402,12 +414,16 @@ class _Recorder(measure.SavedBytes):
         return hook
 
     def _enter(self, i: int):
-        def hook(_mod, args):
+        def hook(_mod, args, kwargs):
             measure.sync(self.device)
             self.current, self._t0 = i, time.perf_counter()
             if i == 0 and args and isinstance(args[0], torch.Tensor) and \
                     measure.storage_key(args[0]) not in self._exclude:  # made, not the batch
                 self.first_input = args[0]
+            if i == 0:  # side inputs the step made (a causal mask, rotary cos and sin)
+                self.side_inputs = [
+                    t for t in tree_flatten((args[1:], kwargs))[0]
+                    if isinstance(t, torch.Tensor) and measure.storage_key(t) not in self._exclude]
         return hook
 
     def _leave(self, i: int):
@@ -477,8 +493,8 @@ def profile(model: nn.Module, segments: list[Segment], x: torch.Tensor,
                         else 3 * sum(result.time))
     for k in ("inner", "out", "cast", "flops"):
         setattr(result, k, [int(v * scale) for v in getattr(result, k)])
-    result.tail, result.held_in, result.output = (int(v * scale) for v in (
-        result.tail, result.held_in, result.output))
+    result.tail, result.held_in, result.output, result.side = (int(v * scale) for v in (
+        result.tail, result.held_in, result.output, result.side))
     return result
 
 
@@ -643,7 +659,10 @@ def _attribute(rec: _Recorder, segments: list[Segment], model_out: Any = None) -
     n = len(segments)
     first = rec.first_input
     first_key = measure.storage_key(first) if first is not None else None
+    side = {measure.storage_key(t) for t in rec.side_inputs} - {first_key} - set(out_keys)
     inner, out_saved, tail, cast = [0] * n, [False] * n, 0, [0] * n
+    held_in = first.untyped_storage().nbytes() if first is not None else 0
+    side_saved: set = set()
     for k, (nbytes, seg) in rec.saved.items():
         if k in rec.casts:
             cast[seg] += nbytes
@@ -651,16 +670,20 @@ def _attribute(rec: _Recorder, segments: list[Segment], model_out: Any = None) -
             out_saved[out_keys[k]] |= seg == out_keys[k]
         elif k == first_key:
             continue  # `held_in`
+        elif k in side:
+            held_in += nbytes
+            side_saved.add(k)
         elif seg >= 0:
             inner[seg] += nbytes
         else:
             tail += nbytes
+    unsaved = {measure.storage_key(t): t.untyped_storage().nbytes() for t in rec.side_inputs
+               if measure.storage_key(t) in side - side_saved}
     out = [o.untyped_storage().nbytes() for o in rec.outputs]
-    held_in = first.untyped_storage().nbytes() if first is not None else 0
     output = 0
     if isinstance(model_out, torch.Tensor):
         k = measure.storage_key(model_out)
         if k not in out_keys and k not in rec.saved and k != first_key:
             output = model_out.untyped_storage().nbytes()
     return Profile([s.name for s in segments], inner, out, out_saved, [0.0] * n, tail,
-                   cast=cast, held_in=held_in, output=output)
+                   cast=cast, held_in=held_in, output=output, side=sum(unsaved.values()))
