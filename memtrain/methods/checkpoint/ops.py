@@ -286,55 +286,69 @@ def _solve(p: planner.Profile, prof: OpProfile, budget: float | None, max_group:
     kept ops, compacted segments)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    groups, cover, fwd, fwd_c, rows, consts, big, _, mib = planner._program(p, max_group)
+    groups, cover, fwd, fwd_c, rows, consts, _, mib = planner._program(p, max_group)
     n, ng = p.n, len(groups)
     keys = prof.keys() if ops else []
     comp = prof.compact if ops else []
     nk, nc = len(keys), len(comp)
-    seg_cost = [sum(o.cost for o in seg) for seg in prof.ops]
-    width = n + ng + nk + nc
+    seg = np.array([i for i, _ in keys], dtype=int)
+    unsaved = np.array([prof.ops[i][j].unsaved for i, j in keys]) / mib
+    # w_(a, i): the kept outputs of segment i that no op saves, held while the group that
+    # starts at a recomputes (where it covers i; see below)
+    cap = np.bincount(seg, weights=unsaved, minlength=n) if nk else np.zeros(n)
+    pairs = [(a, i) for a in range(n) for i in range(a, min(n, a + max_group)) if cap[i] > 0]
+    nw = len(pairs)
+    seg_cost = [sum(o.cost for o in s) for s in prof.ops]
+    width = n + ng + nk + nc + nw
     y = n + ng + np.arange(nk)
     ck = n + ng + nk + np.arange(nc)
+    wv = n + ng + nk + nc + np.arange(nw)
     cost = np.zeros(width)
     cost[n:n + ng] = [sum(seg_cost[a:e + 1]) for a, e in groups]
     cost[y] = [-prof.ops[i][j].cost for i, j in keys]
     cost[ck] = [c.cost for c in comp]
     cost /= max(np.abs(cost).max(), 1e-30)
     b = np.array([prof.ops[i][j].nbytes for i, j in keys]) / mib
-    seg = np.array([i for i, _ in keys], dtype=int)
     saves = np.array([c.saves for c in comp]) / mib
     cseg = np.array([c.seg for c in comp], dtype=int)
-    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk + nc))])  # noqa: E731
+    pad = lambda m: np.hstack([m, np.zeros((m.shape[0], nk + nc + nw))])  # noqa: E731
     a_cover, a_fwd, a_rec = pad(cover), pad(fwd[None, :]), pad(rows)
     a_fwd[0, y] = b
     a_fwd[0, ck] = -saves
-    unsaved = np.array([prof.ops[i][j].unsaved for i, j in keys]) / mib
-    for r, (a, e) in enumerate(groups):  # prefix + R_g <= B + M_g (1 - z_g), M_g >= prefix + R_g
-        # kept outputs before the group are held; the group's own that no op saves are held
-        # beside its recompute until it reaches them
-        inside = (seg >= a) & (seg <= e)
-        a_rec[r, y] = np.where(seg < a, b, 0.0) + np.where(inside, unsaved, 0.0)
-        a_rec[r, ck] = np.where(cseg < a, -saves, 0.0)
-        big[r] += b[seg < a].sum() + unsaved[inside].sum()
-        a_rec[r, n + r] += big[r]
+    for a in range(n):  # the row of group start a (`planner._program`): kept outputs before a
+        a_rec[a, y] = np.where(seg < a, b, 0.0)  # are held, compactions before a hold less
+        a_rec[a, ck] = np.where(cseg < a, -saves, 0.0)
+    # w_(a, i) >= u_i - U_i (1 - s_(a, i)): u_i the unsaved kept bytes of segment i, U_i their
+    # most, s_(a, i) = 1 when the group that starts at a covers i; the row of a adds w_(a, i)
+    a_w = np.zeros((nw, width))
+    for k, (a, i) in enumerate(pairs):
+        a_rec[a, wv[k]] = 1.0
+        a_w[k, y] = np.where(seg == i, unsaved, 0.0)
+        a_w[k, wv[k]] = -1.0
+        for g, (a2, e2) in enumerate(groups):
+            if a2 == a and e2 >= i:
+                a_w[k, n + g] = cap[i]
+    ub_w = cap[[i for _, i in pairs]]
     # y_o + kept_i <= 1; c - kept_i <= 0
     excl = [np.zeros((nk, width)), np.zeros((nc, width))]
     excl[0][np.arange(nk), seg] = excl[0][np.arange(nk), y] = 1
     excl[1][np.arange(nc), cseg], excl[1][np.arange(nc), ck] = -1, 1
-    a_excl = np.vstack(excl)
-    ub_excl = np.concatenate([np.ones(nk), np.zeros(nc)])
+    a_excl = np.vstack([*excl, a_w])
+    ub_excl = np.concatenate([np.ones(nk), np.zeros(nc), ub_w])
+    integer = np.append(np.ones(n + ng + nk + nc), np.zeros(nw))  # w is continuous
+    hi = np.append(np.ones(n + ng + nk + nc), cap[[i for _, i in pairs]])
     free_b = budget is None
     if free_b:
         extend = lambda m, v: np.hstack([m, np.full((m.shape[0], 1), v)])  # noqa: E731
         a_cover, a_excl = extend(a_cover, 0.0), extend(a_excl, 0.0)
         a_fwd, a_rec = extend(a_fwd, -1.0), extend(a_rec, -1.0)
-        ub_fwd, ub_rec = -fwd_c, big - consts
+        ub_fwd, ub_rec = -fwd_c, -consts
         c = np.append(np.zeros(width), 1.0)
-        integrality, hi = np.append(np.ones(width), 0), np.append(np.ones(width), np.inf)
+        integrality, hi = np.append(integer, 0), np.append(hi, np.inf)
     else:
         bb = budget / mib
-        ub_fwd, ub_rec = bb - fwd_c, bb + big - consts
-        c, integrality, hi = cost, np.ones(width), np.ones(width)
+        ub_fwd, ub_rec = bb - fwd_c, bb - consts
+        c, integrality = cost, integer
     cons = [LinearConstraint(a_cover, 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
     if p.transient:  # the forward of each segment (`plan._transient_rows`)

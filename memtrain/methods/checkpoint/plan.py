@@ -24,8 +24,7 @@ segment is kept. The peak model, in bytes of activation memory (what the CPU tra
 The peak is the largest of these. The planner minimises the recomputed forward FLOPs
 (deterministic; times when no FLOPs were profiled) subject to peak <= budget as a 0-1
 program (scipy.optimize.milp, HiGHS): one variable per kept segment, one per candidate group,
-each segment covered once, the recompute constraints made linear with a
-big-M on the group's variable.
+each segment covered once, one recompute constraint per group start (`_program`).
 """
 
 from __future__ import annotations
@@ -217,7 +216,13 @@ def uniform_groups(n: int, every: int) -> list[Group]:
 
 
 def _program(p: Profile, max_group: int):
-    """Matrices of the program: variables [kept_0..kept_{n-1}, z_g for g in groups]."""
+    """Matrices of the program: variables [kept_0..kept_{n-1}, z_g for g in groups].
+
+    The recompute rows are one per group start a, `rows[a] @ x <= B - consts[a]`: what is held
+    before a (`prefix`) plus R_g z_g for every group g that starts at a. The cover lets at most
+    one group start at a, so the row is that group's recompute where one does; where none
+    does, it says prefix <= B, which the end-of-forward row implies (it holds everything the
+    prefix holds, and more). No big-M term: the program's relaxation stays tight."""
     n = p.n
     groups = [(a, e) for a in range(n) for e in range(a, min(n, a + max_group))]
     nv = n + len(groups)
@@ -235,29 +240,21 @@ def _program(p: Profile, max_group: int):
         cover[a:e + 1, n + g] = 1
         fwd[n + g] = -out[a:e].sum()
     np.fill_diagonal(cover[:, :n], 1)
-    # recompute of group g: prefix(x) + R_g <= B + M_g (1 - z_g); prefix = const_a + pre_a @ x
-    rows, consts, big = [], [], []
-    prefix: dict[int, np.ndarray] = {}  # the row's coefficients depend on the group's start only
-    for a, e in groups:
-        if a not in prefix:
-            row = np.zeros(nv)
-            row[:a] = inner[:a]
-            for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
-                lo, hi = a2, min(e2, a)
-                if hi > lo:
-                    row[n + h] -= out[lo:hi].sum()
-            prefix[a] = row
-        row = prefix[a]  # np.array(rows) below copies each
-        r_g = _recompute_bytes(p, a, e) / mib
-        const = out[:a].sum() + r_g + after
-        rows.append(row)
-        consts.append(const)
-        big.append(inner[:a].sum() + const)
+    rows, consts = np.zeros((n, nv)), np.zeros(n)
+    for a in range(n):
+        rows[a, :a] = inner[:a]
+        for h, (a2, e2) in enumerate(groups):  # boundaries before a that a group hides
+            lo, hi = a2, min(e2, a)
+            if hi > lo:
+                rows[a, n + h] -= out[lo:hi].sum()
+        consts[a] = out[:a].sum() + after
+    for g, (a, e) in enumerate(groups):
+        rows[a, n + g] += _recompute_bytes(p, a, e) / mib
     cost = np.zeros(nv)
     seg_cost = recompute_cost(p)
     cost[n:] = [sum(seg_cost[a:e + 1]) for a, e in groups]
     cost[n:] /= max(cost[n:].max(), 1e-30)  # well scaled for HiGHS
-    return groups, cover, fwd, fwd_const, np.array(rows), np.array(consts), np.array(big), cost, mib
+    return groups, cover, fwd, fwd_const, rows, consts, cost, mib
 
 
 def _transient_rows(p: Profile, groups: list[Group], nv: int) -> tuple[np.ndarray, np.ndarray]:
@@ -283,21 +280,19 @@ def _solve(p: Profile, budget: float | None, max_group: int) -> list[Group] | No
     None when the program has no solution."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    groups, cover, fwd, fwd_c, rows, consts, big, cost, mib = _program(p, max_group)
+    groups, cover, fwd, fwd_c, rows, consts, cost, mib = _program(p, max_group)
     n, nv = p.n, len(cost)
     free_b = budget is None
     width = nv + free_b
     pad = (lambda m: np.hstack([m, np.zeros((m.shape[0], 1))])) if free_b else (lambda m: m)
-    rec = rows.copy()
-    rec[np.arange(len(groups)), n + np.arange(len(groups))] += big
-    a_fwd, a_rec = pad(fwd[None, :]), pad(rec)
+    a_fwd, a_rec = pad(fwd[None, :]), pad(rows)
     if free_b:  # ... - B <= rhs
         a_fwd[:, -1] = -1
         a_rec[:, -1] = -1
-        ub_fwd, ub_rec = -fwd_c, big - consts
+        ub_fwd, ub_rec = -fwd_c, -consts
     else:
         b = budget / mib
-        ub_fwd, ub_rec = b - fwd_c, b + big - consts
+        ub_fwd, ub_rec = b - fwd_c, b - consts
     c = np.append(np.zeros(nv), 1.0) if free_b else cost
     cons = [LinearConstraint(pad(cover), 1, 1), LinearConstraint(a_fwd, -np.inf, ub_fwd),
             LinearConstraint(a_rec, -np.inf, ub_rec)]
