@@ -85,9 +85,13 @@ class Runner:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
 
     def step(self) -> None:
-        cross_entropy(self.model(self.x).float(), self.y).backward()
+        """One training step as memtrain's loop runs it: the output is kept until the update
+        (the planner's `Profile.output`), so native's peak and the plan's count the same."""
+        out = self.model(self.x)
+        cross_entropy(out.float(), self.y).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        del out
 
     def peaks(self) -> tuple[int, int]:
         """(activation peak, activations + backward temporaries peak) of one tracked step."""
