@@ -124,17 +124,32 @@ class PrunedLinearFn(torch.autograd.Function):
         return grad_x, _grad_weight(ctx, g2d, tuple(saved)), grad_b, None
 
 
+def _conv_saved(ctx, x, weight, bias, spec: bsr.PruneSpec, stride: tuple[int, int],
+                out: torch.Tensor) -> torch.Tensor:
+    """A 1x1 convolution's forward, its output made: note what backward needs and save the
+    weight and the pixels it read (`_save`); returns the output."""
+    ctx.has_bias, ctx.x_shape, ctx.stride = bias is not None, x.shape, stride
+    _save(ctx, x, weight, spec, partial(_conv_rows, stride=stride), out.numel() // out.shape[1])
+    return out
+
+
+def _unstrided(ctx, grad_x: torch.Tensor) -> torch.Tensor:
+    """grad_input of a strided 1x1 convolution at the input's size: the pixels the stride
+    skipped get no gradient."""
+    if ctx.stride == (1, 1):
+        return grad_x
+    full = grad_x.new_zeros(ctx.x_shape)
+    full[:, :, ::ctx.stride[0], ::ctx.stride[1]] = grad_x
+    return full
+
+
 class PrunedConv1x1Fn(torch.autograd.Function):
     """1x1 convolution (groups 1, no padding, any stride) as a matrix product over the pixels
     it reads: A = x[:, :, ::s, ::s] as [N*Ho*Wo, C_in]."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: bsr.PruneSpec, stride: tuple[int, int]):
-        out = F.conv2d(x, weight, bias, stride)
-        ctx.has_bias, ctx.x_shape, ctx.stride = bias is not None, x.shape, stride
-        _save(ctx, x, weight, spec, partial(_conv_rows, stride=stride),
-              out.numel() // out.shape[1])
-        return out
+        return _conv_saved(ctx, x, weight, bias, spec, stride, F.conv2d(x, weight, bias, stride))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -144,11 +159,7 @@ class PrunedConv1x1Fn(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # exact: G @ W, back to [N, C, Ho, Wo] (channels_last strides)
             grad_x = g2d.mm(weight.flatten(1).to(g2d.dtype)).view(n, ho, wo, -1)
-            grad_x = grad_x.permute(0, 3, 1, 2)
-            if ctx.stride != (1, 1):  # the pixels the stride skipped get no gradient
-                full = grad_x.new_zeros(ctx.x_shape)
-                full[:, :, ::ctx.stride[0], ::ctx.stride[1]] = grad_x
-                grad_x = full
+            grad_x = _unstrided(ctx, grad_x.permute(0, 3, 1, 2))
         grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_w = _grad_weight(ctx, g2d, tuple(saved))
         if grad_w is not None:
@@ -203,10 +214,7 @@ class PrunedCondConv1x1Fn(torch.autograd.Function):
         y = F.conv2d(x.reshape(1, n * c, h, w), weight[..., None, None], bias, stride,
                      groups=n)
         y = y.permute(1, 0, 2, 3).view(n, -1, y.shape[-2], y.shape[-1])
-        ctx.has_bias, ctx.x_shape, ctx.stride = bias is not None, x.shape, stride
-        _save(ctx, x, weight, spec, partial(_conv_rows, stride=stride),
-              y.numel() // y.shape[1])
-        return y
+        return _conv_saved(ctx, x, weight, bias, spec, stride, y)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -216,11 +224,7 @@ class PrunedCondConv1x1Fn(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # exact: each sample's W_b^T G_b
             w = weight.view(n, out, -1).to(g.dtype)
-            grad_x = torch.bmm(w.transpose(1, 2), g).view(n, -1, ho, wo)
-            if ctx.stride != (1, 1):
-                full = grad_x.new_zeros(ctx.x_shape)
-                full[:, :, ::ctx.stride[0], ::ctx.stride[1]] = grad_x
-                grad_x = full
+            grad_x = _unstrided(ctx, torch.bmm(w.transpose(1, 2), g).view(n, -1, ho, wo))
         grad_b = g.sum(2).reshape(-1) if ctx.has_bias and ctx.needs_input_grad[2] else None
         grad_w = _grad_weight_per_sample(ctx, _rows(grad_out), tuple(saved), n, out)
         return grad_x, grad_w, grad_b, None, None
