@@ -55,12 +55,16 @@ TEST_BUDGET_S ?= 600
 # main one, so that their waiting leaves no core idle; their output follows the main session's.
 # Both sessions share the folder of the `ranks` lock (MEMTRAIN_TEST_LOCKS, tests/conftest.py),
 # so the `ranks` one among them still has the machine to itself, on the same throwaway
-# cluster. Given ARGS, make test runs one session of what ARGS selects.
+# cluster. Given ARGS, make test runs one session of what ARGS selects. The side session
+# collects only the files that hold them (the whole suite's collection costs it seconds of a
+# core the main session needs; tests/test_tools.py holds every such mark to these files).
 BESIDE := slurm
+BESIDE_FILES := tests/test_slurm.py
 test: $(STAMP) ## run the test suite (CPU, one worker per core; Triton kernels in interpreter mode); prints the 10 slowest tests and its time against the budget
 	@t0=$$(date +%s); side=$$(mktemp -d); export MEMTRAIN_TEST_LOCKS=$$side; \
 	  if [ -z "$(strip $(ARGS))" ]; then \
-	    { $(call PYTEST,$(BIN)) -n 0 -p no:cacheprovider -m "$(BESIDE)" > $$side/out 2>&1; \
+	    { $(call PYTEST,$(BIN)) -n 0 -p no:cacheprovider -m "$(BESIDE)" $(BESIDE_FILES) \
+	      > $$side/out 2>&1; \
 	      echo $$? > $$side/rc; } & \
 	    $(call PYTEST,$(BIN)) --durations=10 -m "not ($(BESIDE))"; rc=$$?; \
 	    wait; echo "make test: the tests beside ($(BESIDE)):"; cat $$side/out; \

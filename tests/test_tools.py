@@ -86,3 +86,15 @@ def test_every_deliberate_break_finds_its_line():
     for path, old, _new, test, _claim in calls:
         assert (ROOT / path).read_text().count(old) == 1, (path, old)
         assert (ROOT / test).exists(), test
+
+
+def test_the_tests_make_test_runs_beside_are_in_the_files_it_collects_for_them():
+    """make test runs the tests marked BESIDE (the SLURM ones) in a session of their own that
+    collects BESIDE_FILES alone, while the main session leaves that mark out: a test marked so
+    in any other file would run in neither."""
+    make = (ROOT / "Makefile").read_text()
+    mark = re.search(r"^BESIDE := (\S+)$", make, flags=re.M)[1]
+    files = set(re.search(r"^BESIDE_FILES := (.+)$", make, flags=re.M)[1].split())
+    marked = {f"tests/{p.name}" for p in (ROOT / "tests").glob("*.py")
+              if re.search(rf"pytest\.mark\.{mark}\b", p.read_text())}
+    assert marked and marked <= files, (marked, files)
