@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 import memtrain.methods.checkpoint.plan as planner
 from memtrain.errors import ConfigError
@@ -106,7 +107,10 @@ class OpTimer(TorchDispatchMode):
         self.current, self.device = current, device
         self.ops: list[list[Op]] = [[] for _ in range(n)]
         self.producer: dict[tuple[str, int], Key] = {}
-        self.fresh: dict[Key, dict[tuple[str, int], int]] = {}  # op -> its fresh storages
+        # op -> its fresh storages, each [bytes, saved], marked saved when an op packs it while
+        # it lives (told by the storage object: a freed one's address is reused by later ones)
+        self.fresh: dict[Key, list[list]] = {}
+        self._alive = WeakIdKeyDictionary()  # storage -> its entry in `fresh`
         self.used: set[tuple[str, int]] = set()  # producers' outputs read by some op already
         self.mutable = _allows_mutation()
         self.flops, self.bandwidth = ROOFLINE.get(device.type, ROOFLINE["cuda"])
@@ -141,10 +145,21 @@ class OpTimer(TorchDispatchMode):
                 keepable=bool(outs) and len(fresh) == len({measure.storage_key(t) for t in outs}))
         for k in fresh:
             self.producer[k] = (seg, len(self.ops[seg]))
-        self.fresh[(seg, len(self.ops[seg]))] = fresh
+        entries = self.fresh[(seg, len(self.ops[seg]))] = []
+        for t in outs:
+            st = t.untyped_storage()
+            if measure.storage_key(t) in fresh and st not in self._alive:
+                self._alive[st] = [st.nbytes(), False]
+                entries.append(self._alive[st])
         self.ops[seg].append(op)
         return out
 
+
+    def packed(self, t: torch.Tensor) -> None:
+        """An op saved t for backward: the fresh storage it lives in is saved."""
+        entry = self._alive.get(t.untyped_storage())
+        if entry is not None:
+            entry[1] = True
 
     def _writes(self, func, args, in_keys) -> None:
         """An output written in place is not keepable (its cached copy would go stale), unless
@@ -178,6 +193,7 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
     for _ in range(repeats):
         rec = rec_factory()
         timer = OpTimer(len(rec.outputs), lambda r=rec: r.current, x.device)
+        rec.on_pack = timer.packed
         try:
             with autocast(), rec, timer:
                 out = model(x)
@@ -204,8 +220,8 @@ def profile_ops(model, x: torch.Tensor, rec_factory, repeats: int, scale: float,
             o.time = statistics.median(later) * scale
             o.nbytes, o.cost = int(o.nbytes * scale), o.cost * scale
             o.flops, o.moved = o.flops * scale, int(o.moved * scale)
-            o.unsaved = int(scale * sum(b for k, b in timer.fresh.get((i, j), {}).items()
-                                        if k not in rec.saved))
+            o.unsaved = int(scale * sum(b for b, saved in timer.fresh.get((i, j), ())
+                                        if not saved))
             if any(timer.producer.get(k) == (i, j) for k in out_keys):
                 o.keepable = False  # the segment's output: a boundary, modelled per segment
     return OpProfile(ops)

@@ -387,6 +387,7 @@ class _Recorder(measure.SavedBytes):
         self.outputs: list[torch.Tensor | None] = [None] * len(segments)
         self.first_input: torch.Tensor | None = None  # the chain's input, where the step made it
         self.side_inputs: list[torch.Tensor] = []  # the first segment's other tensor arguments
+        self.on_pack: Callable[[torch.Tensor], None] | None = None  # told of every save
         self.times = [0.0] * len(segments)
         self.current = -1
         self._t0 = 0.0
@@ -429,6 +430,8 @@ class _Recorder(measure.SavedBytes):
         return hook
 
     def record(self, key: tuple[str, int], t: torch.Tensor) -> None:
+        if self.on_pack is not None:
+            self.on_pack(t)
         if key in self.saved:
             return
         super().record(key, t)
