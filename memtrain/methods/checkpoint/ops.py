@@ -154,7 +154,6 @@ class OpTimer(TorchDispatchMode):
         self.ops[seg].append(op)
         return out
 
-
     def packed(self, t: torch.Tensor) -> None:
         """An op saved t for backward: the fresh storage it lives in is saved."""
         entry = self._alive.get(t.untyped_storage())
