@@ -24,6 +24,7 @@ from torch import nn
 from memtrain.errors import ConfigError, check_choice, check_range
 from memtrain.methods.common.compact import RELUS, CompactMaxPool2d, MaskedReLU
 from memtrain.methods.common.swap import (
+    cond_conv_kernels,
     is_timm_bn_act,
     is_timm_cond_conv2d,
     is_timm_conv2d_same,
@@ -215,9 +216,7 @@ class PooledCondConv2d(nn.Module):
         if not _compress(self, x):
             return self.plain_forward(self, x, routing_weights)
         n, c, h, w = x.shape
-        weight = torch.matmul(routing_weights, self.weight).view(
-            n * self.out_channels, self.in_channels // self.groups, *self.kernel_size)
-        bias = None if self.bias is None else torch.matmul(routing_weights, self.bias).view(-1)
+        weight, bias = cond_conv_kernels(self, routing_weights)
         x = x.reshape(1, n * c, h, w)
         padding = self.padding
         if self.dynamic_padding:

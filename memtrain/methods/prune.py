@@ -34,6 +34,7 @@ from memtrain.kernels import bsr
 from memtrain.methods.base import NO_CONTEXT, MethodContext, ProbeStep
 from memtrain.methods.common.compact import MaskedReLUFn
 from memtrain.methods.common.swap import (
+    cond_conv_kernels,
     is_hf_conv1d,
     is_linear,
     is_timm_cond_conv2d,
@@ -170,10 +171,11 @@ class PrunedConv1x1Fn(torch.autograd.Function):
 def _grad_weight_per_sample(ctx, g2d: torch.Tensor, saved: tuple[torch.Tensor, ...], n: int,
                            out: int) -> torch.Tensor | None:
     """[n * out, in]: each sample's G_b^T @ A_b (A pruned), for a layer whose weight is each
-    sample's own (CondConv2d). A's rows are sample-major, `rows` of them a sample; the kept
-    blocks are grouped per sample by the block rows a sample's rows touch (a block across a
-    boundary serves both samples, each with its own rows of G), so the work is one pass over
-    the blocks, as for a shared weight."""
+    sample's own (CondConv2d). A's rows are sample-major, `p` of them a sample; each sample's
+    product takes the kept blocks of the block rows its rows touch (a block across a boundary
+    serves both samples, each with its own rows of G), so the products touch each block once
+    (a straddling one twice); picking a sample's blocks scans the block indices once per
+    sample."""
     if not ctx.needs_input_grad[1]:
         return None
     k, p = ctx.shape[1] if ctx.sparse else saved[0].shape[1], g2d.shape[0] // n
@@ -385,12 +387,9 @@ class PrunedCondConv1x1(_PrunedLayer, nn.Module):
 
     def forward(self, x: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
         def mixed() -> tuple[torch.Tensor, torch.Tensor | None]:
-            """The samples' kernels mixed from the experts, stacked [n * out, in], and biases."""
-            weight = torch.matmul(routing_weights, self.weight).view(
-                x.shape[0] * self.out_channels, self.in_channels)
-            bias = None if self.bias is None else torch.matmul(routing_weights,
-                                                                 self.bias).view(-1)
-            return weight, bias
+            """The samples' mixed kernels as [n * out, in] (1x1, no groups), and biases."""
+            weight, bias = cond_conv_kernels(self, routing_weights)
+            return weight.flatten(1), bias
 
         out = self._run(x, PrunedCondConv1x1Fn, tuple(self.stride), params=mixed)
         if out is not None:

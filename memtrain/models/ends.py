@@ -26,6 +26,7 @@ off the tensor that crosses the cut. Segments that take such side inputs are bou
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -95,9 +96,9 @@ class _Values:
 
     def __init__(self, model: nn.Module, graph: fx.Graph, sample: Any):
         self.model, self.graph, self.sample = model, graph, sample
-        self.runs: list[dict[fx.Node, Any]] | None = None
 
-    def _run(self) -> list[dict[fx.Node, Any]]:
+    @functools.cached_property
+    def runs(self) -> list[dict[fx.Node, Any]]:
         gm = fx.GraphModule(self.model, self.graph)
         runs = []
         bigger = torch.cat([self.sample, self.sample[:1]])
@@ -115,8 +116,6 @@ class _Values:
             return ("const", n) if _plain(n) else _UNKNOWN
         if not isinstance(self.sample, torch.Tensor) or not self.sample.dim():
             return _UNKNOWN
-        if self.runs is None:
-            self.runs = self._run()
         a, b = (r.get(n, _UNKNOWN) for r in self.runs)
         if a is _UNKNOWN or b is _UNKNOWN or not _plain(a):
             return _UNKNOWN
@@ -129,8 +128,6 @@ class _Values:
 
     def batch_first(self, n: fx.Node) -> bool:
         """Whether `n` is a tensor whose first dimension is the batch."""
-        if self.runs is None:
-            self.runs = self._run()
         a, b = (r.get(n) for r in self.runs)
         size = self.sample.shape[0]
         return (isinstance(a, tuple) and a[:1] == ("tensor",) and a[1][:1] == (size,)

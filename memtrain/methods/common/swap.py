@@ -53,6 +53,18 @@ def is_timm_cond_conv2d(module: nn.Module) -> bool:
     return type(module).__name__ == "CondConv2d" and type(module).__module__.startswith("timm.")
 
 
+def cond_conv_kernels(module: nn.Module, routing_weights: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A CondConv2d call's kernels and biases as its forward mixes them, in autograd: each
+    sample's from the experts by its routing weights, stacked for one convolution grouped by
+    sample ([n * out, in / groups, kh, kw] and [n * out])."""
+    n = routing_weights.shape[0]
+    weight = torch.matmul(routing_weights, module.weight).view(
+        n * module.out_channels, module.in_channels // module.groups, *module.kernel_size)
+    bias = None if module.bias is None else torch.matmul(routing_weights, module.bias).view(-1)
+    return weight, bias
+
+
 def is_linear(module: nn.Module) -> bool:
     """An nn.Linear computing F.linear(x, weight, bias) and nothing else: nn.Linear itself, or
     timm's Linear (its classifier heads; it differs only under TorchScript). Other subclasses
