@@ -30,6 +30,7 @@ each segment covered once, one recompute constraint per group start (`_program`)
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 import weakref
@@ -177,20 +178,23 @@ def peak_bytes(p: Profile, groups: list[Group], extra: list[int] | None = None,
     held_in = p.held_in + (p.side if groups else 0)
     held = [(p.inner[i] - less[i]) * kept[i] + extra[i] * (not kept[i]) + p.out[i] * live[i]
             for i in range(p.n)]
+    held_before = list(itertools.accumulate(held, initial=0))  # [i]: sum(held[:i])
     after = held_in + p.output  # held in every row from the forward's end on
-    peaks = [p.tail + sum(held) + sum(c for c, k in zip(p.cast, kept) if not k) + after]
+    peaks = [p.tail + held_before[-1] + sum(c for c, k in zip(p.cast, kept) if not k) + after]
     for a, e in groups:
-        peaks.append(sum(held[:a]) + _recompute_bytes(p, a, e) - sum(less[a:e + 1])
+        peaks.append(held_before[a] + _recompute_bytes(p, a, e) - sum(less[a:e + 1])
                      + sum(cached[a:e + 1]) + after)
     transient = transient or p.transient
-    for i, t in enumerate(transient):  # the forward of segment i: what is held before it, its
-        # input, its own transient (what a recomputed segment's forward makes and drops), and
-        # in a recomputed one the outputs of its kept ops (op-level plans: all of them at once,
-        # a bound, for a row the 0-1 program can hold)
-        before = [(p.inner[j] - less[j]) * kept[j] + extra[j] * (not kept[j])
-                  + p.cast[j] * (not kept[j]) + p.out[j] * (live[j] or j == i - 1)
-                  for j in range(i)]
-        peaks.append(sum(before) + t + held_in + extra[i] * (not kept[i]))
+    # the forward of segment i: what is held before it (a recomputed segment's cast copies
+    # too, and its input, the output of segment i - 1, live or not), its own transient (what a
+    # recomputed segment's forward makes and drops), and in a recomputed one the outputs of
+    # its kept ops (op-level plans: all of them at once, a bound, for a row the 0-1 program
+    # can hold); running sums: one pass, not one per segment
+    before, out, cast = 0, p.out, p.cast
+    for i, t in enumerate(transient):
+        gone_input = out[i - 1] * (not live[i - 1]) if i else 0
+        peaks.append(before + gone_input + t + held_in + extra[i] * (not kept[i]))
+        before += held[i] + cast[i] * (not kept[i])
     return max(peaks)
 
 
