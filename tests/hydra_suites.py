@@ -12,6 +12,7 @@ Hydra's plugin scan, as in any Hydra app where memtrain is installed.
 import inspect
 import os
 import sys
+from pathlib import Path
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -52,10 +53,27 @@ class TestLaunchers(LauncherTestSuite):
 
 @pytest.mark.parametrize("task_launcher_cfg, extra_flags", [
     ({}, ["-m", "hydra/job_logging=disabled", "hydra/launcher=local"]),
-    ({}, ["-m", "hydra/job_logging=disabled", "hydra/launcher=parallel"]),
 ])
 class TestLaunchersIntegration(IntegrationTestSuite):
-    pass
+    """On `local`, memtrain's own launcher class. `parallel` is Hydra's joblib launcher, whose
+    own plugin runs this suite on it: memtrain adds a preset (LauncherTestSuite above runs it),
+    whose part a fresh app can get wrong is its resolved values (the test below)."""
+
+
+def test_parallel_preset_in_a_fresh_app(tmpdir):
+    """A fresh Hydra app's multirun on `parallel`: the plugin scan registers memtrain's resolvers
+    before the preset's `n_jobs` (MEMTRAIN_PARALLEL_JOBS, or the GPU count) is read in a job."""
+    from hydra.test_utils.test_utils import integration_test
+
+    from memtrain.config import resolvers
+
+    integration_test(
+        tmpdir=Path(tmpdir), task_config={},
+        overrides=["-m", "hydra/job_logging=disabled", "hydra/launcher=parallel", "+x=1,2"],
+        prints=["str(HydraConfig.get().launcher.n_jobs)",
+                "HydraConfig.get().launcher._target_.rsplit('.', 1)[-1]"],
+        expected_outputs=[str(resolvers.gpu_count(3)), "JoblibLauncher"],
+        env_override={"MEMTRAIN_PARALLEL_JOBS": "3"})
 
 
 @pytest.mark.parametrize("launcher_name, overrides", [("basic", ["hydra/sweeper=variants"])])
