@@ -81,6 +81,20 @@ def test_the_wheel_holds_the_product_only(wheel):
                                                                        "memtrain"}
 
 
+# In the installed environment: where memtrain and each plugin class Hydra's scan finds come from
+_WHERE = """
+import sys
+import memtrain
+from hydra.core.plugins import Plugins
+from hydra.plugins.launcher import Launcher
+from hydra.plugins.sweeper import Sweeper
+print("memtrain", memtrain.__file__)
+for kind in (Launcher, Sweeper):
+    for c in Plugins.instance().discover(kind):
+        print(f"{c.__module__}.{c.__name__}", sys.modules[c.__module__].__file__)
+"""
+
+
 @pytest.mark.slow
 def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
     venv = tmp_path / "venv"
@@ -100,13 +114,21 @@ def test_wheel_install_runs_a_variants_sweep(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
                     "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True,
                    timeout=300)
-    where = subprocess.run([str(py), "-c", "import memtrain; print(memtrain.__file__)"],
-                           capture_output=True, text=True, check=True, cwd=tmp_path)
-    assert where.stdout.strip().startswith(str(site)), where.stdout
+    # memtrain, and the plugins Hydra's scan finds (launchers, sweeper), come from the wheel
+    where = subprocess.run([str(py), "-c", _WHERE], capture_output=True, text=True, check=True,
+                           cwd=tmp_path)
+    found = dict(line.split(" ", 1) for line in where.stdout.splitlines())
+    assert {"memtrain", "hydra_plugins.memtrain_launcher.LocalLauncher",
+            "hydra_plugins.memtrain_launcher.SlurmLauncher",
+            "hydra_plugins.memtrain_sweeper.VariantSweeper"} <= found.keys(), found
+    assert all(f.startswith(str(site)) for k, f in found.items()
+               if k == "memtrain" or "memtrain_" in k), found
 
+    # the sweep on Hydra's default launcher, as `memtrain -m` runs (its jobs in this process:
+    # the launchers' own jobs are test_launchers.py's)
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [str(venv / "bin" / "memtrain"), "-m", "hydra/launcher=local", "hydra/sweeper=variants",
+        [str(venv / "bin" / "memtrain"), "-m", "hydra/sweeper=variants",
          'hydra.sweeper.variants=["method=none","method=prune method.sparsity=0.5"]',
          "model=mlp6", "trainer=smoke", "dataset.image_size=8", f"hydra.sweep.dir={sweep}",
          "trainer.batch_size=32"],  # prune's 32-row blocks need a batch of 32 (smoke's is 8)
