@@ -12,7 +12,6 @@ Hydra's plugin scan, as in any Hydra app where memtrain is installed.
 import inspect
 import os
 import sys
-from pathlib import Path
 
 import pytest
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -60,7 +59,7 @@ class TestLaunchersIntegration(IntegrationTestSuite):
     whose part a fresh app can get wrong is its resolved values (the test below)."""
 
 
-def test_parallel_preset_in_a_fresh_app(tmpdir):
+def test_parallel_preset_in_a_fresh_app(tmp_path):
     """A fresh Hydra app's multirun on `parallel`: the plugin scan registers memtrain's resolvers
     before the preset's `n_jobs` (MEMTRAIN_PARALLEL_JOBS, or the GPU count) is read in a job."""
     from hydra.test_utils.test_utils import integration_test
@@ -68,7 +67,7 @@ def test_parallel_preset_in_a_fresh_app(tmpdir):
     from memtrain.config import resolvers
 
     integration_test(
-        tmpdir=Path(tmpdir), task_config={},
+        tmpdir=tmp_path, task_config={},
         overrides=["-m", "hydra/job_logging=disabled", "hydra/launcher=parallel", "+x=1,2"],
         prints=["str(HydraConfig.get().launcher.n_jobs)",
                 "HydraConfig.get().launcher._target_.rsplit('.', 1)[-1]"],

@@ -184,7 +184,8 @@ def test_sigterm_to_a_parallel_sweep_leaves_rows_and_resumes(in_tmp):
     assert again[:3] == ["memtrain", "-m", "hydra/launcher=parallel"]
     # the folder as one Hydra value (its space quoted for Hydra, under the shell's quoting)
     assert f"hydra.sweep.dir='{sweep}'" in again and NO_REPORT in again
-    # one worker resumes the three (a second would only start another interpreter)
+    # n_jobs 1: joblib runs the three resumed jobs in the sweep's own process (workers would
+    # only be more interpreters importing torch); the launcher is the same
     p = run_memtrain(*again[1:], cwd=in_tmp, env={"MEMTRAIN_PARALLEL_JOBS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Joblib.Parallel" in p.stdout + p.stderr  # the same launcher
