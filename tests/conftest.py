@@ -159,6 +159,13 @@ def layered(model: str) -> bool:
                for line in (CONF / "model" / f"{model}.yaml").read_text().splitlines())
 
 
+def shallow(model: str) -> list[str]:
+    """`model.layers=2` for a model with a number of layers (the transformers), else nothing:
+    every layer is the same module, so two hold any per-layer claim (a chain of more than one
+    block) that twelve would, at a sixth of the build and the step."""
+    return ["model.layers=2"] if layered(model) else []
+
+
 def tiny_data(model: str, image_size: int = 16, train_size: int = 8, test_size: int = 8,
               seq_len: int = 8) -> list[str]:
     """Dataset overrides of a tiny run of `model`: synthetic images, or a language model's
@@ -177,6 +184,18 @@ NO_REPORT = "+hydra.callbacks.report.enabled=false"
 
 
 _ZYGOTE = Zygote()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _walker_shared(tmp_path_factory):
+    """The registry walker's rows that several workers need (tests/walker.py), in the folder
+    the session's workers share (the lock files' `_ranks_alone` uses)."""
+    import walker
+
+    base = tmp_path_factory.getbasetemp()
+    walker.SHARED = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "walker"
+    yield
+    walker.SHARED = None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -3,7 +3,7 @@ it: a new model needs its builder, a chain rule for a new type, and its YAML, no
 
 import pytest
 import torch
-from conftest import language_model, own_models, tiny_data
+from conftest import language_model, own_models, shallow, tiny_data
 
 from memtrain import api
 from memtrain.methods.checkpoint.segments import discover
@@ -12,7 +12,8 @@ from memtrain.models import chain_of
 
 
 def _model(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
-    data, model, _ = api.build([f"model={name}", *tiny_data(name, image_size=32)])
+    # a transformer at two of its layers: a chain of more than one block, as at twelve
+    data, model, _ = api.build([f"model={name}", *shallow(name), *tiny_data(name, image_size=32)])
     x, _ = next(data.train.batches(2, torch.device("cpu")))
     return model.eval(), x  # eval: no dropout or stochastic depth, BatchNorm's running stats
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TWINS, conf_options, language_model
+from conftest import TWINS, conf_options, language_model, shallow
 
 from memtrain import api
 from memtrain.errors import ConfigError
@@ -31,7 +31,11 @@ TOKENS = ["dataset=tokens", "dataset.seq_len=16", "dataset.vocab_size=50", "data
                                                      sorted(SHAPES))])
 @pytest.mark.slow
 def test_model_forward_backward_every_param_gets_grad(model, shape, user_factory):
-    cfg, _ = api.compose([f"model={model}", *SHAPES.get(shape, TOKENS)])
+    """Each model on each input shape: its output's shape, and a gradient for every parameter
+    (a transformer at two of its layers: every layer is the same module; test_config.py builds
+    each at its own size)."""
+    over = [f"model={model}", *shallow(model), *SHAPES.get(shape, TOKENS)]
+    cfg, _ = api.compose(over)
     patch, size = cfg.model.get("patch_size"), cfg.dataset.get("image_size")
     if patch and size % patch:  # a fixed patch that does not divide the image: refused
         with pytest.raises(ConfigError, match=f"model.patch_size={patch} must divide"):
@@ -41,7 +45,7 @@ def test_model_forward_backward_every_param_gets_grad(model, shape, user_factory
         with pytest.raises(ConfigError, match=TOO_SMALL[model, shape]):
             api.build([f"model={model}", *SHAPES[shape]])
         return
-    data, net, _ = api.build([f"model={model}", *SHAPES.get(shape, TOKENS)])
+    data, net, _ = api.build(over)
     x, y = next(data.train.batches(2, torch.device("cpu")))
     assert x.shape[1:] == data.input_shape
     out = net(x)
