@@ -202,14 +202,39 @@ _ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's s
 _ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # the worker's runs, when it ends
 _FOLDERS = itertools.count()  # one fresh folder a run (a refused run leaves its folder behind)
+# The folder the session's workers share (conftest.py sets it): a `none` row, the baseline of
+# every case of its model, is made by one worker and read by the others.
+SHARED: Path | None = None
 
 
 def _run(overrides: list[str]) -> dict:
     """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
     key = tuple(overrides)
     if key not in _ROWS:
-        _ROWS[key] = api.run(overrides, out_dir=_ROOT / str(next(_FOLDERS)))
+        make = lambda: api.run(overrides, out_dir=_ROOT / str(next(_FOLDERS)))  # noqa: E731
+        _ROWS[key] = _shared(key, make) if "method=none" in key and SHARED else make()
     return _ROWS[key]
+
+
+def _shared(key: tuple[str, ...], make) -> dict:
+    """The row of `key` from the workers' shared folder, or made (under a lock, so that a worker
+    that needs it meanwhile waits rather than makes it again) and kept there."""
+    import fcntl
+    import hashlib
+    import pickle
+
+    SHARED.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    kept = SHARED / f"{name}.pkl"
+    with open(SHARED / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if kept.exists():
+            return pickle.loads(kept.read_bytes())
+        row = make()
+        part = kept.with_suffix(".part")
+        part.write_bytes(pickle.dumps(row))
+        part.replace(kept)  # whole or absent
+        return row
 
 
 def measured(case: Case) -> dict:
