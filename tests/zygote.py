@@ -7,7 +7,8 @@ folders it leaves). `Zygote` is one interpreter per test worker that has importe
 runs no torch op; each command is a child forked from it, with the test's working folder,
 environment and output files, that runs `python -m memtrain ARGS` as the interpreter would
 (`runpy`, `__main__` included) and exits with its status. Its exit status, stdout and stderr
-are a fresh process's: only the import time is shared.
+are a fresh process's: only the import time is shared (and that of composing the tests'
+most common options, from caches keyed by the config files' contents).
 
 `run()` falls back to a real subprocess where forking would differ from one: under coverage
 (its subprocess patch measures fresh interpreters), or when the command's environment changes
@@ -308,6 +309,12 @@ def serve(server: int, address: str) -> None:
     from memtrain.run import provenance
 
     provenance.own_commit()  # read once here (two git commands): every child's row shares it
+    from memtrain.config import loader
+
+    # The checks of the tests' most common command, composed once here: a child's composition
+    # of the same options (the defaults tree, each option alone) comes from loader's caches,
+    # which are keyed by the config files' contents, as a fresh process would compose it.
+    loader.check_overrides(["trainer=smoke", "model=mlp6"], multirun=None)
     import gc
 
     # what the imports made, out of the cycle collector's reach: a child's collections neither
