@@ -274,6 +274,23 @@ def test_corrupt_and_missing_summaries_are_skipped(small, capsys):
     assert not list((small / "figures").glob("*.pdf"))  # --format png only
 
 
+def test_figures_draws_only_the_figures_named(small, tmp_path, capsys):
+    """--figures NAME[,NAME]: those figures alone (report.md shows them), the others neither
+    drawn nor said to be missing; a name of no figure is one line, exit 2, before any file."""
+    assert report_main([str(small), "--figures", "tradeoff,nosuch", "--out",
+                        str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no figure named nosuch" in err and "budget" in err
+    assert not (tmp_path / "bad").exists()
+    assert report_main([str(small), "--format", "png", "--figures", "tradeoff,breakdown",
+                        "--out", str(tmp_path / "two")]) == 0
+    assert sorted(p.name for p in (tmp_path / "two" / "figures").glob("*.png")) == \
+        ["breakdown.png", "tradeoff.png"]
+    md = (tmp_path / "two" / "report.md").read_text()
+    assert "figures/tradeoff.png" in md and "figures/cost.png" not in md
+    assert "cost: not drawn" not in md
+
+
 def test_cli_errors_and_mixed_types(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     (tmp_path / "empty").mkdir()

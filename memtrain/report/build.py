@@ -101,17 +101,19 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
                 figures: bool = True, style: str = "paper",
                 names: Names | Mapping | str | os.PathLike | None = None,
                 labels: Mapping[str, str] | None = None, compare: bool = False,
-                html: bool = True) -> Report:
+                html: bool = True, only: Sequence[str] | None = None) -> Report:
     """Load every run below `dirs` and write summary.csv, summary.parquet, settings.csv,
     report.md, report.html (self-contained: the figures embedded) and figures/ into `out`
     (default: the first folder).
 
     `style`: paper (a column of a two-column paper) or slide; `names`: display names (a mapping
     or a YAML file, see report/names.py) and `labels` (label as drawn -> another) over them.
-    `compare`: `dirs` are sources to set side by side (`parse_sources`: `label=path` or a
-    folder named by itself); every run carries its source's label (`source`), a setting of
-    one source is another setting than the same of another, and each run's baseline is its own
-    source's (default `out`: `compare/` beside the first source).
+    `only`: the names of the figures to draw (plots.FIGURES, plots_timeline.FIGURES), no other
+    drawn; None: every figure that applies. `compare`: `dirs` are sources to set side by side
+    (`parse_sources`: `label=path` or a folder named by itself); every run carries its
+    source's label (`source`), a setting of one source is another setting than the same of
+    another, and each run's baseline is its own source's (default `out`: `compare/` beside the
+    first source).
 
     Raises:
         FileNotFoundError: a folder does not exist.
@@ -128,6 +130,13 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
     if memory not in style_mod.MEMORY_CHOICES:
         raise InputError(f"--memory must be one of {', '.join(style_mod.MEMORY_CHOICES)}, "
                          f"got {memory!r}")
+    if only is not None:
+        from memtrain.report import plots, plots_timeline
+
+        known = (*plots.FIGURES, *plots_timeline.FIGURES)
+        if unknown := [n for n in only if n not in known]:
+            raise InputError(f"--figures: no figure named {', '.join(unknown)}; the figures "
+                             f"are {', '.join(known)}")
     if style not in style_mod.LOOKS:
         raise InputError(f"--style must be one of {', '.join(style_mod.LOOKS)}, got {style!r}")
     disp = names_mod.load(names, labels)
@@ -150,12 +159,14 @@ def make_report(dirs: Iterable[str | os.PathLike], out: str | os.PathLike | None
         metrics = tables.load_metrics(runs["run_dir"])
         base_name = tables.parse_baseline(baseline).get("method", baseline)
         with style_mod.using(style):
-            made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name, disp)
+            made, rep.not_drawn = plots.all_plots(settings, metrics, mem, base_name, disp,
+                                                  only)
             from memtrain.report import plots_timeline
 
             # the runs' step anatomy (trainer.memory_timeline): drawn only where recorded
-            for fig in (plots_timeline.timelines, plots_timeline.layers_figure,
-                        plots_timeline.anatomy):
+            for name, fig in plots_timeline.FIGURES.items():
+                if only is not None and name not in only:
+                    continue
                 if (p := fig(runs, base_name, disp)) is not None:
                     made.append(p)
             for p in made:

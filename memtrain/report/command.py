@@ -131,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--label", action="append", default=[], metavar="LABEL:NAME",
                     help="draw the setting labelled LABEL as NAME (repeatable)")
     ap.add_argument("--no-figures", action="store_true", help="tables and report.md only")
+    ap.add_argument("--figures", metavar="NAME[,NAME]",
+                    help="draw only these figures (cost, tradeoff, budget, ...: report.md "
+                         "lists them)")
     return ap
 
 
@@ -155,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                           match=[k.strip() for k in args.match.split(",") if k.strip()],
                           formats=[f.strip() for f in args.format.split(",") if f.strip()],
                           memory=args.memory, figures=not args.no_figures, style=args.style,
-                          names=disp, compare=args.compare)
+                          names=disp, compare=args.compare,
+                          only=None if args.figures is None else
+                          [f.strip() for f in args.figures.split(",") if f.strip()])
     except FileNotFoundError as e:
         print(f"memtrain-report: error: {e}", file=sys.stderr)
         return 2

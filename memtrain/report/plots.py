@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+from collections.abc import Collection
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -458,10 +459,11 @@ def estimates(agg: pd.DataFrame, names: Names = DEFAULT_NAMES) -> Plot | None:
                 f"line).")
 
 
-def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str = "none",
-              names: Names = DEFAULT_NAMES) -> tuple[list[Plot], dict[str, str]]:
-    """Every applicable figure, and for the others the reason they were not drawn."""
-    makers = {  # in the order report.md shows them: the cost figure first
+def _makers(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str,
+            names: Names) -> dict:
+    """Each figure's maker and the reason it was not drawn when it makes none (None: say
+    nothing), in the order report.md shows them."""
+    return {  # the cost figure first
         "cost": (lambda: cost(agg, mem, baseline, names), "no accuracy or timing against "
                                                          "the baseline"),
         "tradeoff": (lambda: tradeoff(agg, mem, baseline, names), "no test accuracy"),
@@ -475,8 +477,23 @@ def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: s
         "failures": (lambda: failures(agg, names), "every run ended ok"),
         "estimates": (lambda: estimates(agg, names), None),  # only when estimated: no note
     }
+
+
+# the figures `all_plots` can draw (memtrain-report --figures names them); the makers are not
+# called here
+FIGURES = tuple(_makers(None, None, None, "none", DEFAULT_NAMES))
+
+
+def all_plots(agg: pd.DataFrame, metrics: pd.DataFrame, mem: Memory, baseline: str = "none",
+              names: Names = DEFAULT_NAMES, only: Collection[str] | None = None
+              ) -> tuple[list[Plot], dict[str, str]]:
+    """Every applicable figure (of `only`'s names, if given), and for the others the reason
+    they were not drawn."""
+    makers = _makers(agg, metrics, mem, baseline, names)
     made, why = [], {}
     for name, (make, reason) in makers.items():
+        if only is not None and name not in only:
+            continue
         try:
             p = make()
         except KeyError as e:  # e.g. every job failed before its timed steps: no throughput

@@ -346,3 +346,7 @@ def anatomy(runs: pd.DataFrame, baseline: str = "none",
     hs, ls = axes[1, 0].get_legend_handles_labels()
     _legend(fig, list(axes[0]), baseline, ncol=3, extra=tuple(zip(hs, ls)))
     return Plot("anatomy", fig, pd.DataFrame(drawn))
+
+
+# the step anatomy's figures by name, drawn where the runs recorded it (trainer.memory_timeline)
+FIGURES = {"timeline": timelines, "layers": layers_figure, "anatomy": anatomy}

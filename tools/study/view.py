@@ -38,10 +38,11 @@ def report(dirs: list[Path], out: Path, env: dict, only: str | None = None,
            python: str = sys.executable) -> tuple[str, list[Path]]:
     """memtrain-report (PNG figures, run by the interpreter `python`) into a scratch folder,
     then into `out` all but the parquet copy of summary.csv (binary; the view is committed),
-    or only figure `only` as `out/<only>.png`; returns a status line and the PNGs."""
+    or only figure `only` (the one it draws) as `out/<only>.png`; returns a status line and
+    the PNGs."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = [python, "-m", "memtrain.report.command", *map(str, dirs), "--out", tmp,
-                "--format", "png", "--match", MATCH]
+                "--format", "png", "--match", MATCH, *(["--figures", only] if only else [])]
         try:
             p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
         except subprocess.TimeoutExpired:
