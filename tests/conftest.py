@@ -186,16 +186,43 @@ NO_REPORT = "+hydra.callbacks.report.enabled=false"
 _ZYGOTE = Zygote()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _walker_shared(tmp_path_factory):
-    """The registry walker's rows that several workers need (tests/walker.py), in the folder
-    the session's workers share (the lock files' `_ranks_alone` uses)."""
-    import walker
+_SHARED: list[Path] = []  # the folder the session's workers share (`_shared_rows`)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_rows(tmp_path_factory):
+    """`shared_row`'s folder: the one the session's workers share (the lock files' of
+    `_ranks_alone`)."""
     base = tmp_path_factory.getbasetemp()
-    walker.SHARED = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "walker"
+    _SHARED[:] = [(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "rows"]
     yield
-    walker.SHARED = None
+    _SHARED.clear()
+
+
+def shared_row(key: tuple, make):
+    """The row `make()` returns, made once for the session's workers: a baseline row that
+    several tests of either xdist worker need (a `none` run of a model) is made under a lock
+    by the first that asks, kept whole (written, then renamed) and read by the others. Outside
+    a session, made."""
+    import fcntl
+    import hashlib
+    import pickle
+
+    if not _SHARED:
+        return make()
+    folder = _SHARED[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    kept = folder / f"{name}.pkl"
+    with open(folder / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker that asks meanwhile waits, not makes it
+        if kept.exists():
+            return pickle.loads(kept.read_bytes())
+        row = make()
+        part = kept.with_suffix(".part")
+        part.write_bytes(pickle.dumps(row))
+        part.replace(kept)
+        return row
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -324,6 +351,7 @@ def pytest_collection_modifyitems(config, items):
         if studies:
             config.hook.pytest_deselected(items=studies)
             items[:] = [item for item in items if item not in studies]
+    _ranks_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -331,6 +359,19 @@ def pytest_collection_modifyitems(config, items):
         # the marker, not the keyword: keywords hold folder names too (a checkout in gpu/)
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+def _ranks_modules_first(items) -> None:
+    """The `ranks` tests first, then the rest of their modules (none has a module fixture),
+    then the other modules in their order. A ranks test has the machine alone
+    (`_ranks_alone`): it waits for the test the other worker is in, its own worker idle
+    meanwhile; `--dist worksteal` gives each worker a contiguous half of this list, so at the
+    head of the first half it waits for the other worker's first test, not for whatever long
+    test it would meet mid-session."""
+    first = {item.path for item in items if item.get_closest_marker("ranks")}
+    # stable: the ranks tests, then the rest of their modules, then every other module, each in
+    # its order
+    items.sort(key=lambda item: (item.path not in first, not item.get_closest_marker("ranks")))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, USER_FACTORY, conf_options, run_memtrain
+from conftest import ROOT, USER_FACTORY, conf_options, run_memtrain, shared_row
 from torch import nn
 
 from memtrain import api, record
@@ -198,11 +198,15 @@ _ROWS: dict[tuple[str, str, str], dict] = {}
 
 
 def _row(tmp_path_factory, method: str, model: str, level: str) -> dict:
+    """A run's row, kept for the worker; none's, every case's baseline, for both workers."""
     if (method, model, level) not in _ROWS:
-        out = tmp_path_factory.mktemp(f"{method}_{model}")
         size = STEPS if level == "measured" else ESTIMATE
-        _ROWS[method, model, level] = api.run([f"method={method}", *MODELS[model], *size],
-                                               out_dir=out)
+
+        def make() -> dict:
+            return api.run([f"method={method}", *MODELS[model], *size],
+                           out_dir=tmp_path_factory.mktemp(f"{method}_{model}"))
+        _ROWS[method, model, level] = shared_row(("by_name", method, model, level), make) \
+            if method == "none" else make()
     row = _ROWS[method, model, level]
     assert row["status"] == "ok", row.get("error")
     return row

@@ -15,7 +15,7 @@ Two levels, chosen for what each claim needs:
   measured columns by `measured` on the reference models, so its columns stand for a run's.
 
 Every result is cached for the worker's session: one `none` baseline per model, shared by every
-method's case.
+method's case and made once for both xdist workers (conftest.shared_row).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import conf_options, language_model, layered, own_models
+from conftest import conf_options, language_model, layered, own_models, shared_row
 
 from memtrain import api
 
@@ -202,39 +202,15 @@ _ROWS: dict[tuple[str, ...], dict] = {}  # overrides -> row, for this worker's s
 _ROOT = Path(tempfile.mkdtemp(prefix="mt-walker-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)  # the worker's runs, when it ends
 _FOLDERS = itertools.count()  # one fresh folder a run (a refused run leaves its folder behind)
-# The folder the session's workers share (conftest.py sets it): a `none` row, the baseline of
-# every case of its model, is made by one worker and read by the others.
-SHARED: Path | None = None
-
-
 def _run(overrides: list[str]) -> dict:
-    """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU)."""
+    """The row of a run (a ConfigError propagates: a method may refuse a model or the CPU); a
+    `none` row, the baseline of every case of its model, made once for the session's workers
+    (conftest.shared_row)."""
     key = tuple(overrides)
     if key not in _ROWS:
         make = lambda: api.run(overrides, out_dir=_ROOT / str(next(_FOLDERS)))  # noqa: E731
-        _ROWS[key] = _shared(key, make) if "method=none" in key and SHARED else make()
+        _ROWS[key] = shared_row(("walker", *key), make) if "method=none" in key else make()
     return _ROWS[key]
-
-
-def _shared(key: tuple[str, ...], make) -> dict:
-    """The row of `key` from the workers' shared folder, or made (under a lock, so that a worker
-    that needs it meanwhile waits rather than makes it again) and kept there."""
-    import fcntl
-    import hashlib
-    import pickle
-
-    SHARED.mkdir(parents=True, exist_ok=True)
-    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-    kept = SHARED / f"{name}.pkl"
-    with open(SHARED / f"{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if kept.exists():
-            return pickle.loads(kept.read_bytes())
-        row = make()
-        part = kept.with_suffix(".part")
-        part.write_bytes(pickle.dumps(row))
-        part.replace(kept)  # whole or absent
-        return row
 
 
 def measured(case: Case) -> dict:
