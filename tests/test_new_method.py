@@ -40,6 +40,7 @@ def test_a_toy_method_gets_a_row_a_label_and_a_place_in_the_figures(in_tmp):
                                                                                 "")])}
     p = run_memtrain("-m", "--config-dir", str(in_tmp / "mine"), "method=none,toy",
                      "trainer=smoke", "model=mlp6", "dataset.image_size=8", "hydra.sweep.dir=sw",
+                     "+hydra.callbacks.report.formats=[png]",  # the figures' data is read
                      cwd=in_tmp, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(f.read_text()) for f in (in_tmp / "sw").glob("*/summary.json")]
