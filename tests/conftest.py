@@ -351,7 +351,7 @@ def pytest_collection_modifyitems(config, items):
         if studies:
             config.hook.pytest_deselected(items=studies)
             items[:] = [item for item in items if item not in studies]
-    _ranks_modules_first(items)
+    _ranks_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -361,17 +361,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _ranks_modules_first(items) -> None:
-    """The `ranks` tests first, then the rest of their modules (none has a module fixture),
-    then the other modules in their order. A ranks test has the machine alone
-    (`_ranks_alone`): it waits for the test the other worker is in, its own worker idle
-    meanwhile; `--dist worksteal` gives each worker a contiguous half of this list, so at the
-    head of the first half it waits for the other worker's first test, not for whatever long
-    test it would meet mid-session."""
-    first = {item.path for item in items if item.get_closest_marker("ranks")}
-    # stable: the ranks tests, then the rest of their modules, then every other module, each in
-    # its order
-    items.sort(key=lambda item: (item.path not in first, not item.get_closest_marker("ranks")))
+def _ranks_last(items) -> None:
+    """The `ranks` tests last, the others in their order. A ranks test has the machine alone
+    (`_ranks_alone`): its worker idles until the other worker's test ends, and make test's
+    SLURM session beside (whose tests share the lock) runs its jobs in the first minutes; at
+    the end of the session both have finished their long tests or are at their last ones.
+    (First, a ranks test waited on the SLURM session's tests: 70 s in a fresh-clone run.)"""
+    items.sort(key=lambda item: item.get_closest_marker("ranks") is not None)  # stable
 
 
 @pytest.hookimpl(tryfirst=True)
