@@ -51,6 +51,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def _workers_folder(tmp_path_factory) -> Path:
+    """The session's temporary folder that its xdist workers share (each has one below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 _RANKS_LOCKS: list = []  # this test's (gate, hold) lock files, for `ranks_alone`
 
 
@@ -66,9 +72,7 @@ def _ranks_alone(request, tmp_path_factory):
     MEMTRAIN_TEST_LOCKS names another folder for them: make test gives its two sessions one."""
     import fcntl
 
-    base = tmp_path_factory.getbasetemp()
-    root = Path(os.environ.get("MEMTRAIN_TEST_LOCKS") or
-                (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base))
+    root = Path(os.environ.get("MEMTRAIN_TEST_LOCKS") or _workers_folder(tmp_path_factory))
     alone = request.node.get_closest_marker("ranks") is not None and \
         "ranks_alone" not in request.fixturenames
     mode = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
@@ -193,8 +197,7 @@ _SHARED: list[Path] = []  # the folder the session's workers share (`_shared_row
 def _shared_rows(tmp_path_factory):
     """`shared_row`'s folder: the one the session's workers share (the lock files' of
     `_ranks_alone`)."""
-    base = tmp_path_factory.getbasetemp()
-    _SHARED[:] = [(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "rows"]
+    _SHARED[:] = [_workers_folder(tmp_path_factory) / "rows"]
     yield
     _SHARED.clear()
 

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import conf_options, language_model, layered, own_models, shared_row
+from conftest import conf_options, language_model, layered, own_models, shallow, shared_row
 
 from memtrain import api
 
@@ -61,9 +61,8 @@ class Case:
     def overrides(self, size: list[str]) -> list[str]:
         if language_model(self.model):  # the same sizes in tokens: sequences of 16
             size = [*LM_DATA, *(o for o in size if not o.startswith("dataset"))]
-        if self.model in TWO_LAYERS:  # two layers suffice
-            size = [*size, "model.layers=2"]
-        return [f"model={self.model}", f"method={self.method}", *size, *self.extra]
+        return [f"model={self.model}", f"method={self.method}", *size, *shallow(self.model),
+                *self.extra]
 
 
 # Beyond each method's defaults: the options that change what its run measures. Checkpoint's
